@@ -1,0 +1,115 @@
+"""The strategy protocol every `dllm.mode` implements, and the loss container the trainer reduces.
+
+A training step (see `dllmflow.training.trainer`) drives a strategy in three separate calls so the
+loss of a given corruption can be computed and the denominators are global before any backward:
+
+    batch.update(strategy.corrupt(batch, seeds))      # 1) noise, seeded per sample; no global RNG
+    counts = strategy.token_counts(batch)             # 2) local denominators per loss term
+    ...all-reduce counts over ranks and micro-batches...
+    out = strategy.loss(model, batch)                 # 3) summed losses per term (graph attached)
+    total = sum(out.weight(k) * out.sums[k] / max(global_counts[k], 1) for k in out.sums)
+
+So the loss does not depend on world size or gradient accumulation (spec §1.3).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dllmflow.settings import Settings
+
+Batch = dict[str, Tensor]
+
+
+@dataclass
+class LossOutput:
+    """Per-term summed losses of one micro-batch. The trainer divides each by its global count.
+
+    sums:        term -> summed loss over this micro-batch (graph attached); keys match `token_counts`.
+    weights:     term -> multiplier (float, or a detached tensor such as I-DLM's auto-balanced alpha).
+    dllm_terms:  the terms logged as `dllm_loss` (the diffusion part, weights applied).
+    metric_sums: additive statistics summed across ranks and micro-batches before any division,
+                 e.g. DFlash `draft_correct_k{k}` / `draft_count_k{k}`; turned into metrics by
+                 `Strategy.finalize_metrics`.
+    """
+
+    sums: dict[str, Tensor]
+    weights: dict[str, float | Tensor] = field(default_factory=dict)
+    dllm_terms: tuple[str, ...] = ("diffusion",)
+    metric_sums: dict[str, Tensor] = field(default_factory=dict)
+
+    def weight(self, term: str) -> float | Tensor:
+        return self.weights.get(term, 1.0)
+
+
+class Strategy(ABC):
+    """One training objective. Subclasses live one per file and register in `STRATEGIES`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.cfg = settings.dllm
+        self.mask_token_id: int | None = settings.dllm.mask_token_id
+
+    # ---- model --------------------------------------------------------------------------------
+    def build_model(self, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+        """The trainable module (wrapped by DDP/FSDP2 and optimised). Default: the configured model."""
+        from dllmflow.models.build import build_model
+
+        return build_model(self.settings, tokenizer)
+
+    def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
+        """Validate the model/tokenizer against the settings, load auxiliary models, resolve the mask
+        id (settings -> tokenizer). Raise `ValueError` naming the field on a mismatch."""
+        if self.mask_token_id is None:
+            self.mask_token_id = getattr(tokenizer, "mask_token_id", None)
+        if self.mask_token_id is None:
+            raise ValueError(
+                f"dllm.mask_token_id is not set and the tokenizer has no mask token (mode {self.name}); "
+                "set dllm.mask_token_id or add a mask token to the tokenizer"
+            )
+        vocab = _model_vocab_size(model)
+        if vocab is not None and not 0 <= self.mask_token_id < vocab:
+            raise ValueError(f"dllm.mask_token_id={self.mask_token_id} is outside the model vocabulary [0, {vocab})")
+
+    # ---- one micro-batch ----------------------------------------------------------------------
+    @abstractmethod
+    def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:
+        """Return the sidecar tensors (e.g. `noisy_input_ids`, `noise_mask`, `p_mask`) for `batch`.
+        `seeds[b]` seeds sample b's own `torch.Generator`; never touch the global RNG."""
+
+    @abstractmethod
+    def token_counts(self, batch: Batch) -> dict[str, Tensor]:
+        """Local denominator per loss term (e.g. {"diffusion": noise count, "ar": supervised count})."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
+        """Forward the model on the corrupted batch and return summed losses per term."""
+
+    # ---- reporting and export -----------------------------------------------------------------
+    def finalize_metrics(self, metric_sums: dict[str, float]) -> dict[str, float]:
+        """Turn globally summed `metric_sums` into logged metrics (default: none)."""
+        return {}
+
+    def export(self, model: nn.Module, state_dict: dict[str, Tensor], tokenizer: Any, out_dir: Path) -> None:
+        """Write a consolidated Hugging Face directory from a full (unsharded, CPU) state dict."""
+        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+
+
+def _model_vocab_size(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None)

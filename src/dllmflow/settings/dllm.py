@@ -1,0 +1,118 @@
+"""The `dllm:` section: one pydantic model per training mode, a discriminated union on `mode`.
+
+Every field the guide's "Key dLLM Configuration Fields" table names lives here with its default;
+the rules of each mode are validators, so a wrong combination fails at load time with the dotted
+path of the field (see `dllmflow.settings.loader`). Imports no torch.
+
+    from dllmflow.settings import load_settings
+    s = load_settings("params/tiny_scdd.yaml"); s.dllm.uniform_ratio
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _DLLMBase(_Section):
+    """Fields shared by every mode (collator padding, corruption floor, mask id)."""
+
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Mask token id; None = resolve from the tokenizer (then the strategy)."
+    )
+    eps: float = Field(1e-3, gt=0.0, le=1.0, description="Minimum corruption ratio / diffusion time.")
+    pad_block_size: PositiveInt | None = Field(None, description="Collator stage-1 block fill size.")
+    pad_seq_len_divisible: PositiveInt | None = Field(
+        None, description="Round the batch length up to a multiple of lcm(pad_block_size, this)."
+    )
+    supervise_padding: bool = Field(False, description="loss_mask=1 on the global padding tail.")
+
+
+class MDLMConfig(_DLLMBase):
+    """LLaDA-style masked diffusion (spec §2.1)."""
+
+    mode: Literal["mdlm"] = "mdlm"
+
+
+class SCDDConfig(_DLLMBase):
+    """Self-correcting discrete diffusion (spec §2.2)."""
+
+    mode: Literal["scdd"]
+    vocab_size: PositiveInt = Field(..., description="Vocabulary size including [MASK]; must equal the model's.")
+    num_timesteps: int = Field(1000, ge=2, description="Discrete diffusion steps T (>= 2).")
+    uniform_ratio: float = Field(0.1, ge=0.0, lt=1.0, description="Peak share of uniform noise, 0 <= r < 1.")
+    schedule_shape: float = Field(1.0, gt=0.0, description="Shape mass of the uniform-noise bump.")
+    schedule_peak: float = Field(0.5, gt=0.0, lt=1.0, description="Time in (0, 1) of the uniform peak.")
+    chunk_size: PositiveInt | None = Field(1024, description="Positions per checkpointed loss chunk; null = one shot.")
+
+
+class HybridConfig(_DLLMBase):
+    """Nemotron-Labs-Diffusion: diffusion + AR (spec §2.3)."""
+
+    mode: Literal["hybrid"]
+    block_size: PositiveInt | None = Field(None, description="Set = blockwise corruption; unset = uniform.")
+    half_life_ratio: float | None = Field(0.25, gt=0.0, description="Blockwise half-life ratio (null -> 0.25).")
+    ar_loss_alpha: float = Field(1.0, ge=0.0, description="Weight on the DIFFUSION branch (AR is unweighted).")
+
+
+class BlockDiffusionConfig(_DLLMBase):
+    """DiffusionGemma-style block diffusion (spec §2.4)."""
+
+    mode: Literal["block_diffusion"]
+    vocab_size: PositiveInt = Field(..., description="Vocabulary the uniform corruption draws from.")
+    block_size: PositiveInt = Field(256, description="Response-block size for one-canvas-per-step selection.")
+    encoder_loss_weight: float = Field(1.0, ge=0.0, description="Weight on the co-trained encoder AR loss.")
+    self_conditioning_p: float = Field(0.5, ge=0.0, le=1.0, description="Per-example self-conditioning probability.")
+
+
+class DFlashConfig(_DLLMBase):
+    """DFlash speculative draft on a frozen target (spec §2.5). Its knobs live in the top-level `dflash:`."""
+
+    mode: Literal["dflash"]
+
+
+class IDLMConfig(_DLLMBase):
+    """Introspective diffusion: AR LM -> dLLM (spec §2.6)."""
+
+    mode: Literal["idlm"]
+    mask_token_id: int = Field(..., ge=0, description="Explicit mask token id (I-DLM does not infer one).")
+    block_length: PositiveInt | list[PositiveInt] = Field(
+        1, description="I-DLM block size; a list runs a curriculum of successive fine-tunes (e.g. [1, 2, 3])."
+    )
+    clean_loss_weight: float = Field(0.2, ge=0.0, description="Fixed alpha on CE_clean.")
+    auto_balance_clean_loss: bool = Field(False, description="alpha = stopgrad(CE_noisy / CE_clean).")
+
+
+DLLMConfig = Annotated[
+    MDLMConfig | SCDDConfig | HybridConfig | BlockDiffusionConfig | DFlashConfig | IDLMConfig,
+    Field(discriminator="mode"),
+]
+
+MODES = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm")
+
+
+class DFlashSection(_Section):
+    """The guide's top-level `dflash:` block (only read when `dllm.mode == dflash`)."""
+
+    target_model_id: str = Field(..., min_length=1, description="Hub id or local dir of the frozen causal target.")
+    target_torch_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    block_size: int = Field(0, ge=0, description="Tokens per draft block; 0 reads the draft config. Must resolve >= 2.")
+    loss_decay_gamma: float = Field(0.0, ge=0.0, description="Decay gamma; 0 = paper defaults (7/5/4 for 16/10/8).")
+    num_blocks_per_sample: PositiveInt = Field(1, description="Anchor blocks per sequence per step (paper: 512).")
+    attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
+    overlap_anchors: bool = True
+    use_fused_linear_ce: bool = True
+    ce_chunk_size: PositiveInt = 1024
+    num_draft_layers: PositiveInt = Field(1, description="Layers of our own draft module when the draft has no class.")
+    target_layer_ids: list[int] | None = Field(None, description="Target layers feeding the draft; None = evenly spaced.")
+
+    @model_validator(mode="after")
+    def _block_size_not_one(self) -> DFlashSection:
+        if self.block_size == 1:
+            raise ValueError("dflash.block_size must be 0 (read from the draft config) or >= 2")
+        return self

@@ -1,0 +1,282 @@
+"""The settings root and `load_settings`: YAML files + env + overrides -> one frozen, validated `Settings`.
+
+Precedence (highest first): keyword overrides > env (`DLLMFLOW_` prefix, `__` nesting, e.g.
+`DLLMFLOW_TRAIN__LR=1e-4`) > YAML files (later override earlier, deep-merged) > code defaults.
+Any failure raises `SettingsError` whose message names the dotted field and where it came from:
+
+    from dllmflow.settings import load_settings
+    s = load_settings("params/tiny_mdlm.yaml", train={"max_steps": 5})
+    s.write_json("runs/x/settings.json")      # what the torchrun entry point reads back
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .dllm import MODES, DFlashSection, DLLMConfig, MDLMConfig
+from .sections import (
+    CheckpointConfig,
+    DatasetConfig,
+    DistributedConfig,
+    EvalConfig,
+    FlowConfig,
+    LaunchConfig,
+    ModelConfig,
+    RegenerateConfig,
+    RegistryConfig,
+    TinyModelConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+
+ENV_PREFIX = "DLLMFLOW_"
+ENV_DELIMITER = "__"
+
+# The merged YAML of the load in progress; pydantic-settings asks sources for data with no arguments.
+_YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YAML_DATA", default={})
+
+
+class SettingsError(ValueError):
+    """A settings file, env var or override is invalid; the message names the field and its origin."""
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _YAML_DATA.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_YAML_DATA.get())
+
+
+class Settings(BaseSettings):
+    """Everything one run needs. Frozen: resolved once, written to `settings.json`, passed along."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_DELIMITER,
+        extra="forbid",
+        frozen=True,
+        nested_model_default_partial_update=True,
+    )
+
+    name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Run/recipe name (dir and MLflow names).")
+    run_dir: str | None = Field(None, description="Where checkpoints, logs and settings.json go; None = runs/<name>.")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    dllm: DLLMConfig = Field(default_factory=MDLMConfig)
+    dflash: DFlashSection | None = None
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> Settings:
+        if self.dllm.mode == "dflash" and self.dflash is None:
+            raise ValueError("dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)")
+        gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
+        world = self.launch.nnodes * self.launch.nproc_per_node
+        if gbs % (lbs * world):
+            raise ValueError(
+                f"train.global_batch_size ({gbs}) must be a multiple of local_batch_size x world size ({lbs} x {world})"
+            )
+        return self
+
+    # ---- derived values -------------------------------------------------------------------------
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.name}")
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nnodes * self.launch.nproc_per_node
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.local_batch_size * self.world_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def write_json(self, path: str | os.PathLike) -> Path:
+        """Write atomically (tmp + rename) so a reader never sees half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted-key view (MLflow params)."""
+        return _flatten(self.to_dict())
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def load_settings(*yaml_paths: str | os.PathLike, **overrides: Any) -> Settings:
+    """Load and validate. `overrides` take nested dicts (`train={"lr": 1e-4}`) or dotted keys
+    (`**{"train.lr": 1e-4}`)."""
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for p in yaml_paths:
+        data = read_yaml(p)
+        for key in _flatten(data, leaves_only=False):
+            origins[key] = str(p)
+        merged = deep_merge(merged, data)
+    for key in _env_paths():
+        origins[key] = f"env {ENV_PREFIX}{key.upper().replace('.', ENV_DELIMITER)}"
+    expanded = _expand_dotted(overrides)
+    for key in _flatten(expanded, leaves_only=False):
+        origins[key] = "overrides"
+    token = _YAML_DATA.set(merged)
+    try:
+        return Settings(**expanded)
+    except ValidationError as e:
+        raise SettingsError(format_validation_error(e, origins)) from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def load_settings_json(path: str | os.PathLike) -> Settings:
+    """Read a `settings.json` written by `Settings.write_json`. No env or YAML is consulted: what ran
+    is what was recorded."""
+    path = Path(path)
+    if not path.is_file():
+        raise SettingsError(f"{path}: settings file not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SettingsError(f"{path}: invalid JSON ({e})") from None
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        raise SettingsError(format_validation_error(e, {k: str(path) for k in _flatten(data, False)})) from None
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise SettingsError(f"{path}: params file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SettingsError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` wins; nested dicts merge key by key (lists and scalars replace)."""
+    out = dict(base)
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def format_validation_error(err: ValidationError, origins: dict[str, str]) -> str:
+    lines = []
+    for item in err.errors():
+        path = _dotted_loc(item["loc"])
+        origin = _origin_of(path, origins)
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see dllmflow.settings for the fields)"
+        elif item["type"] == "union_tag_invalid":
+            msg = f"unknown mode; choose one of {', '.join(MODES)}"
+        lines.append(f"{path or '<root>'}: {msg} [from {origin}]")
+    head = "invalid settings:" if len(lines) > 1 else "invalid setting"
+    return head + ("\n  " + "\n  ".join(lines) if len(lines) > 1 else ": " + lines[0])
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _dotted_loc(loc: tuple[Any, ...]) -> str:
+    parts = []
+    for i, part in enumerate(loc):
+        # Discriminated unions insert the tag ('dllm', 'scdd', 'vocab_size'): drop it.
+        if i == 1 and loc[0] == "dllm" and part in MODES:
+            continue
+        parts.append(str(part))
+    return ".".join(parts)
+
+
+def _origin_of(path: str, origins: dict[str, str]) -> str:
+    probe = path
+    while probe:
+        if probe in origins:
+            return origins[probe]
+        # A missing field is attributed to whoever wrote its section.
+        siblings = [v for k, v in origins.items() if k.startswith(probe + ".")]
+        if siblings:
+            return siblings[-1]
+        probe = probe.rpartition(".")[0]
+    return "defaults"
+
+
+def _flatten(d: dict[str, Any], leaves_only: bool = True, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            if not leaves_only:
+                out[key] = v
+            out.update(_flatten(v, leaves_only, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _expand_dotted(overrides: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in overrides.items():
+        nested: Any = v
+        for part in reversed(k.split(".")[1:]):
+            nested = {part: nested}
+        out = deep_merge(out, {k.split(".")[0]: nested})
+    return out
+
+
+def _env_paths() -> list[str]:
+    return [
+        k[len(ENV_PREFIX) :].lower().replace(ENV_DELIMITER, ".")
+        for k in os.environ
+        if k.upper().startswith(ENV_PREFIX)
+    ]

@@ -1,0 +1,207 @@
+"""Settings sections other than `dllm:`: model, tokenizer, dataset, train, checkpoint, launch, eval,
+registry, flow, regenerate. Each is a frozen pydantic `BaseModel` with `extra="forbid"`; defaults live
+here, YAML under `params/` only overrides them. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModelConfig(Section):
+    """A randomly initialised decoder built from a transformers config (tests and the CPU demo)."""
+
+    architecture: Literal["qwen3", "llama"] = "qwen3"
+    hidden_size: PositiveInt = 64
+    num_hidden_layers: PositiveInt = 2
+    num_attention_heads: PositiveInt = 4
+    num_key_value_heads: PositiveInt = 2
+    intermediate_size: PositiveInt = 128
+    max_position_embeddings: PositiveInt = 2048
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class ModelConfig(Section):
+    """What to train: a hub id / local dir (`from_pretrained`) or a tiny random config."""
+
+    pretrained_model_name_or_path: str | None = Field(
+        None, description="Hub id or local directory; unset = build `tiny` from its config."
+    )
+    tiny: TinyModelConfig | None = None
+    gguf_file: str | None = Field(None, description="GGUF file inside the model dir (e.g. SmolLM2 from PyPI).")
+    trust_remote_code: bool = False
+    torch_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Master-weight dtype.")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+    # Family-specific knobs forwarded to the model config (Nemotron-Labs-Diffusion, DiffusionGemma).
+    dlm_paradigm: str | None = None
+    block_size: PositiveInt | None = None
+    canvas_length: PositiveInt | None = None
+    self_conditioning: bool = True
+    freeze_router: bool = True
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.pretrained_model_name_or_path is None and self.tiny is None:
+            raise ValueError("set model.pretrained_model_name_or_path or model.tiny")
+        if self.pretrained_model_name_or_path is not None and self.tiny is not None:
+            raise ValueError("model.pretrained_model_name_or_path and model.tiny are exclusive")
+        return self
+
+
+class TokenizerConfig(Section):
+    """Any HF tokenizer by id/path, or a byte-level BPE trained on the training text."""
+
+    name_or_path: str | None = Field(None, description="HF id or dir; unset = the model's, else train a BPE.")
+    train_vocab_size: PositiveInt = Field(512, ge=64, description="Vocabulary of the trained BPE (incl. specials).")
+    mask_token: str = "<mask>"
+    pad_token: str = "<pad>"
+    eos_token: str = "<eos>"
+    chat_template: str | None = Field(None, description="Jinja chat template override (with {% generation %}).")
+
+
+class DatasetConfig(Section):
+    """Chat rows in, tokenised parquet shards out (`dllmflow prepare`)."""
+
+    path_or_dataset_id: str = Field(
+        "embedded:gsm8k", description="'embedded:gsm8k', a JSONL/parquet file or dir, or a HF dataset id."
+    )
+    split: str = "train"
+    dataset_name: str | None = None
+    messages_column: str = "messages"
+    unshifted: bool = Field(True, description="Must be true for dLLM training (no next-token shift).")
+    mask_history: bool = Field(True, description="Supervise only the final assistant turn.")
+    seq_length: PositiveInt = 256
+    eval_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="Held-out share (hash of the question).")
+    limit: PositiveInt | None = Field(None, description="Keep at most this many training rows.")
+    shard_size: PositiveInt = 1000
+    prepared_dir: str = "data/prepared/tiny"
+    drop_truncated: bool = Field(True, description="Drop rows whose response does not fit seq_length.")
+
+    @model_validator(mode="after")
+    def _unshifted(self) -> DatasetConfig:
+        if not self.unshifted:
+            raise ValueError("dataset.unshifted must be true for dLLM training")
+        return self
+
+
+class TrainConfig(Section):
+    seed: int = 42
+    max_steps: PositiveInt = 50
+    global_batch_size: PositiveInt = 8
+    local_batch_size: PositiveInt = 4
+    lr: float = Field(1e-3, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: NonNegativeInt = 0
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    autocast_dtype: Literal["bfloat16", "float16", "none"] = Field("bfloat16", description="GPU only.")
+    log_every: PositiveInt = 1
+    peak_tflops: float | None = Field(None, gt=0.0, description="Per-device peak; enables the mfu metric.")
+    num_workers: NonNegativeInt = 0
+
+
+class CheckpointConfig(Section):
+    every_steps: PositiveInt = 25
+    keep_last: PositiveInt = 2
+    save_consolidated: Literal["final", "every", "false"] = "final"
+
+
+class DistributedConfig(Section):
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class ResourcesConfig(Section):
+    cpu: PositiveInt = 2
+    gpu: NonNegativeInt = 0
+    memory_mb: PositiveInt = 8192
+
+
+class LaunchConfig(Section):
+    """How `dllmflow train` starts torchrun through torchx."""
+
+    scheduler: str = Field("local_cwd", description="torchx scheduler: local_cwd, kubernetes, slurm, ...")
+    nnodes: PositiveInt = 1
+    nproc_per_node: PositiveInt = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str | None = Field(None, description="host:port; None = a free port on 127.0.0.1.")
+    max_restarts: NonNegativeInt = 0
+    image: str = "dllmflow:latest"
+    env: dict[str, str] = Field(default_factory=dict)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    scheduler_args: dict[str, str] = Field(default_factory=dict, description="torchx scheduler cfg (queue, ...).")
+
+
+class EvalConfig(Section):
+    samplers: list[str] | None = Field(None, description="None = every sampler that fits the mode.")
+    split: str = "eval"
+    limit: PositiveInt | None = 32
+    max_new_tokens: PositiveInt = 128
+    steps: PositiveInt | None = None
+    block_size: PositiveInt | None = None
+    threshold: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: NonNegativeFloat | None = None
+    n_shot: NonNegativeInt = 0
+    batch_size: PositiveInt = 8
+    seed: int = 0
+
+
+class GateConfig(Section):
+    """When `champion` may move to a new version."""
+
+    metric: str = "exact_match_flexible"
+    tolerance: NonNegativeFloat = Field(0.0, description="New accuracy may be this much below the champion's.")
+    min_tokens_per_s: NonNegativeFloat = Field(0.0, description="Speed floor for the gated sampler.")
+
+
+class RegistryConfig(Section):
+    tracking_uri: str | None = Field(None, description="None = MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
+    experiment_name: str = "dllmflow"
+    model_name: str = "dllmflow-tiny"
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+
+class FlowConfig(Section):
+    """Production knobs for `FinetuneFlow` (schedule, step resources, retries)."""
+
+    schedule_cron: str | None = Field(None, description="Cron for @schedule in production (Argo).")
+    train_retries: NonNegativeInt = 1
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+
+
+class RegenerateConfig(Section):
+    """DFlash data regeneration (`dllmflow regenerate`): defaults of its flags."""
+
+    input_data: str | None = None
+    output_dir: str = "data/regenerated"
+    target_server: str | None = Field(None, description="None = start a local `dllmflow serve`.")
+    model: str | None = None
+    messages_column: str = "messages"
+    split: str = "train"
+    dataset_name: str | None = None
+    shuffle_seed: int | None = None
+    shard_size: PositiveInt = 1000
+    concurrency: PositiveInt = 32
+    max_new_tokens: PositiveInt = 1024
+    temperature: NonNegativeFloat = 0.0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    timeout_s: float = Field(600.0, gt=0.0)
+    max_retries: NonNegativeInt = 3
+    reasoning: Literal["none", "save", "disable"] = "none"
