@@ -24,6 +24,8 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from dllmflow.errors import UserError
+
 from .dllm import MODES, DFlashSection, DLLMConfig, MDLMConfig
 from .sections import (
     CheckpointConfig,
@@ -47,7 +49,7 @@ ENV_DELIMITER = "__"
 _YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YAML_DATA", default={})
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError, ValueError):
     """A settings file, env var or override is invalid; the message names the field and its origin."""
 
 

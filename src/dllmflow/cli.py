@@ -1,0 +1,63 @@
+"""The `dllmflow` command: prepare | train | generate | evaluate | regenerate | serve.
+
+    dllmflow prepare --params params/tiny_mdlm.yaml
+    dllmflow train   --params params/tiny_mdlm.yaml
+    dllmflow generate --checkpoint runs/tiny_mdlm/checkpoints --prompt "What is 2+3?" --sampler llada
+    dllmflow evaluate --checkpoint runs/tiny_mdlm/checkpoints --limit 8
+
+Each subcommand lives in its own module, which exposes `add_cli_args(parser)` and `cli_main(args) -> int`;
+this file only dispatches (modules are imported lazily so `dllmflow --help` is fast). Bad input
+(`UserError`, including `SettingsError`) prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dllmflow.errors import UserError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("dllmflow.data.prepare", "Tokenise chat data into parquet shards + manifest (DVC stage)."),
+    "train": ("dllmflow.launch", "Launch training through torchx (torchrun) and wait."),
+    "generate": ("dllmflow.generate", "Generate text from a checkpoint with a sampler."),
+    "evaluate": ("dllmflow.evaluate", "GSM8K exact match and speed of a checkpoint."),
+    "regenerate": ("dllmflow.data.regenerate", "Regenerate assistant turns through an OpenAI-compatible server."),
+    "serve": ("dllmflow.serve", "Serve a local causal LM as an OpenAI-compatible chat endpoint."),
+    "register": ("dllmflow.registry", "Log a finished run to MLflow and register its model."),
+}
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
+    parser = argparse.ArgumentParser(prog="dllmflow", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    module = None
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (mod_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:  # import only the module that runs
+            module = importlib.import_module(mod_name)
+            module.add_cli_args(p)
+    return parser, module
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser, module = build_parser(argv)
+        args = parser.parse_args(argv)
+        if module is None:
+            parser.print_help()
+            return 2
+        return int(module.cli_main(args) or 0)
+    except UserError as e:
+        print(f"dllmflow {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
