@@ -1,0 +1,31 @@
+"""Test environment: set before anything imports metaflow, mlflow or transformers (they read env at import).
+
+Local Metaflow datastore in a temp dir, offline Hugging Face, no telemetry, the venv's bin on PATH (torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_TMP = Path(tempfile.mkdtemp(prefix="dllmflow-tests-"))
+
+os.environ.setdefault("USERNAME", "dllmflow-tests")
+os.environ.setdefault("METAFLOW_DEFAULT_DATASTORE", "local")
+os.environ.setdefault("METAFLOW_DEFAULT_METADATA", "local")
+os.environ.setdefault("METAFLOW_DATASTORE_SYSROOT_LOCAL", str(_TMP / "metaflow"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ["DVC_NO_ANALYTICS"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# Never let a developer's own overrides leak into tests.
+for _k in [k for k in os.environ if k.startswith("DLLMFLOW_")]:
+    del os.environ[_k]

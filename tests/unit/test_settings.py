@@ -1,0 +1,184 @@
+"""Settings: precedence (overrides > env > YAML > defaults), every validation rule, error messages that
+name the dotted field and its origin, every YAML under params/ loads, settings.json round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dllmflow.settings import MODES, Settings, SettingsError, load_settings, load_settings_json
+
+ROOT = Path(__file__).resolve().parents[2]
+PARAMS = sorted((ROOT / "params").glob("*.yaml"))
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# ---- precedence ------------------------------------------------------------------------------------
+
+
+def test_defaults_without_files():
+    s = load_settings()
+    assert s.dllm.mode == "mdlm" and s.dllm.eps == 1e-3 and s.train.seed == 42
+    assert s.model.tiny is not None and s.dataset.unshifted is True
+
+
+def test_later_yaml_overrides_earlier_deep_merged(tmp_path):
+    a = write(tmp_path, "a.yaml", "train: {lr: 0.1, max_steps: 7}\ndllm: {mode: mdlm, eps: 0.01}\n")
+    b = write(tmp_path, "b.yaml", "train: {lr: 0.2}\n")
+    s = load_settings(a, b)
+    assert s.train.lr == 0.2 and s.train.max_steps == 7 and s.dllm.eps == 0.01
+
+
+def test_env_beats_yaml_and_overrides_beat_env(tmp_path, monkeypatch):
+    a = write(tmp_path, "a.yaml", "train: {lr: 0.1, max_steps: 7}\n")
+    monkeypatch.setenv("DLLMFLOW_TRAIN__LR", "0.3")
+    s = load_settings(a)
+    assert s.train.lr == 0.3 and s.train.max_steps == 7
+    assert load_settings(a, train={"lr": 0.5}).train.lr == 0.5
+    assert load_settings(a, **{"train.lr": 0.6}).train.lr == 0.6
+
+
+def test_env_can_switch_mode_and_keep_yaml_fields(tmp_path, monkeypatch):
+    a = write(tmp_path, "a.yaml", "dllm: {mode: mdlm, eps: 0.01}\n")
+    monkeypatch.setenv("DLLMFLOW_DLLM__MODE", "hybrid")
+    s = load_settings(a)
+    assert s.dllm.mode == "hybrid" and s.dllm.eps == 0.01 and s.dllm.ar_loss_alpha == 1.0
+
+
+def test_settings_are_frozen():
+    s = load_settings()
+    with pytest.raises(Exception):
+        s.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_json_round_trip_ignores_env(tmp_path, monkeypatch):
+    s = load_settings(train={"lr": 0.25})
+    path = s.write_json(tmp_path / "run" / "settings.json")
+    monkeypatch.setenv("DLLMFLOW_TRAIN__LR", "0.9")
+    back = load_settings_json(path)
+    assert back == s and back.train.lr == 0.25
+    assert json.loads(path.read_text())["train"]["lr"] == 0.25
+    assert not list(path.parent.glob("*.tmp"))
+
+
+# ---- every shipped recipe ----------------------------------------------------------------------------
+
+
+def test_there_are_recipes():
+    assert any(p.name == "tiny_mdlm.yaml" for p in PARAMS)
+
+
+@pytest.mark.parametrize("path", PARAMS, ids=[p.name for p in PARAMS])
+def test_every_params_yaml_loads(path):
+    s = load_settings(path)
+    assert s.dllm.mode in MODES
+
+
+# ---- validation rules, each with the dotted path and the origin in the message ----------------------
+
+
+def _err(tmp_path, text: str) -> str:
+    f = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(SettingsError) as e:
+        load_settings(f)
+    msg = str(e.value)
+    assert "bad.yaml" in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("train: {lrr: 1}\n", "train.lrr"),  # unknown key
+        ("dllm: {mode: mdlm, vocab_size: 5}\n", "dllm.vocab_size"),  # field of another mode
+        ("train: {lr: fast}\n", "train.lr"),  # wrong type
+        ("dllm: {mode: scdd}\n", "dllm.vocab_size"),  # scdd needs vocab_size
+        ("dllm: {mode: scdd, vocab_size: 8, uniform_ratio: 1.0}\n", "dllm.uniform_ratio"),
+        ("dllm: {mode: scdd, vocab_size: 8, uniform_ratio: -0.1}\n", "dllm.uniform_ratio"),
+        ("dllm: {mode: scdd, vocab_size: 8, schedule_peak: 0.0}\n", "dllm.schedule_peak"),
+        ("dllm: {mode: scdd, vocab_size: 8, schedule_peak: 1.0}\n", "dllm.schedule_peak"),
+        ("dllm: {mode: scdd, vocab_size: 8, num_timesteps: 1}\n", "dllm.num_timesteps"),
+        ("dllm: {mode: scdd, vocab_size: 8, chunk_size: 0}\n", "dllm.chunk_size"),
+        ("dllm: {mode: block_diffusion}\n", "dllm.vocab_size"),
+        ("dllm: {mode: idlm}\n", "dllm.mask_token_id"),
+        ("dllm: {mode: dflash}\ndflash: {block_size: 16}\n", "dflash.target_model_id"),
+        ("dllm: {mode: dflash}\ndflash: {target_model_id: t, attention_backend: flash}\n", "dflash.attention_backend"),
+        ("dllm: {mode: dflash}\ndflash: {target_model_id: t, block_size: 1}\n", "dflash"),
+        ("dllm: {mode: diffusion}\n", "dllm"),  # unknown mode
+        ("dataset: {unshifted: false}\n", "dataset"),
+        ("dllm: {mode: mdlm, eps: 0}\n", "dllm.eps"),
+        ("model: {tiny: {hidden_size: 10, num_attention_heads: 4}}\n", "model.tiny"),
+    ],
+)
+def test_rule_violations_name_field_and_file(tmp_path, text, field):
+    msg = _err(tmp_path, text)
+    assert field in msg, msg
+
+
+def test_dflash_mode_without_section_is_refused(tmp_path):
+    f = write(tmp_path, "d.yaml", "dllm: {mode: dflash}\n")
+    with pytest.raises(SettingsError, match="dflash"):
+        load_settings(f)
+
+
+def test_batch_divisibility(tmp_path):
+    f = write(tmp_path, "b.yaml", "train: {global_batch_size: 6, local_batch_size: 4}\n")
+    with pytest.raises(SettingsError, match="global_batch_size"):
+        load_settings(f)
+
+
+def test_valid_modes_all_validate():
+    base = {"mask_token_id": 3}
+    assert load_settings(dllm={"mode": "mdlm", **base}).dllm.mode == "mdlm"
+    assert load_settings(dllm={"mode": "scdd", "vocab_size": 64, **base}).dllm.chunk_size == 1024
+    assert load_settings(dllm={"mode": "scdd", "vocab_size": 64, "chunk_size": None}).dllm.chunk_size is None
+    assert load_settings(dllm={"mode": "hybrid", "block_size": 4}).dllm.half_life_ratio == 0.25
+    assert load_settings(dllm={"mode": "block_diffusion", "vocab_size": 64}).dllm.block_size == 256
+    d = load_settings(dllm={"mode": "dflash"}, dflash={"target_model_id": "x"})
+    assert d.dflash.attention_backend == "sdpa" and d.dflash.overlap_anchors is True
+    assert load_settings(dllm={"mode": "idlm", **base}).dllm.clean_loss_weight == 0.2
+
+
+def test_env_origin_is_named(monkeypatch):
+    monkeypatch.setenv("DLLMFLOW_TRAIN__LR", "not-a-number")
+    with pytest.raises(SettingsError) as e:
+        load_settings()
+    assert "train.lr" in str(e.value) and "DLLMFLOW_TRAIN__LR" in str(e.value)
+
+
+def test_unknown_env_key_is_refused(monkeypatch):
+    monkeypatch.setenv("DLLMFLOW_TRAIN__LRR", "1")
+    with pytest.raises(SettingsError, match="train.lrr"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("train: [1, 2\n", "invalid YAML"), ("- a\n- b\n", "mapping")],
+)
+def test_invalid_yaml(tmp_path, text, needle):
+    f = write(tmp_path, "broken.yaml", text)
+    with pytest.raises(SettingsError) as e:
+        load_settings(f)
+    assert needle in str(e.value) and "broken.yaml" in str(e.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SettingsError, match="not found"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def test_flat_view_for_mlflow_params():
+    flat = load_settings().flat()
+    assert flat["dllm.mode"] == "mdlm" and flat["train.lr"] == 1e-3
+
+
+def test_settings_is_the_root_type():
+    assert isinstance(load_settings(), Settings)
