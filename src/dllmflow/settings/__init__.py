@@ -11,7 +11,7 @@ from .dllm import (
     MDLMConfig,
     SCDDConfig,
 )
-from .loader import Settings, SettingsError, deep_merge, load_settings, load_settings_json, read_yaml
+from .loader import Settings, SettingsError, deep_merge, load_settings, load_settings_json, load_settings_text, read_yaml
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
@@ -32,5 +32,5 @@ __all__ = [
     "DatasetConfig", "DistributedConfig", "EvalConfig", "FlowConfig", "HybridConfig", "IDLMConfig",
     "LaunchConfig", "MDLMConfig", "ModelConfig", "RegenerateConfig", "RegistryConfig", "SCDDConfig",
     "Settings", "SettingsError", "TinyModelConfig", "TokenizerConfig", "TrainConfig", "deep_merge",
-    "load_settings", "load_settings_json", "read_yaml",
+    "load_settings", "load_settings_json", "load_settings_text", "read_yaml",
 ]

@@ -147,12 +147,15 @@ class Settings(BaseSettings):
 def load_settings(*yaml_paths: str | os.PathLike, **overrides: Any) -> Settings:
     """Load and validate. `overrides` take nested dicts (`train={"lr": 1e-4}`) or dotted keys
     (`**{"train.lr": 1e-4}`)."""
+    return _load([(str(p), read_yaml(p)) for p in yaml_paths], overrides)
+
+
+def _load(documents: list[tuple[str, dict[str, Any]]], overrides: dict[str, Any]) -> Settings:
     merged: dict[str, Any] = {}
     origins: dict[str, str] = {}
-    for p in yaml_paths:
-        data = read_yaml(p)
+    for source, data in documents:
         for key in _flatten(data, leaves_only=False):
-            origins[key] = str(p)
+            origins[key] = source
         merged = deep_merge(merged, data)
     for key in _env_paths():
         origins[key] = f"env {ENV_PREFIX}{key.upper().replace('.', ENV_DELIMITER)}"
@@ -166,6 +169,18 @@ def load_settings(*yaml_paths: str | os.PathLike, **overrides: Any) -> Settings:
         raise SettingsError(format_validation_error(e, origins)) from None
     finally:
         _YAML_DATA.reset(token)
+
+
+def load_settings_text(text: str, source: str = "<config>", **overrides: Any) -> Settings:
+    """Validate YAML text (a Metaflow `Config` hands its parser the file content, not a path).
+    Env and overrides apply as in `load_settings`."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise SettingsError(f"{source}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
+    return _load([(source, data)], overrides)
 
 
 def load_settings_json(path: str | os.PathLike) -> Settings:

@@ -1,0 +1,305 @@
+"""`dllmflow prepare`: chat rows in, tokenised parquet shards + tokenizer + manifest out (the DVC stage).
+
+    dllmflow prepare --params params/tiny_mdlm.yaml [more.yaml ...] [--force]
+    manifest = prepare(load_settings("params/tiny_mdlm.yaml"))
+
+Layout of `dataset.prepared_dir` (docs/contracts.md): manifest.json, tokenizer/, train/shard-*.parquet,
+eval/shard-*.parquet. The directory is built under a temporary name next to it and renamed into place,
+so a failed or interrupted run never leaves half of one. When the manifest's input fingerprint
+(dataset + tokenizer settings + source data hash) is unchanged, the existing output is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from dllmflow.errors import UserError
+
+from .chat import load_chat_rows
+from .gsm8k import split_of
+from .tokenizer import build_tokenizer, encode_chat
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "eval")
+MANIFEST = "manifest.json"
+
+
+# ---- fingerprint and reuse ------------------------------------------------------------------------
+
+
+def _settings_used(settings) -> dict:
+    used = {
+        "dataset": settings.dataset.model_dump(mode="json", exclude={"prepared_dir"}),
+        "tokenizer": settings.tokenizer.model_dump(mode="json"),
+    }
+    if settings.tokenizer.name_or_path is None and settings.model.pretrained_model_name_or_path:
+        used["model"] = {  # the tokenizer comes from the model
+            k: getattr(settings.model, k)
+            for k in ("pretrained_model_name_or_path", "gguf_file", "trust_remote_code")
+        }
+    if settings.dllm.mask_token_id is not None:
+        used["dllm"] = {"mask_token_id": settings.dllm.mask_token_id}
+    return used
+
+
+def _fingerprint(used: dict, source_sha256: str) -> str:
+    blob = json.dumps({"format": FORMAT_VERSION, "settings": used, "source": source_sha256}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_manifest(prepared_dir: str | os.PathLike) -> dict | None:
+    path = Path(prepared_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _reusable(manifest: dict | None, fingerprint: str, out_dir: Path) -> bool:
+    if not manifest or manifest.get("fingerprint") != fingerprint:
+        return False
+    files = [f for s in manifest["splits"].values() for f in s["shards"]]
+    return all((out_dir / f).is_file() for f in files) and (out_dir / "tokenizer").is_dir()
+
+
+# ---- tokenisation -------------------------------------------------------------------------------
+
+
+def split_rows(rows: list[dict], eval_fraction: float, limit: int | None) -> dict[str, list[dict]]:
+    """Deterministic split on the first prompt turn (so a question never lands in both splits)."""
+    out: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for row in rows:
+        key = next(m["content"] for m in row["messages"] if m["role"] != "assistant")
+        out[split_of(key, eval_fraction)].append(row)
+    if limit is not None:
+        out["train"] = out["train"][:limit]
+    return out
+
+
+def tokenize_row(tok, row: dict, seq_length: int, mask_history: bool, drop_truncated: bool) -> dict | None:
+    """One output row, or None when the supervised response does not fit `seq_length`."""
+    ids, mask = encode_chat(tok, row["messages"], mask_history=mask_history)
+    if not any(mask):
+        return None
+    prompt_length = mask.index(1)
+    last = len(mask) - 1 - mask[::-1].index(1)
+    if last >= seq_length and (drop_truncated or prompt_length >= seq_length):
+        return None
+    ids, mask = ids[:seq_length], mask[:seq_length]
+    return {
+        "id": row["id"],
+        "input_ids": ids,
+        "loss_mask": mask,
+        "prompt_length": prompt_length,
+        "messages": json.dumps(row["messages"], ensure_ascii=False),
+        "answer": row["messages"][-1]["content"],
+    }
+
+
+def _write_shards(rows: list[dict], split_dir: Path, shard_size: int) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("prompt_length", pa.int32()),
+            ("messages", pa.string()),
+            ("answer", pa.string()),
+        ]
+    )
+    split_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for k, start in enumerate(range(0, max(len(rows), 1), shard_size)):
+        chunk = rows[start : start + shard_size]
+        name = f"shard-{k:06d}.parquet"
+        pq.write_table(pa.Table.from_pylist(chunk, schema=schema), split_dir / name)
+        names.append(f"{split_dir.name}/{name}")
+    return names
+
+
+def content_hash(out_dir: Path) -> str:
+    """sha256 over the shard and tokenizer files (relative path + bytes), in a fixed order."""
+    h = hashlib.sha256()
+    files = sorted(p for sub in (*SPLITS, "tokenizer") for p in (out_dir / sub).rglob("*") if p.is_file())
+    for p in files:
+        h.update(str(p.relative_to(out_dir)).encode() + b"\0")
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _check_usable(settings, source: str, prompt_lengths: list[int], kept: int, dropped: Counter) -> None:
+    if kept:
+        return
+    seq = settings.dataset.seq_length
+    if prompt_lengths and min(prompt_lengths) >= seq:
+        raise UserError(
+            f"dataset.seq_length={seq} is shorter than every prompt (shortest prompt: {min(prompt_lengths)} "
+            f"tokens); raise dataset.seq_length"
+        )
+    if dropped.get("truncated"):
+        raise UserError(
+            f"{source}: no training row fits dataset.seq_length={seq} ({dropped['truncated']} truncated); "
+            f"raise dataset.seq_length or set dataset.drop_truncated: false"
+        )
+    reasons = ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items())) or "no rows"
+    raise UserError(
+        f"{source}: no usable training row (field dataset.messages_column={settings.dataset.messages_column!r}; "
+        f"dropped: {reasons})"
+    )
+
+
+# ---- the stage ----------------------------------------------------------------------------------
+
+
+def prepare(settings, force: bool = False) -> dict:
+    """Build (or reuse) `settings.dataset.prepared_dir`; returns the manifest."""
+    dcfg = settings.dataset
+    out_dir = Path(dcfg.prepared_dir)
+    src = load_chat_rows(
+        dcfg.path_or_dataset_id,
+        split=dcfg.split,
+        dataset_name=dcfg.dataset_name,
+        messages_column=dcfg.messages_column,
+    )
+    used = _settings_used(settings)
+    fingerprint = _fingerprint(used, src.sha256)
+    existing = read_manifest(out_dir)
+    if not force and _reusable(existing, fingerprint, out_dir):
+        return existing
+
+    # 1) split, then fit the tokenizer on training text only (no eval leakage into the BPE)
+    splits = split_rows(src.rows, dcfg.eval_fraction, dcfg.limit)
+    if not splits["train"]:
+        _check_usable(settings, dcfg.path_or_dataset_id, [], 0, Counter(src.dropped))
+    tok = build_tokenizer(settings, (m["content"] for r in splits["train"] for m in r["messages"]))
+
+    # 2) tokenise every row; count what is dropped and why
+    tokenized: dict[str, list[dict]] = {}
+    truncated: dict[str, int] = {}
+    prompt_lengths: list[int] = []
+    for name, rows in splits.items():
+        kept = []
+        for row in rows:
+            out = tokenize_row(tok, row, dcfg.seq_length, dcfg.mask_history, dcfg.drop_truncated)
+            if out is None:
+                ids, mask = encode_chat(tok, row["messages"], mask_history=dcfg.mask_history)
+                prompt_lengths.append(mask.index(1) if any(mask) else len(ids))
+            else:
+                kept.append(out)
+        tokenized[name], truncated[name] = kept, len(rows) - len(kept)
+    dropped = Counter({"malformed": 0, "empty": 0, "truncated": sum(truncated.values())})
+    for reason, n in src.dropped.items():
+        dropped[reason.split(":")[0]] += n
+    _check_usable(settings, dcfg.path_or_dataset_id, prompt_lengths, len(tokenized["train"]), dropped)
+
+    # 3) write everything under a temporary sibling, then swap it into place
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tok.save_pretrained(str(tmp / "tokenizer"))
+        shards = {name: _write_shards(rows, tmp / name, dcfg.shard_size) for name, rows in tokenized.items()}
+        lengths = [len(r["input_ids"]) for r in tokenized["train"]]
+        manifest = {
+            "format": FORMAT_VERSION,
+            "source": {
+                "path_or_dataset_id": dcfg.path_or_dataset_id,
+                "sha256": src.sha256,
+                "rows_read": src.num_read,
+            },
+            "fingerprint": fingerprint,
+            "splits": {
+                name: {"rows": len(tokenized[name]), "truncated": truncated[name], "shards": shards[name]}
+                for name in SPLITS
+            },
+            "dropped": dict(dropped),
+            "dropped_reasons": dict(sorted(src.dropped.items())),
+            "seq_length": dcfg.seq_length,
+            "train_lengths": {"max": max(lengths), "mean": round(sum(lengths) / len(lengths), 2)},
+            "tokenizer": {
+                "name": settings.tokenizer.name_or_path
+                or settings.model.pretrained_model_name_or_path
+                or f"bpe-{settings.tokenizer.train_vocab_size}",
+                "vocab_size": len(tok),
+                "mask_token": tok.mask_token,
+                "mask_token_id": tok.mask_token_id,
+                "pad_token_id": tok.pad_token_id,
+                "eos_token_id": tok.eos_token_id,
+            },
+            "settings": used,
+            "content_hash": content_hash(tmp),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _swap_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+    """rename() cannot replace a non-empty directory, so move the old one aside first."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    os.chmod(out_dir, 0o755)  # mkdtemp creates 0700
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+
+def add_cli_args(parser) -> None:
+    parser.add_argument(
+        "--params",
+        nargs="+",
+        required=True,
+        metavar="YAML",
+        help="Recipe YAML files (later override earlier).",
+    )
+    parser.add_argument("--force", action="store_true", help="Rebuild even if the inputs are unchanged.")
+
+
+def summary_lines(manifest: dict, out_dir: str) -> list[str]:
+    tok = manifest["tokenizer"]
+    lines = [
+        f"prepared {out_dir}  (content_hash {manifest['content_hash'][:12]})",
+        f"source   {manifest['source']['path_or_dataset_id']}  rows read {manifest['source']['rows_read']}",
+    ]
+    for name, s in manifest["splits"].items():
+        lines.append(f"{name:<8} {s['rows']} rows in {len(s['shards'])} shard(s), {s['truncated']} truncated")
+    lines.append("dropped  " + ", ".join(f"{k} {v}" for k, v in sorted(manifest["dropped"].items())))
+    lines.append(
+        f"tokenizer {tok['name']}  vocab {tok['vocab_size']}  mask {tok['mask_token_id']}  "
+        f"pad {tok['pad_token_id']}  eos {tok['eos_token_id']}  seq_length {manifest['seq_length']}"
+    )
+    return lines
+
+
+def cli_main(args) -> int:
+    from dllmflow.settings import load_settings
+
+    settings = load_settings(*args.params)
+    manifest = prepare(settings, force=args.force)
+    lines = summary_lines(manifest, settings.dataset.prepared_dir)
+    try:
+        from rich.console import Console
+
+        Console().print("\n".join(lines), highlight=False)
+    except ImportError:
+        print("\n".join(lines))
+    return 0

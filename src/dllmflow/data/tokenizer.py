@@ -1,0 +1,196 @@
+"""Tokenizers for dLLM data: any Hugging Face tokenizer by id/path, or a byte-level BPE trained with
+`tokenizers` on the training text; both end up with mask/pad/eos tokens and a chat template whose
+`{% generation %}` span marks the supervised assistant tokens.
+
+    tok = build_tokenizer(settings, texts)        # during `dllmflow prepare`
+    tok = load_tokenizer("data/prepared/tiny")     # the one saved with the prepared data
+    ids, loss_mask = encode_chat(tok, messages, mask_history=True)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from dllmflow.errors import UserError
+
+TEMPLATE_PATH = Path(__file__).with_name("templates") / "chat.jinja"
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")  # used by templates/chat.jinja
+
+
+def default_chat_template() -> str:
+    return TEMPLATE_PATH.read_text()
+
+
+def build_tokenizer(settings, texts: Iterable[str]):
+    """The tokenizer `settings` asks for: `tokenizer.name_or_path`, else the pretrained model's, else
+    a BPE of `tokenizer.train_vocab_size` trained on `texts`."""
+    tcfg = settings.tokenizer
+    name = tcfg.name_or_path or settings.model.pretrained_model_name_or_path
+    if name is None:
+        tok = train_bpe_tokenizer(
+            texts, tcfg.train_vocab_size, tcfg.mask_token, tcfg.pad_token, tcfg.eos_token
+        )
+    else:
+        tok = _load_pretrained(name, settings)
+        _ensure_special_tokens(tok, settings)
+    template = _template_override(tcfg.chat_template)
+    if template is not None:
+        tok.chat_template = template
+    elif not getattr(tok, "chat_template", None):
+        tok.chat_template = default_chat_template()
+    return tok
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int, mask_token: str, pad_token: str, eos_token: str
+):
+    """Byte-level BPE (lossless on any text) with single-digit pre-splitting, which helps arithmetic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [pad_token, eos_token, mask_token, *ROLE_TOKENS]
+    if len(set(specials)) != len(specials):
+        raise UserError(f"tokenizer.mask_token/pad_token/eos_token must be distinct, got {specials[:3]}")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=pad_token,
+        eos_token=eos_token,
+        mask_token=mask_token,
+        additional_special_tokens=list(ROLE_TOKENS),
+        chat_template=default_chat_template(),
+        model_max_length=1 << 30,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _load_pretrained(name: str, settings):
+    from transformers import AutoTokenizer
+
+    kwargs = {"trust_remote_code": settings.model.trust_remote_code}
+    if settings.model.gguf_file and name == settings.model.pretrained_model_name_or_path:
+        kwargs["gguf_file"] = settings.model.gguf_file
+    try:
+        tok = AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        field = (
+            "tokenizer.name_or_path"
+            if settings.tokenizer.name_or_path
+            else "model.pretrained_model_name_or_path"
+        )
+        raise UserError(f"{field}={name!r}: cannot load a tokenizer ({e.__class__.__name__}: {e})") from None
+    if not getattr(tok, "is_fast", False):
+        raise UserError(
+            f"tokenizer {name!r} is not a fast tokenizer; dllmflow needs offsets for the assistant mask"
+        )
+    return tok
+
+
+def _ensure_special_tokens(tok, settings) -> None:
+    """Give a pretrained tokenizer what dLLM training needs: a mask token (added unless
+    `dllm.mask_token_id` names an existing one), an eos, and a pad (eos when missing)."""
+    tcfg, mask_id = settings.tokenizer, settings.dllm.mask_token_id
+    if mask_id is not None:
+        if not 0 <= mask_id < len(tok):
+            raise UserError(
+                f"dllm.mask_token_id={mask_id} is outside the tokenizer vocabulary (size {len(tok)})"
+            )
+        if tok.mask_token_id is None:
+            tok.mask_token = tok.convert_ids_to_tokens(mask_id)
+    elif tok.mask_token_id is None:
+        tok.add_special_tokens({"mask_token": tcfg.mask_token})  # the model resizes to len(tokenizer)
+    if tok.eos_token_id is None:
+        tok.add_special_tokens({"eos_token": tcfg.eos_token})
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # no new row in the embedding; rows are padded only by the collator
+
+
+def _template_override(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if "{" not in value and os.path.isfile(value):
+        return Path(value).read_text()
+    if "{" not in value:
+        raise UserError(f"tokenizer.chat_template={value!r} is neither a Jinja template nor an existing file")
+    return value
+
+
+def load_tokenizer(prepared_dir: str | os.PathLike):
+    """The tokenizer saved by `dllmflow prepare` in `prepared_dir/tokenizer`."""
+    from transformers import AutoTokenizer
+
+    path = Path(prepared_dir) / "tokenizer"
+    if not path.is_dir():
+        raise UserError(f"{path}: no prepared tokenizer; run `dllmflow prepare --params <recipe.yaml>` first")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+# ---- chat -> (input_ids, loss_mask) --------------------------------------------------------------
+
+
+def encode_chat(tok, messages: list[dict], mask_history: bool = True) -> tuple[list[int], list[int]]:
+    """Unshifted token ids of the rendered chat and a 0/1 mask over the assistant tokens (content +
+    closing eos/turn token); with `mask_history` only the final assistant turn stays supervised."""
+    if _GENERATION_TAG.search(tok.chat_template or ""):
+        enc = tok.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = list(enc["input_ids"]), [int(bool(m)) for m in enc["assistant_masks"]]
+    else:
+        ids, mask = _assistant_mask_by_prefix(tok, messages)
+    if mask_history:
+        mask = keep_last_run(mask)
+    return ids, mask
+
+
+def _render_ids(tok, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    enc = tok.apply_chat_template(
+        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(enc["input_ids"])
+
+
+def _assistant_mask_by_prefix(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """For templates without generation tags: an assistant turn is what rendering it adds after the
+    generation prompt of the turns before it."""
+    ids = _render_ids(tok, messages)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(_render_ids(tok, messages[:i], add_generation_prompt=True)) if i else 0
+        upto = _render_ids(tok, messages[: i + 1])
+        if ids[: len(upto)] != upto:
+            raise UserError(
+                "tokenizer.chat_template renders earlier turns differently once later turns follow; "
+                "set tokenizer.chat_template to one with {% generation %} tags"
+            )
+        mask[start : len(upto)] = [1] * (len(upto) - start)
+    return ids, mask
+
+
+def keep_last_run(mask: list[int]) -> list[int]:
+    """Zero every supervised run except the last contiguous one (spec §1.3 mask_history)."""
+    out = [0] * len(mask)
+    i = len(mask) - 1
+    while i >= 0 and not mask[i]:
+        i -= 1
+    while i >= 0 and mask[i]:
+        out[i] = 1
+        i -= 1
+    return out

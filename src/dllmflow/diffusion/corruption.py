@@ -1,0 +1,265 @@
+"""Corruption kernels: clean ids + loss mask -> (noisy ids, noise mask, p_mask), spec §2.
+
+Every kernel draws only from the `generator` it is given (never the global RNG), in the order the
+spec lists, and corrupts only supervised positions (`loss_mask != 0`). The trainer seeds one
+generator per sample (`dllmflow.diffusion.seeding`) and runs a kernel one row at a time through
+`per_sample`, so a sample's noise does not depend on which batch it landed in:
+
+    from dllmflow.diffusion.corruption import corrupt_uniform, per_sample
+    z, noise, p = per_sample(corrupt_uniform, seeds, input_ids, loss_mask, mask_token_id=M, eps=1e-3)
+
+Kernels (all tensors `[B, L]`; `noisy_ids` keeps the dtype of `input_ids`, `noise_mask` is bool,
+`p_mask` float32):
+  corrupt_uniform         mdlm: one t per row, mask each supervised position with p = eps + (1-eps) t
+  corrupt_blockwise       hybrid: exactly k = round(m len) positions per block, biased to later ones
+  corrupt_mix             scdd: absorbing [MASK] channel + uniform-replacement channel
+  corrupt_scdd            scdd: t on the discrete grid, channel masses from the SCDD schedule
+  corrupt_uniform_random  block diffusion: random replacement tokens over the full vocabulary
+  corrupt_all_masked      idlm: every supervised position becomes [MASK] (deterministic)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dllmflow.diffusion.schedules import scdd_schedule
+
+Corruption = tuple[Tensor, Tensor, Tensor]
+
+
+def per_sample(
+    kernel: Callable[..., tuple[Tensor, ...]],
+    seeds: Sequence[int],
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    **kw: Any,
+) -> tuple[Tensor, ...]:
+    """Run `kernel` on each row with its own `torch.Generator(seed)` and concatenate the outputs.
+
+    One generator per row makes a sample's noise a function of its seed alone (not of the batch size
+    or of its neighbours), which is what makes corruption topology-independent (spec §1.3).
+    """
+    if len(seeds) != input_ids.shape[0]:
+        raise ValueError(f"per_sample: got {len(seeds)} seeds for a batch of {input_ids.shape[0]} rows")
+    outs = []
+    for b, seed in enumerate(seeds):
+        gen = torch.Generator(device=input_ids.device)
+        gen.manual_seed(int(seed))
+        outs.append(kernel(input_ids[b : b + 1], loss_mask[b : b + 1], generator=gen, **kw))
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
+
+
+def corrupt_uniform(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    *,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+) -> Corruption:
+    """LLaDA/MDLM masking (spec §2.1): t ~ U[0,1) per row, p = (1-eps) t + eps, mask where u < p."""
+    B, L = input_ids.shape
+    dev = input_ids.device
+    sup = loss_mask != 0  # [B, L]
+    t = torch.rand(B, device=dev, generator=generator)  # [B]
+    p = (1.0 - eps) * t + eps  # [B]
+    u = torch.rand(B, L, device=dev, generator=generator)  # [B, L]
+    noise = (u < p[:, None]) & sup  # [B, L]
+    noisy = torch.where(noise, torch.full_like(input_ids, mask_token_id), input_ids)
+    return noisy, noise, p[:, None].expand(B, L).to(torch.float32).contiguous()
+
+
+def gumbel_topk(log_weights: Tensor, k: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Select exactly `k[i]` entries of row i, without replacement, with probabilities ∝ exp(log_weights).
+
+    log_weights [N, n] (-inf = never selected), k [N] long with k <= #finite entries -> bool [N, n].
+    Gumbel-top-k: the k largest of log w + Gumbel noise are a weighted sample without replacement.
+    """
+    u = torch.rand(log_weights.shape, device=log_weights.device, generator=generator)  # [N, n]
+    gumbel = -torch.log(-torch.log(u + 1e-9) + 1e-9)
+    order = torch.argsort(log_weights + gumbel, dim=-1, descending=True)  # [N, n]
+    rank = torch.argsort(order, dim=-1)  # rank of each entry in the sorted order
+    return rank < k[:, None]
+
+
+def corrupt_blockwise(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    *,
+    block_size: int | None,
+    eps: float = 1e-3,
+    half_life_ratio: float | None = 0.25,
+    generator: torch.Generator | None = None,
+) -> Corruption:
+    """Nemotron-Labs-Diffusion blockwise masking (spec §2.3).
+
+    Per block of `block_size` (the last may be short): m = eps + (1-eps) U, k = round(m len) positions
+    chosen by Gumbel-top-k with log w_j = λ (1-m) j, λ = ln 2 / (h bs), so small m biases masking to
+    later positions. `block_size=None`: one block per row, λ = ln2/(h L), k clamped to [1, L].
+    Unsupervised positions are dropped after selection; p_mask = the block's m.
+    """
+    B, L = input_ids.shape
+    dev = input_ids.device
+    h = 0.25 if half_life_ratio is None else half_life_ratio
+    per_sequence = block_size is None
+    bs = L if per_sequence else int(block_size)
+    if bs < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    nb = math.ceil(L / bs)
+    block_len = torch.full((nb,), bs, device=dev, dtype=torch.long)
+    block_len[-1] = L - (nb - 1) * bs  # a short last block
+
+    # 1) one corruption level per block
+    m = eps + (1.0 - eps) * torch.rand(B * nb, device=dev, generator=generator)  # [B*nb]
+    lens = block_len.repeat(B)  # [B*nb]
+    k = torch.round(m * lens).long()
+    k = torch.minimum(torch.clamp(k, min=1 if per_sequence else 0), lens)
+
+    # 2) half-life positional bias; positions past a short last block can never be chosen
+    lam = math.log(2.0) / (h * bs)
+    j = torch.arange(bs, device=dev, dtype=torch.float32)  # [bs]
+    log_w = lam * (1.0 - m)[:, None] * j[None, :]  # [B*nb, bs]
+    log_w = log_w.masked_fill(j[None, :] >= lens[:, None], float("-inf"))
+
+    # 3) exactly k per block, then keep only supervised positions
+    chosen = gumbel_topk(log_w, k, generator).view(B, nb * bs)[:, :L]  # [B, L]
+    noise = chosen & (loss_mask != 0)
+    noisy = torch.where(noise, torch.full_like(input_ids, mask_token_id), input_ids)
+    p_mask = m.view(B, nb).repeat_interleave(bs, dim=1)[:, :L].to(torch.float32).contiguous()  # [B, L]
+    return noisy, noise, p_mask
+
+
+def corrupt_mix(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    vocab_size: int,
+    mask_prob: float | Tensor,
+    uniform_prob: float | Tensor,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Absorbing + uniform channels (spec §2.2). Returns (noisy_ids, noise_mask), both [B, L].
+
+    One u ~ U[0,1) per position: u < mask_prob -> [MASK]; mask_prob <= u < mask_prob + uniform_prob ->
+    a token uniform over the vocabulary minus {[MASK], the clean token}. `mask_prob` / `uniform_prob`
+    are floats or per-row tensors ([B] or [B, 1]). A clean token that already is [MASK] is never
+    corrupted by either channel, so `noise_mask == (noisy_ids != input_ids)` exactly (we do not
+    reproduce the reference's flagging of absorbed [MASK] tokens, spec §7 caveat 2).
+    """
+    if vocab_size < 3:
+        raise ValueError(
+            f"corrupt_mix needs vocab_size >= 3 (mask, clean and one other token), got {vocab_size}"
+        )
+    B, L = input_ids.shape
+    dev = input_ids.device
+    pm = _per_row(mask_prob, B, dev)  # [B, 1]
+    pu = _per_row(uniform_prob, B, dev)  # [B, 1]
+    if bool((pm < 0).any()) or bool((pu < 0).any()):
+        raise ValueError("corrupt_mix: mask_prob and uniform_prob must be >= 0")
+    if bool((pm + pu > 1.0 + 1e-5).any()):
+        raise ValueError("corrupt_mix: mask_prob + uniform_prob must be <= 1")
+
+    corruptible = (loss_mask != 0) & (input_ids != mask_token_id)  # [B, L]
+    u = torch.rand(B, L, device=dev, generator=generator)  # [B, L]
+    absorbed = (u < pm) & corruptible
+    transitioned = (u >= pm) & (u < pm + pu) & corruptible
+
+    # Uniform over V-2 values, shifted past min(x, M) then max(x, M): never M, never x.
+    draw = torch.randint(0, vocab_size - 2, (B, L), device=dev, generator=generator, dtype=input_ids.dtype)
+    mask_col = torch.full_like(input_ids, mask_token_id)
+    lo, hi = torch.minimum(input_ids, mask_col), torch.maximum(input_ids, mask_col)
+    draw = draw + (draw >= lo).to(draw.dtype)
+    draw = draw + (draw >= hi).to(draw.dtype)
+    draw = draw.clamp(max=vocab_size - 1)
+
+    noisy = torch.where(absorbed, mask_col, torch.where(transitioned, draw, input_ids))
+    return noisy, absorbed | transitioned
+
+
+def corrupt_scdd(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    vocab_size: int,
+    *,
+    num_timesteps: int,
+    uniform_ratio: float,
+    schedule_shape: float = 1.0,
+    schedule_peak: float = 0.5,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+) -> Corruption:
+    """SCDD corruption (spec §2.2): t on the grid {1/T..(T-1)/T}, masses from the schedule at t.
+
+    p_mask carries the TIME t (broadcast over the row), which the SCDD loss reads back.
+    """
+    B, L = input_ids.shape
+    T = int(num_timesteps)
+    u = torch.rand(B, device=input_ids.device, generator=generator, dtype=torch.float64)  # [B]
+    u = (1.0 - eps) * u + eps
+    t = (torch.floor(u * T) + 1.0) / T
+    t = torch.clamp(t, max=1.0 - 1.0 / T)  # [B]
+    sched = scdd_schedule(t, uniform_ratio, schedule_shape, schedule_peak)
+    K = vocab_size - 1
+    # A uniform draw over the K non-mask states that lands on x is a no-op; corrupt_mix excludes x.
+    uniform_prob = sched.uniform * (K - 1) / K
+    noisy, noise = corrupt_mix(
+        input_ids, loss_mask, mask_token_id, vocab_size, sched.absorbed, uniform_prob, generator=generator
+    )
+    return noisy, noise, t[:, None].expand(B, L).to(torch.float32).contiguous()
+
+
+def corrupt_uniform_random(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    vocab_size: int,
+    *,
+    eps: float = 1e-3,
+    block_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Corruption:
+    """DiffusionGemma corruption (spec §2.4): random replacement tokens, no [MASK], p_mask ≡ 1.
+
+    t = eps + (1-eps) U per row (`block_size=None`) or per block of the row; a supervised position is
+    replaced with prob. t by a token uniform over the FULL vocabulary (it may equal the original).
+    """
+    B, L = input_ids.shape
+    dev = input_ids.device
+    if block_size is None:
+        t = eps + (1.0 - eps) * torch.rand(B, 1, device=dev, generator=generator)  # [B, 1]
+    else:
+        nb = math.ceil(L / block_size)
+        t = eps + (1.0 - eps) * torch.rand(B, nb, device=dev, generator=generator)  # [B, nb]
+        t = t.repeat_interleave(block_size, dim=1)[:, :L]  # [B, L]
+    noise = (torch.rand(B, L, device=dev, generator=generator) < t) & (loss_mask != 0)  # [B, L]
+    repl = torch.randint(0, vocab_size, (B, L), device=dev, generator=generator, dtype=input_ids.dtype)
+    noisy = torch.where(noise, repl, input_ids)
+    return noisy, noise, torch.ones(B, L, device=dev, dtype=torch.float32)
+
+
+def corrupt_all_masked(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    *,
+    generator: torch.Generator | None = None,
+) -> Corruption:
+    """I-DLM (spec §2.6): every supervised position becomes [MASK]; the prompt stays clean; p ≡ 1.
+    Deterministic: `generator` is accepted for a uniform kernel signature and ignored."""
+    noise = loss_mask != 0  # [B, L]
+    noisy = torch.where(noise, torch.full_like(input_ids, mask_token_id), input_ids)
+    return noisy, noise, torch.ones(input_ids.shape, device=input_ids.device, dtype=torch.float32)
+
+
+def _per_row(value: float | Tensor, batch: int, device: torch.device) -> Tensor:
+    """A float or a per-row tensor ([B] / [B, 1]) as a float64 [B, 1] column."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float64).reshape(-1, 1).expand(batch, 1)
+    return torch.full((batch, 1), float(value), device=device, dtype=torch.float64)

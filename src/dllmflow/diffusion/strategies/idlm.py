@@ -1,0 +1,166 @@
+"""`idlm`: Introspective Diffusion LM, converting an AR LM into a dLLM (spec §2.6).
+
+Every supervised position of x is masked (z); the model reads `[z | x]` (length 2L, position ids
+`[0..L-1, 0..L-1]`) under the block-diffusion mask of `dllmflow.diffusion.masks.idlm`. With the
+Dream-style next-token shift, logit i predicts token i+1 in both copies:
+
+    sup_i    = m_sup[i+1] and valid[i+1]                  (i = 0..L-2)
+    noisy    = sum_i CE(logits[:, i],     x[i+1]) sup_i   -> / N_sup   (the dLLM term)
+    clean    = sum_i CE(logits[:, L + i], x[i+1]) sup_i   -> / N_sup, weighted by alpha
+    alpha    = clean_loss_weight, or stopgrad(noisy / clean) with auto_balance_clean_loss
+
+The `block_length` curriculum (1 -> 2 -> 3) runs as successive fine-tunes: `curriculum_stages`
+turns one settings object with a list into one per stage, each starting from the previous stage's
+consolidated checkpoint. Run: `dllmflow train --params params/tiny_idlm.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from dllmflow.diffusion.corruption import corrupt_all_masked, per_sample
+from dllmflow.diffusion.losses import per_token_ce
+from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask
+from dllmflow.errors import UserError
+from dllmflow.models.attention import mask_dtype
+
+from .base import Batch, LossOutput, Strategy, _model_vocab_size
+
+if TYPE_CHECKING:
+    from dllmflow.settings import Settings
+
+# Which stage of a `block_length` list a single run trains when it is not split by `curriculum_stages`.
+STAGE_ENV = "DLLMFLOW_IDLM_STAGE"
+
+
+class IDLMStrategy(Strategy):
+    name = "idlm"
+
+    def __init__(self, settings: Settings):
+        super().__init__(settings)
+        self.block_length = resolve_block_length(settings)
+
+    def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if attn == "flash_attention_2" or self.settings.model.attn_implementation == "flash_attention_2":
+            raise UserError(
+                "dllm.mode=idlm: flash_attention_2 ignores the 2L block-diffusion mask; "
+                "set model.attn_implementation to sdpa, eager or flex_attention"
+            )
+        if self.mask_token_id is None:
+            raise UserError("dllm.mode=idlm needs an explicit dllm.mask_token_id (I-DLM does not infer one)")
+        vocab = _model_vocab_size(model)
+        if vocab is not None and not 0 <= self.mask_token_id < vocab:
+            raise UserError(
+                f"dllm.mask_token_id={self.mask_token_id} is outside the model vocabulary [0, {vocab}); "
+                "pick a token id the model has (e.g. a reserved special token)"
+            )
+
+    def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:
+        z, noise, p = per_sample(
+            corrupt_all_masked,
+            seeds,
+            batch["input_ids"],
+            batch["loss_mask"],
+            mask_token_id=self.mask_token_id,
+        )
+        return {"noisy_input_ids": z, "noise_mask": noise, "p_mask": p}
+
+    def token_counts(self, batch: Batch) -> dict[str, Tensor]:
+        n = shifted_supervision(batch["loss_mask"], batch.get("attention_mask")).sum()
+        return {"noisy": n, "clean": n}
+
+    def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
+        x, z = batch["input_ids"], batch["noisy_input_ids"]  # [B, L]
+        B, L = x.shape
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(x)
+
+        # 1) [x_t | x_0], positions restart for the clean copy, block-diffusion mask
+        inputs = torch.cat([z, x], dim=1)  # [B, 2L]
+        pos = torch.arange(L, device=x.device).repeat(2)[None].expand(B, 2 * L)  # [B, 2L]
+        mask = self._attention_mask(model, attention_mask)
+        logits = model(
+            input_ids=inputs, attention_mask=mask, position_ids=pos, use_cache=False
+        ).logits  # [B,2L,V]
+
+        # 2) next-token shift in both copies: logit i predicts x[i+1]
+        sup = shifted_supervision(batch["loss_mask"], attention_mask).float()  # [B, L-1]
+        target = x[:, 1:]  # [B, L-1]
+        noisy = _ce_sum(logits[:, : L - 1], target, sup)
+        clean = _ce_sum(logits[:, L : 2 * L - 1], target, sup)
+        return LossOutput(
+            sums={"noisy": noisy, "clean": clean},
+            weights={"noisy": 1.0, "clean": self._alpha(noisy, clean)},
+            dllm_terms=("noisy",),
+        )
+
+    def _alpha(self, noisy: Tensor, clean: Tensor) -> float | Tensor:
+        if not self.cfg.auto_balance_clean_loss:
+            return self.cfg.clean_loss_weight
+        # Both terms share the denominator, so CE_noisy / CE_clean is the ratio of the sums.
+        return (noisy / clean.clamp_min(1e-6)).detach()
+
+    def _attention_mask(self, model: nn.Module, attention_mask: Tensor):
+        config = getattr(_unwrap(model), "config", None)
+        if getattr(config, "_attn_implementation", None) == "flex_attention":
+            return idlm_block_mask(attention_mask, self.block_length)
+        return idlm_dense_mask(
+            attention_mask, self.block_length, dtype=mask_dtype(model, attention_mask.device)
+        )
+
+
+def shifted_supervision(loss_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """sup_i = m_sup[i+1] and valid[i+1] for i in [0, L-1): [B, L-1] bool."""
+    sup = loss_mask[:, 1:] != 0
+    if attention_mask is not None:
+        sup = sup & (attention_mask[:, 1:] != 0)
+    return sup
+
+
+def resolve_block_length(settings: Settings) -> int:
+    """`dllm.block_length` as an int; for a curriculum list, the stage named by $DLLMFLOW_IDLM_STAGE (default 0)."""
+    value = settings.dllm.block_length
+    if isinstance(value, int):
+        return value
+    raw = os.environ.get(STAGE_ENV, "0")
+    if not raw.isdigit() or int(raw) >= len(value):
+        raise UserError(
+            f"{STAGE_ENV}={raw!r}: must be a stage index in [0, {len(value)}) of dllm.block_length={value}"
+        )
+    return value[int(raw)]
+
+
+def curriculum_stages(settings: Settings) -> list[Settings]:
+    """One settings object per `block_length` stage (a single-item list for an int).
+
+    Stage i trains `block_length[i]` in `<run_dir>/stage_<i>`; stage i > 0 starts from stage i-1's
+    consolidated export `<run_dir>/stage_<i-1>/checkpoints/LATEST/model/consolidated`.
+    """
+    from dllmflow.settings import Settings, deep_merge
+
+    lengths = settings.dllm.block_length
+    if isinstance(lengths, int):
+        return [settings]
+    base = settings.resolved_run_dir
+    stages: list[Settings] = []
+    for i, b in enumerate(lengths):
+        update: dict = {"run_dir": str(base / f"stage_{i}"), "dllm": {"block_length": b}}
+        if i > 0:
+            prev = base / f"stage_{i - 1}" / "checkpoints" / "LATEST" / "model" / "consolidated"
+            update["model"] = {"pretrained_model_name_or_path": str(prev), "tiny": None, "gguf_file": None}
+        stages.append(Settings.model_validate(deep_merge(settings.to_dict(), update)))
+    return stages
+
+
+def _ce_sum(logits: Tensor, target: Tensor, weight: Tensor) -> Tensor:
+    return (per_token_ce(logits, target) * weight).sum()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DDP

@@ -1,0 +1,225 @@
+"""`dllmflow generate`: text from a checkpoint with a diffusion sampler (guide "Run Inference").
+
+    dllmflow generate --checkpoint runs/tiny_mdlm/checkpoints --prompt "What is 2+3?" --sampler llada
+    dllmflow generate --checkpoint CKPT --prompt "a" --prompt "b" --threshold 0.9 --max_new_tokens 64
+    dllmflow generate --checkpoint CKPT --infill --prompt "2 + 3 = [MASK]."
+
+`--checkpoint` takes a consolidated HF dir, a step dir, the checkpoint root (through `LATEST`) or a
+run dir (`checkpoints/LATEST/...`). Presets per sampler come from `samplers/base.py: PRESETS`; flags
+override them. In Python: `model, tok, settings = load_for_generation(path)` then
+`SAMPLERS[name](model, tok, config, mask_id=model.config.mask_token_id)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dllmflow.errors import UserError
+
+INFILL_SPAN = 20  # [MASK] in an --infill prompt becomes this many mask tokens (spec §3.0)
+RESPONSE_SPLITS = ("<|eot_id|>", "<|end_of_text|>", "<|start_header_id|>")
+
+
+# ---- checkpoint resolution and loading ----------------------------------------------------------
+
+
+def _latest(root: Path) -> Path | None:
+    """`root/LATEST` (relative symlink) or the path written in `root/LATEST.txt`."""
+    link = root / "LATEST"
+    if link.exists():
+        return link
+    txt = root / "LATEST.txt"
+    if txt.is_file():
+        return root / txt.read_text().strip()
+    return None
+
+
+def checkpoint_candidates(path: str | Path) -> list[Path]:
+    """Spec §1.6 order, then our run-dir layout (`<run>/checkpoints/LATEST/model/consolidated`)."""
+    p = Path(path)
+    out = [p / "consolidated", p]
+    latest = _latest(p)
+    if latest is not None:
+        out += [latest / "model" / "consolidated", latest / "model"]
+    out += [p / "model" / "consolidated", p / "model"]
+    run_latest = _latest(p / "checkpoints") if (p / "checkpoints").is_dir() else None
+    if run_latest is not None:
+        out += [run_latest / "model" / "consolidated", run_latest / "model"]
+    return out
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The first candidate that holds a `config.json`; UserError naming the path otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(
+            f"checkpoint {p} does not exist; pass a consolidated dir, a step dir or a checkpoint root"
+        )
+    for cand in checkpoint_candidates(p):
+        if (cand / "config.json").is_file():
+            return cand
+    raise UserError(
+        f"checkpoint {p} holds no HF model (config.json) in any of: consolidated/, ./, LATEST/model/consolidated/, "
+        "LATEST/model/, model/consolidated/, model/, checkpoints/LATEST/model/consolidated/ "
+        "(was the consolidated export written? checkpoint.save_consolidated)"
+    )
+
+
+def resolve_generation_mask_id(explicit: int | None, settings: Any, tokenizer: Any, model: Any) -> int:
+    """--mask_id > the training settings' dllm.mask_token_id (what training used) > tokenizer > model.config."""
+    from dllmflow.diffusion.samplers.base import resolve_mask_id
+
+    trained = getattr(getattr(settings, "dllm", None), "mask_token_id", None)
+    return resolve_mask_id(explicit if explicit is not None else trained, tokenizer, model)
+
+
+def load_for_generation(path: str | Path, mask_id: int | None = None, device: str | None = None, dtype=None):
+    """-> (model in eval mode, tokenizer, training Settings or None). The resolved mask id is stored in
+    `model.config.mask_token_id`; UserError if none resolves."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dllmflow.settings import load_settings_json
+
+    ckpt = resolve_checkpoint(path)
+    settings = load_settings_json(ckpt / "settings.json") if (ckpt / "settings.json").is_file() else None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    trust = bool(settings and settings.model.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint {ckpt}: cannot load the tokenizer/model ({e})") from None
+    model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
+    return model.to(device).eval(), tokenizer, settings
+
+
+def check_sampler_fits(sampler: str, settings: Any) -> str | None:
+    """A warning (also emitted) when the checkpoint's training mode is not one `sampler` decodes."""
+    from dllmflow.diffusion.samplers import SAMPLERS_FOR_MODE
+
+    mode = getattr(getattr(settings, "dllm", None), "mode", None)
+    if mode is None or sampler in SAMPLERS_FOR_MODE.get(mode, ()):
+        return None
+    fits = ", ".join(SAMPLERS_FOR_MODE.get(mode, ())) or "none (evaluate it with `dllmflow evaluate`)"
+    msg = f"checkpoint was trained with dllm.mode={mode}; sampler {sampler!r} does not fit it. Samplers that fit: {fits}"
+    warnings.warn(msg, UserWarning, stacklevel=2)
+    return msg
+
+
+# ---- prompts and responses ----------------------------------------------------------------------
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool = False, infill: bool = False) -> list[int]:
+    """Chat template with the generation prompt (default), or plain `encode` with `raw`. For infill each
+    `[MASK]` becomes INFILL_SPAN mask tokens and no generation prompt is added."""
+    if infill:
+        if tokenizer.mask_token is None:
+            raise UserError("--infill needs a tokenizer with a mask token")
+        prompt = prompt.replace("[MASK]", tokenizer.mask_token * INFILL_SPAN)
+    if raw:
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "the checkpoint's tokenizer has no chat template; pass --raw to encode prompts as plain text"
+        )
+    messages = [{"role": "user", "content": prompt}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=not infill, return_dict=False))
+
+
+def decode_response(tokenizer, ids: list[int]) -> str:
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for marker in RESPONSE_SPLITS:
+        text = text.split(marker)[0]
+    return text.strip()
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+
+def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None = 42) -> None:
+    """Sampler overrides shared by `generate` and `evaluate` (None = keep the preset)."""
+    g = parser.add_argument_group("sampler settings (override the preset)")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--max_new_tokens", type=int)
+    g.add_argument("--block_size", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--remasking", choices=["low_confidence", "random"])
+    g.add_argument("--threshold", type=float)
+    g.add_argument("--uniform_ratio", type=float, help="scdd: must match training")
+    g.add_argument("--schedule_shape", type=float, help="scdd: must match training")
+    g.add_argument("--schedule_peak", type=float, help="scdd: must match training")
+    g.add_argument("--no_kv_cache", action="store_true", help="also turns off the causal context")
+    g.add_argument("--mask_id", type=int)
+    g.add_argument("--seed", type=int, default=seed_default)
+
+
+SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
+                 "uniform_ratio", "schedule_shape", "schedule_peak", "seed")  # fmt: skip
+
+
+def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out = {k: getattr(args, k) for k in SAMPLER_FLAGS if getattr(args, k, None) is not None}
+    if getattr(args, "no_kv_cache", False):
+        out["no_kv_cache"] = True
+    return out
+
+
+def validate_sampler_request(sampler: str, infill: bool = False) -> None:
+    """Checks that need no model: a known sampler, and infill only where the sampler can."""
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import sampler_supports
+
+    if sampler not in SAMPLERS:
+        raise UserError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+    if infill and not sampler_supports(sampler, "infill"):
+        able = [n for n in SAMPLERS if sampler_supports(n, "infill")]
+        raise UserError(f"sampler {sampler!r} cannot infill; --infill works with: {', '.join(able)}")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", required=True, help="consolidated dir, step dir, checkpoint root or run dir"
+    )
+    parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    parser.add_argument("--sampler", default="llada", help="llada, scdd, llada2, nemotron, gemma, idlm")
+    parser.add_argument("--infill", action="store_true", help="fill each [MASK] span of the prompt")
+    parser.add_argument("--raw", action="store_true", help="encode prompts as plain text (no chat template)")
+    add_sampler_args(parser)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    import torch
+
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+
+    # every check that needs no model first (the load is the slow part)
+    validate_sampler_request(args.sampler, args.infill)
+    build_sampler_config(args.sampler, sampler_overrides(args))
+    resolve_checkpoint(args.checkpoint)
+    torch.manual_seed(args.seed)
+    model, tokenizer, settings = load_for_generation(args.checkpoint, mask_id=args.mask_id)
+    check_sampler_fits(args.sampler, settings)
+    config = build_sampler_config(args.sampler, sampler_overrides(args), tokenizer)
+    sampler = SAMPLERS[args.sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    ids = [encode_prompt(tokenizer, p, raw=args.raw, infill=args.infill) for p in args.prompt]
+    if args.infill:
+        result = sampler.infill(ids)
+        texts = [tokenizer.decode(s, skip_special_tokens=True).strip() for s in result.sequences]
+    else:
+        result = sampler.generate(ids)
+        texts = [decode_response(tokenizer, s) for s in result.sequences]
+    for prompt, text in zip(args.prompt, texts):
+        print(f">>> {prompt}\n{text}\n")
+    speed = result.num_generated_tokens / max(result.elapsed_s, 1e-9)
+    print(
+        f"[{args.sampler}] {result.num_generated_tokens} tokens, {result.nfe} forwards, {speed:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,239 @@
+"""`dllmflow train`: write settings.json, launch `python -m dllmflow.train` under torchrun via torchx, wait.
+
+    dllmflow train --params params/tiny_mdlm.yaml [more.yaml ...] [--resume] [--set train.lr=1e-4 ...]
+
+    from dllmflow.launch import launch
+    result = launch(settings, run_dir="runs/x")      # raises UserError naming the failing rank
+
+`build_app` is our own torchx component in the style of `torchx.components.dist.ddp`: one role with
+`launch.nnodes` replicas, each running torchrun with `launch.nproc_per_node` workers and a c10d
+rendezvous (a free port on 127.0.0.1 for local schedulers unless `launch.rdzv_endpoint` is set; the
+rank-0 host for cluster schedulers). The scheduler is always named (`launch.scheduler`, default
+local_cwd), never torchx's default (local_docker). Edit infra/.torchxconfig to leave this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dllmflow.errors import UserError
+
+ROLE = "trainer"
+CLUSTER_RDZV_PORT = 29500
+
+
+@dataclass
+class LaunchResult:
+    app_handle: str
+    state: str | None  # torchx AppState name (SUCCEEDED, FAILED, ...), None when not waited on
+    log_dir: Path | None
+    run_dir: Path
+
+
+class _Raw(str):
+    """An argument left unquoted in the bash command line (so bash expands its ${...})."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rdzv_endpoint(settings) -> str:
+    lc = settings.launch
+    if lc.rdzv_endpoint:
+        return lc.rdzv_endpoint
+    if lc.nnodes == 1:
+        return "localhost:0"  # torchrun picks a free port itself
+    if lc.scheduler.startswith("local"):
+        return f"127.0.0.1:{free_port()}"
+    from torchx.specs import macros
+
+    return f"$${{{macros.rank0_env}:=localhost}}:{CLUSTER_RDZV_PORT}"  # expanded by bash on each node
+
+
+def build_app(settings, run_dir: str | os.PathLike, resume: bool = False):
+    """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes."""
+    from torchx import specs
+
+    lc = settings.launch
+    settings_json = Path(run_dir) / "settings.json"
+    endpoint = _Raw(rdzv_endpoint(settings))
+    cmd = [
+        "torchrun",
+        "--nnodes", str(lc.nnodes),
+        "--nproc_per_node", str(lc.nproc_per_node),
+        "--rdzv_backend", lc.rdzv_backend,
+        "--rdzv_endpoint", endpoint,
+        "--rdzv_id", specs.macros.app_id,
+        "--max_restarts", str(lc.max_restarts),
+        "--tee", "3",
+    ]  # fmt: skip
+    if lc.rdzv_backend == "static":
+        cmd += ["--node_rank", specs.macros.replica_id]
+    cmd += ["-m", "dllmflow.train", "--settings", str(settings_json)] + (["--resume"] if resume else [])
+    # shlex-quote everything but the endpoint, which may hold a ${RANK0_HOST} for bash to expand
+    script = " ".join(arg if isinstance(arg, _Raw) else shlex.quote(arg) for arg in cmd)
+    env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"), "PYTHONUNBUFFERED": "1", **lc.env}
+    res = lc.resources
+    return specs.AppDef(
+        name=f"dllmflow-{settings.name}",
+        roles=[
+            specs.Role(
+                name=ROLE,
+                image=lc.image,
+                entrypoint="bash",
+                args=["-c", script],
+                num_replicas=lc.nnodes,
+                resource=specs.Resource(cpu=res.cpu, gpu=res.gpu, memMB=res.memory_mb),
+                env=env,
+                port_map={"c10d": CLUSTER_RDZV_PORT},
+                max_retries=0,
+            )
+        ],
+    )
+
+
+def launch(
+    settings,
+    run_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    wait: bool = True,
+    stream: bool = True,
+) -> LaunchResult:
+    """Write RUN/settings.json, submit the app on `launch.scheduler`, wait (echoing the trainers' stdout
+    for local schedulers when `stream`); raise UserError naming the failing rank on failure."""
+    from torchx.runner import get_runner
+    from torchx.specs import AppState
+
+    lc = settings.launch
+    run_dir = Path(run_dir or settings.resolved_run_dir).absolute()
+    settings.write_json(run_dir / "settings.json")
+    local = lc.scheduler.startswith("local")
+    cfg: dict[str, Any] = dict(lc.scheduler_args)
+    log_dir = None
+    if local:
+        log_dir = Path(cfg.setdefault("log_dir", str(run_dir / "logs")))
+        # torchrun must be on PATH for the local schedulers: use the one next to this interpreter.
+        bindir = os.path.dirname(sys.executable)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    app = build_app(settings, run_dir, resume)
+    runner = get_runner()
+    try:
+        handle = runner.run(app, scheduler=lc.scheduler, cfg=cfg)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"launch.scheduler={lc.scheduler!r}: cannot submit ({e})") from e
+    if not wait:
+        return LaunchResult(handle, None, log_dir, run_dir)
+    status = wait_and_stream(runner, handle, log_dir if stream else None)
+    state = status.state if status is not None else AppState.UNKNOWN
+    if state != AppState.SUCCEEDED:
+        raise UserError(describe_failure(handle, AppState(state).name, log_dir, status))
+    return LaunchResult(handle, AppState(state).name, log_dir, run_dir)
+
+
+def wait_and_stream(runner, handle: str, log_dir: Path | None, poll_s: float = 1.0):
+    """Poll until the app is terminal, printing new lines of each replica's stdout log (local schedulers)."""
+    offsets: dict[Path, int] = {}
+
+    def echo() -> None:
+        for log in sorted(log_dir.glob(f"*/*/{ROLE}/*/stdout.log")) if log_dir else []:
+            data = log.read_bytes()
+            end = data.rfind(b"\n") + 1  # only complete lines
+            if end > offsets.get(log, 0):
+                sys.stdout.write(data[offsets.get(log, 0) : end].decode(errors="replace"))
+                sys.stdout.flush()
+                offsets[log] = end
+
+    while True:
+        status = runner.status(handle)
+        echo()
+        if status is None or status.is_terminal():
+            return status
+        time.sleep(poll_s)
+
+
+_FAIL_RE = re.compile(r"\[rank (\d+)\] dllmflow\.train failed: (.*)")
+# A rank that dies takes its peers' collectives down with it: those errors are consequences, not causes.
+_COLLATERAL = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|timed out|NCCL communicator was aborted", re.I
+)
+
+
+def describe_failure(handle: str, state: str, log_dir: Path | None, status: Any = None) -> str:
+    """One message with the failing rank(s) (root cause first), their error and where the logs are."""
+    failures: dict[int, str] = {}
+    tail: list[str] = []
+    for log in sorted(log_dir.rglob("stderr.log")) if log_dir and log_dir.is_dir() else []:
+        text = log.read_text(errors="replace").splitlines()
+        for line in text:
+            if m := _FAIL_RE.search(line):
+                failures.setdefault(int(m.group(1)), m.group(2).strip())
+        if not tail and any("Error" in line for line in text):
+            tail = [line for line in text if line.strip()][-8:]
+    lines = [f"training {state} ({handle})"]
+    causes = {r: e for r, e in failures.items() if not _COLLATERAL.search(e)} or failures
+    for rank, err in sorted(causes.items()):
+        lines.append(f"rank {rank} failed: {err}")
+    others = sorted(set(failures) - set(causes))
+    if others:
+        lines.append(f"then rank(s) {', '.join(map(str, others))} stopped (lost their peers)")
+    if not failures:
+        if tail:
+            lines.append("last error lines:\n    " + "\n    ".join(tail))
+        elif status is not None and getattr(status, "msg", ""):
+            lines.append(str(status.msg))
+    if log_dir:
+        lines.append(f"logs: {log_dir}")
+    return "\n".join(lines)
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--params", nargs="+", required=True, metavar="YAML", help="recipe(s); later ones override"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
+    parser.add_argument("--run-dir", default=None, help="override run_dir (default runs/<name>)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. train.lr=1e-4"
+    )
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`a.b=1` -> {"a.b": 1}; values parse as JSON, else YAML (numbers incl. 1e-4, bools, lists, strings)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    from dllmflow.settings import load_settings
+
+    settings = load_settings(*args.params, **parse_overrides(args.set))
+    result = launch(settings, run_dir=args.run_dir, resume=args.resume)
+    print(f"training {result.state}: {result.run_dir}")
+    return 0

@@ -1,0 +1,37 @@
+"""The MLflow pyfunc of a registered dllmflow model (logged "from code": MLflow runs this file at load).
+
+    m = mlflow.pyfunc.load_model("models:/dllmflow-tiny-mdlm@champion")
+    m.predict(["What is 2 + 3?"])                                   # recorded sampler and settings
+    m.predict(["What is 2 + 3?"], params={"steps": 32, "threshold": 0.9})
+
+Artifacts: `checkpoint` (the consolidated HF dir) and `generation` (sampler name + settings recorded at
+training/evaluation time). Logged by `dllmflow.registry.register_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+from mlflow.pyfunc import PythonModel
+
+
+class DllmGenerator(PythonModel):
+    """`predict(prompts)` generates text; `params` may override any sampler setting."""
+
+    def load_context(self, context):
+        from dllmflow.generate import load_for_generation
+
+        self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
+        self.model, self.tokenizer, _ = load_for_generation(context.artifacts["checkpoint"])
+
+    def predict(self, context, model_input, params=None):
+        from dllmflow.registry import from_param_sentinels, generate_texts, prompts_of
+
+        options = {**self.generation.get("sampler_settings", {}), **from_param_sentinels(params or {})}
+        sampler = options.pop("sampler", None) or self.generation["sampler"]
+        return generate_texts(self.model, self.tokenizer, prompts_of(model_input), sampler=sampler, **options)
+
+
+mlflow.models.set_model(DllmGenerator())

@@ -1,0 +1,67 @@
+"""Bidirectional attention for a standard Hugging Face decoder (Qwen3, Llama) through a 4D mask.
+
+Masked-diffusion models read the whole sequence at once. A causal decoder becomes bidirectional when
+it is handed an explicit float additive mask `[B, 1, L, L]` (0 = attend, finfo.min = blocked), which
+transformers passes through as-is; a bool mask is silently wrong under `eager`, so we never use one.
+Natively bidirectional remote-code families (LLaDA, LLaDA-MoE, LLaDA2) expect a 2D mask or none:
+they get none, as in the reference recipe (spec §2.1), so padding stays visible to them.
+
+    from dllmflow.models.attention import forward_bidirectional
+    logits = forward_bidirectional(model, noisy_ids, attention_mask)   # [B, L, V]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+# `config.model_type` of families whose attention is already bidirectional (HF remote code).
+NATIVELY_BIDIRECTIONAL = frozenset({"llada", "lladamoe", "llada2_moe"})
+
+
+def bidirectional_mask(
+    attention_mask: Tensor | None,
+    dtype: torch.dtype,
+    batch: int | None = None,
+    length: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Every query sees every non-padding key: a float additive [B, 1, L, L] mask.
+
+    `attention_mask` [B, L] (1 = real token, 0 = padding) or None (nothing padded; then `batch` and
+    `length` give the shape). Each query also keeps its own diagonal, so a padded query row is never
+    fully blocked (a fully blocked row gives NaN in softmax).
+    """
+    if attention_mask is None:
+        if batch is None or length is None:
+            raise ValueError("bidirectional_mask: pass attention_mask or both batch and length")
+        return torch.zeros(batch, 1, length, length, dtype=dtype, device=device)
+    B, L = attention_mask.shape
+    key_ok = attention_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, L]
+    eye = torch.eye(L, dtype=torch.bool, device=attention_mask.device)[None, None]  # [1, 1, L, L]
+    allowed = key_ok | eye  # [B, 1, L, L]
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=attention_mask.device)
+    zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
+    return torch.where(allowed, zero, blocked)
+
+
+def mask_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype attention runs in: the autocast dtype when autocast is on, else the weights'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(model.parameters()).dtype
+
+
+def forward_bidirectional(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> Tensor:
+    """Logits [B, L, V] of `model` over `input_ids` [B, L] with bidirectional attention that ignores
+    padding keys (`attention_mask` [B, L], None = no padding)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    if getattr(config, "model_type", None) in NATIVELY_BIDIRECTIONAL:
+        return model(input_ids=input_ids).logits
+    B, L = input_ids.shape
+    mask = bidirectional_mask(
+        attention_mask, mask_dtype(model, input_ids.device), batch=B, length=L, device=input_ids.device
+    )
+    return model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits

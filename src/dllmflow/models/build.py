@@ -1,0 +1,106 @@
+"""Build the trainable backbone: `from_pretrained` (hub id, local dir, GGUF) or a tiny random decoder.
+
+    from dllmflow.models.build import build_model
+    model = build_model(settings, tokenizer)      # fp32 master weights, vocab covers the tokenizer
+
+The tiny path (tests, CPU demo) builds a Qwen3/Llama config from `model.tiny` with vocab =
+`len(tokenizer)` and the tokenizer's pad/eos/mask ids. Weights are drawn from the global RNG, so
+seed it first (the trainer seeds with `train.seed`) to get identical replicas on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from dllmflow.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from dllmflow.settings import Settings, TinyModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The configured model with master weights in `model.torch_dtype` (fp32 by default)."""
+    cfg = settings.model
+    dtype = DTYPES[cfg.torch_dtype]
+    if cfg.tiny is not None:
+        model = build_tiny_model(cfg.tiny, tokenizer, attn_implementation=cfg.attn_implementation)
+        return model.to(dtype)
+    model = _from_pretrained(settings, dtype)
+    # A tokenizer that gained specials (<mask>, <pad>) needs rows for them in the embedding.
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    _set_token_ids(model.config, tokenizer)
+    return model
+
+
+def build_tiny_model(
+    tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, attn_implementation: str = "sdpa"
+) -> PreTrainedModel:
+    """A randomly initialised Qwen3 / Llama decoder sized by `model.tiny` (100k-300k params in tests)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    config_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[tiny.architecture]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        head_dim=tiny.hidden_size // tiny.num_attention_heads,
+        max_position_embeddings=tiny.max_position_embeddings,
+        tie_word_embeddings=tiny.tie_word_embeddings,
+        use_cache=False,
+    )
+    _set_token_ids(config, tokenizer)
+    config._attn_implementation = attn_implementation
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    cfg = settings.model
+    name = cfg.pretrained_model_name_or_path
+    field = "model.pretrained_model_name_or_path"
+    if _looks_local(name) and not Path(name).expanduser().exists():
+        raise UserError(f"{field}={name!r}: no such directory; point it at a model dir or a hub id")
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.gguf_file:
+        if Path(name).is_dir() and not (Path(name) / cfg.gguf_file).is_file():
+            raise UserError(f"model.gguf_file={cfg.gguf_file!r} is not a file inside {name}")
+        kwargs["gguf_file"] = cfg.gguf_file
+    else:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    for knob in ("dlm_paradigm", "block_size", "canvas_length"):
+        if getattr(cfg, knob) is not None:
+            kwargs[knob] = getattr(cfg, knob)
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        hint = (
+            " (set model.trust_remote_code: true for remote-code models)"
+            if "trust_remote_code" in str(e)
+            else ""
+        )
+        raise UserError(f"{field}={name!r}: cannot load the model{hint}: {str(e).splitlines()[0]}") from e
+
+
+def _looks_local(name: str) -> bool:
+    """Hub ids are `org/name`; anything absolute, relative-dotted or deeper is a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def _set_token_ids(config, tokenizer: PreTrainedTokenizerBase) -> None:
+    # The samplers and the exported checkpoint read these from config.json.
+    for attr in ("pad_token_id", "eos_token_id", "bos_token_id", "mask_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            setattr(config, attr, value)

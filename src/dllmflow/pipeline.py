@@ -1,0 +1,252 @@
+"""The library side of `flows/finetune.py`: one function per flow step, so steps stay a few lines.
+
+Everything here also runs without Metaflow (tests call it directly):
+
+    from dllmflow import pipeline
+    settings = pipeline.resolve_flow_settings(yaml.safe_load(open("params/tiny_mdlm.yaml")))
+    data = pipeline.prepare_data(settings)
+    training = pipeline.train(settings, "runs/tiny_mdlm/manual")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from dllmflow.errors import UserError
+from dllmflow.settings import Settings, load_settings_text
+
+log = logging.getLogger(__name__)
+
+SettingsLike = Settings | dict[str, Any]
+
+
+def as_settings(settings: SettingsLike) -> Settings:
+    return settings if isinstance(settings, Settings) else Settings.model_validate(settings)
+
+
+# ---- start ---------------------------------------------------------------------------------------------
+
+
+def parse_params_config(text: str) -> dict[str, Any]:
+    """Metaflow `Config` parser: YAML text -> the fully validated settings (defaults filled in), so
+    decorators can read `params.flow.resources.cpu` and a typo fails before any step runs."""
+    return load_settings_text(text, source="--config params").to_dict()
+
+
+def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_limit: int = 0) -> dict[str, Any]:
+    """Apply the run-time `Parameter`s to the Config and re-validate. Returns a JSON-able dict (the
+    artifact every later step rehydrates)."""
+    data = json.loads(json.dumps(config))
+    if max_steps:
+        data["train"]["max_steps"] = int(max_steps)
+    if eval_limit:
+        data["eval"]["limit"] = int(eval_limit)
+    return as_settings(data).to_dict()
+
+
+def flow_run_dir(settings: SettingsLike, run_id: str) -> str:
+    """One run dir per flow run; a resumed flow (`origin_run_id`) reuses it, so training resumes."""
+    s = as_settings(settings)
+    base = Path(s.run_dir) if s.run_dir else Path("runs") / s.name
+    return str(base / f"flow-{run_id}")
+
+
+# ---- prepare ---------------------------------------------------------------------------------------------
+
+
+def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, Any]:
+    """Run or reuse data prep. When `dataset.prepared_dir` is the output of a `dvc.yaml` stage, run
+    `dvc repro` on it (DVC skips it when its params and deps hashes are unchanged); then check that the
+    result was prepared with exactly these settings, else prepare directly (which also skips work
+    when its input fingerprint is unchanged). Returns the data hash and how it was obtained."""
+    from dllmflow.data.prepare import prepare
+
+    s = as_settings(settings)
+    via_dvc = None
+    stage = None if force else _dvc_stage_for(s.dataset.prepared_dir)
+    if stage is not None:
+        proc = subprocess.run(["dvc", "repro", stage], capture_output=True, text=True)
+        if proc.returncode == 0:
+            via_dvc = stage
+        else:
+            log.warning("dvc repro %s failed, preparing directly:\n%s", stage, proc.stderr[-2000:])
+    manifest = prepare(s, force=force)
+    return {
+        "prepared_dir": s.dataset.prepared_dir,
+        "content_hash": manifest["content_hash"],
+        "reused": bool(manifest.get("reused", False)),
+        "dvc_stage": via_dvc,
+        "dvc_rev": _git_rev() if via_dvc else None,
+        "rows": manifest.get("rows", {}),
+    }
+
+
+def _dvc_stage_for(out_dir: str) -> str | None:
+    """The name of the dvc.yaml stage whose `outs` is `out_dir`, if this is a DVC repo."""
+    if not Path("dvc.yaml").is_file() or not Path(".dvc").is_dir():
+        return None
+    try:
+        from dvc.repo import Repo
+
+        with Repo(".") as repo:
+            for stage in repo.index.stages:
+                if any(os.path.normpath(str(o.def_path)) == os.path.normpath(out_dir) for o in stage.outs):
+                    return stage.addressing
+    except Exception as e:  # a broken DVC setup must not stop the flow: prepare() still runs
+        log.warning("could not read dvc.yaml stages: %s", e)
+    return None
+
+
+def _git_rev() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+# ---- train -----------------------------------------------------------------------------------------------
+
+
+def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
+    """Launch the torchx app and wait. Resumes from `run_dir`'s LATEST checkpoint when there is one
+    (a Metaflow `@retry` or `resume` lands here again with the same run dir)."""
+    from dllmflow.launch import launch
+    from dllmflow.training.checkpoint import latest_checkpoint
+
+    s = as_settings(settings)
+    resume = latest_checkpoint(Path(run_dir) / "checkpoints") is not None
+    result = launch(s, run_dir=run_dir, resume=resume)
+    return {
+        "run_dir": run_dir,
+        "app_handle": result.app_handle,
+        "log_dir": str(result.log_dir),
+        "resumed": resume,
+        "consolidated_dir": str(find_consolidated(run_dir)),
+    }
+
+
+def find_consolidated(run_dir: str | os.PathLike) -> Path:
+    """The consolidated HF dir of a finished run (checkpoints/LATEST/model/consolidated)."""
+    from dllmflow.generate import resolve_checkpoint
+
+    return Path(resolve_checkpoint(Path(run_dir) / "checkpoints"))
+
+
+# ---- evaluate --------------------------------------------------------------------------------------------
+
+
+def eval_samplers(settings: SettingsLike) -> list[str]:
+    """The samplers valid for the trained mode (or `eval.samplers` when set)."""
+    from dllmflow.diffusion.samplers import SAMPLERS, SAMPLERS_FOR_MODE
+
+    s = as_settings(settings)
+    fitting = [n for n in SAMPLERS_FOR_MODE[s.dllm.mode] if _sampler_available(SAMPLERS, n)]
+    if s.eval.samplers:
+        unknown = [n for n in s.eval.samplers if n not in SAMPLERS]
+        if unknown:
+            raise UserError(f"eval.samplers: unknown sampler(s) {unknown}; choose from {sorted(SAMPLERS)}")
+        return list(s.eval.samplers)
+    return fitting
+
+
+def _sampler_available(registry, name: str) -> bool:
+    try:
+        registry[name]
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
+def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict[str, Any]:
+    from dllmflow.evaluate import evaluate
+
+    s = as_settings(settings)
+    result = evaluate(find_consolidated(run_dir), settings=s, sampler=sampler, limit=s.eval.limit)
+    out = Path(run_dir) / "eval" / f"{sampler}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+# ---- register --------------------------------------------------------------------------------------------
+
+
+def register(
+    settings: SettingsLike,
+    run_dir: str,
+    evals: dict[str, dict[str, Any]],
+    *,
+    data: dict[str, Any],
+    training: dict[str, Any],
+    pathspec: str | None = None,
+) -> dict[str, Any]:
+    from dllmflow import registry
+
+    s = as_settings(settings)
+    lineage = {
+        "data_content_hash": data.get("content_hash"),
+        "dvc_rev": data.get("dvc_rev") or "none",
+        "dvc_stage": data.get("dvc_stage") or "none",
+        "metaflow_run": pathspec,
+        "torchx_app_handle": training.get("app_handle"),
+        "git_sha": registry.git_sha(),
+    }
+    run_id = registry.log_run(s, run_dir, evals=evals, lineage=lineage)
+    gated = _gated_sampler(s, evals)
+    sampler_settings = evals.get(gated, {}).get("protocol", {}).get("sampler_settings", {})
+    version = registry.register_model(
+        s, run_id, training["consolidated_dir"], sampler=gated, sampler_settings=sampler_settings
+    )
+    decision = registry.apply_gate(s, version, evals, gated)
+    return {
+        "tracking_uri": registry.resolve_tracking_uri(s),
+        "run_id": run_id,
+        "model_name": s.registry.model_name,
+        "version": int(version.version),
+        "sampler": gated,
+        "lineage": lineage,
+        **{f"gate_{k}": v for k, v in decision.items()},
+    }
+
+
+def _gated_sampler(s: Settings, evals: dict[str, dict[str, Any]]) -> str:
+    from dllmflow.diffusion.samplers import SAMPLERS_FOR_MODE
+
+    for name in SAMPLERS_FOR_MODE[s.dllm.mode]:
+        if name in evals:
+            return name
+    if not evals:
+        raise UserError("no evaluation results to register (eval.samplers is empty for this mode?)")
+    return next(iter(evals))
+
+
+# ---- end: card and instructions ---------------------------------------------------------------------------
+
+
+def fill_card(card, settings, run_dir, evals, data, training, registration) -> None:
+    from dllmflow.report import build_card_components
+
+    for component in build_card_components(as_settings(settings), run_dir, evals, data, training, registration):
+        card.append(component)
+
+
+def next_steps_message(settings: SettingsLike, registration: dict[str, Any], pathspec: str) -> str:
+    s = as_settings(settings)
+    uri = registration["tracking_uri"]
+    flow_file = "flows/finetune.py"
+    status = "promoted to @champion" if registration.get("gate_promoted") else "kept as @candidate"
+    return "\n".join(
+        [
+            "",
+            f"Model {registration['model_name']} v{registration['version']} {status}: {registration.get('gate_reason')}",
+            f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)",
+            f"  Card:        python {flow_file} card view end --id report     ({pathspec})",
+            "  Champion:    python -c \"import mlflow; m = mlflow.pyfunc.load_model("
+            f"'models:/{s.registry.model_name}@champion'); print(m.predict(['What is 2 + 3?']))\"",
+        ]
+    )

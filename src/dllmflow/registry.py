@@ -1,0 +1,345 @@
+"""MLflow side of a run: one MLflow run per flow run, a pyfunc model that generates, registration with
+`candidate` / `champion` aliases and a gate that decides whether `champion` moves.
+
+    from dllmflow.registry import log_run, register_model, apply_gate
+    run_id = log_run(settings, run_dir, evals=..., lineage={...})
+    version = register_model(settings, run_id, consolidated_dir, sampler="llada")
+    decision = apply_gate(settings, version, evals)
+
+Consumers load the champion anywhere MLflow is reachable, with no access to the training directories:
+
+    import mlflow
+    mlflow.pyfunc.load_model("models:/dllmflow-tiny-mdlm@champion").predict(["What is 2 + 3?"])
+
+Tracking URI: `registry.tracking_uri`, else `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dllmflow.errors import UserError
+from dllmflow.settings import Settings
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+
+
+# ---- tracking ----------------------------------------------------------------------------------------
+
+
+def resolve_tracking_uri(settings: Settings | None = None) -> str:
+    if settings is not None and settings.registry.tracking_uri:
+        return settings.registry.tracking_uri
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def connect(settings: Settings | None = None) -> str:
+    """Point MLflow at the tracking store; a dead server fails here with one clear line."""
+    import mlflow
+
+    uri = resolve_tracking_uri(settings)
+    if uri.startswith(("http://", "https://")):
+        import httpx
+
+        try:
+            httpx.get(uri.rstrip("/") + "/health", timeout=10.0).raise_for_status()
+        except httpx.HTTPError as e:
+            raise UserError(
+                f"MLflow tracking server {uri} is not reachable ({type(e).__name__}); start it or fix "
+                "registry.tracking_uri / MLFLOW_TRACKING_URI"
+            ) from None
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return uri
+
+
+def git_sha(cwd: str | os.PathLike | None = None) -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a killed run; the rest is still valid
+    return rows
+
+
+def log_run(
+    settings: Settings,
+    run_dir: str | os.PathLike,
+    *,
+    evals: dict[str, dict[str, Any]] | None = None,
+    lineage: dict[str, str] | None = None,
+    run_name: str | None = None,
+) -> str:
+    """Create (or reuse, keyed by the Metaflow pathspec) the MLflow run of this flow run and log
+    settings as params, training curves and eval metrics as metrics, settings.json and predictions as
+    artifacts, lineage as tags. Returns the MLflow run id."""
+    import mlflow
+
+    connect(settings)
+    lineage = {k: str(v) for k, v in (lineage or {}).items() if v is not None}
+    experiment = mlflow.set_experiment(settings.registry.experiment_name)
+    run_id = _existing_run(experiment.experiment_id, lineage.get("metaflow_run"))
+    with mlflow.start_run(run_id=run_id, run_name=run_name or settings.name) as run:
+        if run_id is None:  # params are immutable in MLflow: log them once
+            mlflow.log_params({k: _param_value(v) for k, v in settings.flat().items()})
+        mlflow.set_tags({"dllmflow.mode": settings.dllm.mode, "git_sha": git_sha(), **lineage})
+        for row in read_metrics(run_dir):
+            step = int(row.get("step", 0))
+            numeric = {f"train/{k}": float(v) for k, v in row.items() if _is_number(v) and k != "step"}
+            if numeric:
+                mlflow.log_metrics(numeric, step=step)
+        settings_json = Path(run_dir) / "settings.json"
+        if settings_json.is_file():
+            mlflow.log_artifact(str(settings_json))
+        for sampler, result in (evals or {}).items():
+            metrics = {f"eval/{sampler}/{k}": float(v) for k, v in result.get("metrics", {}).items() if _is_number(v)}
+            mlflow.log_metrics(metrics)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"eval_{sampler}.json"
+                path.write_text(json.dumps(result, indent=2, default=str))
+                mlflow.log_artifact(str(path), artifact_path="eval")
+        return run.info.run_id
+
+
+def _existing_run(experiment_id: str, pathspec: str | None) -> str | None:
+    if not pathspec:
+        return None
+    import mlflow
+
+    found = mlflow.search_runs(
+        [experiment_id], filter_string=f"tags.metaflow_run = '{pathspec}'", output_format="list", max_results=1
+    )
+    return found[0].info.run_id if found else None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _param_value(v: Any) -> str:
+    s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+    return s[:6000]
+
+
+# ---- the pyfunc model ----------------------------------------------------------------------------------
+
+
+def generate_texts(model: Any, tokenizer: Any, prompts: list[str], *, sampler: str = "llada", **options: Any) -> list[str]:
+    """Chat-templated prompts -> generated texts with `sampler` (preset, then `options`)."""
+    import torch
+
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.generate import decode_response, encode_prompt, validate_sampler_request
+
+    validate_sampler_request(sampler)
+    config = build_sampler_config(sampler, options, tokenizer)
+    torch.manual_seed(config.seed)
+    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    result = runner.generate([encode_prompt(tokenizer, p) for p in prompts])
+    return [decode_response(tokenizer, ids) for ids in result.sequences]
+
+
+def prompts_of(model_input: Any) -> list[str]:
+    if hasattr(model_input, "columns"):  # pandas DataFrame from the signature
+        column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
+        return [str(x) for x in model_input[column].tolist()]
+    if isinstance(model_input, str):
+        return [model_input]
+    return [str(x) for x in model_input]
+
+
+# MLflow params need a typed default; a sampler knob that is unset (None) travels as this sentinel.
+_UNSET = {"long": -1, "double": -1.0, "string": ""}
+_PARAM_TYPES = {"sampler": "string", "steps": "long", "max_new_tokens": "long", "block_size": "long",
+                "temperature": "double", "threshold": "double", "remasking": "string", "seed": "long"}
+
+
+def from_param_sentinels(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k in _PARAM_TYPES and v != _UNSET[_PARAM_TYPES[k]]}
+
+
+def _signature(sampler: str, sampler_settings: dict[str, Any]):
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+
+    recorded = {"sampler": sampler, **build_sampler_config(sampler, sampler_settings).model_dump(), **sampler_settings}
+    params = []
+    for name, dtype in _PARAM_TYPES.items():
+        value = recorded.get(name)
+        params.append(ParamSpec(name, dtype, _UNSET[dtype] if value is None else value))
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),  # a plain list of prompts
+        outputs=Schema([ColSpec("string", "text")]),
+        params=ParamSchema(params),
+    )
+
+
+def register_model(
+    settings: Settings,
+    run_id: str,
+    consolidated_dir: str | os.PathLike,
+    *,
+    sampler: str,
+    sampler_settings: dict[str, Any] | None = None,
+) -> Any:
+    """Log the consolidated checkpoint as a pyfunc model in `run_id` and register it under
+    `registry.model_name` with alias `candidate`. Idempotent: a run already registered returns its
+    existing version. Returns the `ModelVersion`."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    connect(settings)
+    consolidated_dir = Path(consolidated_dir)
+    if not (consolidated_dir / "config.json").is_file():
+        raise UserError(f"{consolidated_dir}: no consolidated checkpoint (config.json missing); did training finish?")
+    client = MlflowClient()
+    name = settings.registry.model_name
+    existing = _version_of_run(client, name, run_id)
+    if existing is not None:
+        client.set_registered_model_alias(name, CANDIDATE, existing.version)
+        return existing
+
+    sampler_settings = {k: v for k, v in (sampler_settings or {}).items() if v is not None}
+    generation = {"sampler": sampler, "sampler_settings": sampler_settings, "mode": settings.dllm.mode}
+    with tempfile.TemporaryDirectory() as tmp:
+        gen_path = Path(tmp) / "generation.json"
+        gen_path.write_text(json.dumps(generation, indent=2))
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                artifacts={"checkpoint": str(consolidated_dir), "generation": str(gen_path)},
+                code_paths=[str(Path(__file__).parent)],
+                signature=_signature(sampler, sampler_settings),
+                input_example=["What is 2 + 3?"],
+                pip_requirements=_pip_requirements(),
+            )
+    version = mlflow.register_model(info.model_uri, name, tags={"run_id": run_id, "sampler": sampler})
+    client.set_registered_model_alias(name, CANDIDATE, version.version)
+    return client.get_model_version(name, version.version)
+
+
+def _version_of_run(client: Any, name: str, run_id: str) -> Any | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    except MlflowException:
+        return None
+    return min(versions, key=lambda v: int(v.version)) if versions else None
+
+
+def _pip_requirements() -> list[str]:
+    from importlib.metadata import version
+
+    pins = []
+    for pkg in ("torch", "transformers", "safetensors", "tokenizers", "mlflow", "pydantic-settings"):
+        try:
+            pins.append(f"{pkg}=={version(pkg).split('+')[0]}")
+        except Exception:
+            continue
+    return pins
+
+
+# ---- the gate ------------------------------------------------------------------------------------------
+
+
+def apply_gate(settings: Settings, version: Any, evals: dict[str, dict[str, Any]], sampler: str) -> dict[str, Any]:
+    """Move `champion` to `version` when its accuracy is not below the current champion's minus
+    `registry.gate.tolerance` and its speed is not below `registry.gate.min_tokens_per_s`. The decision
+    and its reason are written as tags on the model version and on its run."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    connect(settings)
+    gate = settings.registry.gate
+    client = MlflowClient()
+    name = settings.registry.model_name
+    metrics = evals.get(sampler, {}).get("metrics", {})
+    acc = float(metrics.get(gate.metric, float("nan")))
+    speed = float(metrics.get("tokens_per_s", 0.0))
+    try:
+        champion = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        champion = None
+
+    if not math.isfinite(acc):
+        promote, reason = False, f"metric {gate.metric} missing for sampler {sampler}"
+    elif speed < gate.min_tokens_per_s:
+        promote, reason = False, f"tokens_per_s {speed:.2f} below the floor {gate.min_tokens_per_s}"
+    elif champion is None:
+        promote, reason = True, "no champion yet"
+    elif champion.version == version.version:
+        promote, reason = True, "already champion"
+    else:
+        champ_acc = float(champion.tags.get(f"eval.{gate.metric}", "nan"))
+        if not math.isfinite(champ_acc) or acc >= champ_acc - gate.tolerance:
+            promote = True
+            reason = f"{gate.metric} {acc:.4f} >= champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
+        else:
+            promote = False
+            reason = f"{gate.metric} {acc:.4f} < champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
+
+    client.set_model_version_tag(name, version.version, f"eval.{gate.metric}", f"{acc:.6f}")
+    client.set_model_version_tag(name, version.version, "eval.tokens_per_s", f"{speed:.4f}")
+    client.set_model_version_tag(name, version.version, "gate.decision", "promoted" if promote else "rejected")
+    client.set_model_version_tag(name, version.version, "gate.reason", reason)
+    if version.run_id:
+        client.set_tag(version.run_id, "gate.decision", "promoted" if promote else "rejected")
+        client.set_tag(version.run_id, "gate.reason", reason)
+    if promote:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+    return {"promoted": promote, "reason": reason, "version": int(version.version), "metric": gate.metric,
+            "value": acc, "tokens_per_s": speed}
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------
+
+
+def add_cli_args(parser) -> None:
+    parser.add_argument("--run-dir", required=True, help="A finished training run directory (holds settings.json).")
+    parser.add_argument("--eval", dest="eval_files", action="append", default=[], help="evaluate --output JSON files.")
+    parser.add_argument("--sampler", default=None, help="Sampler recorded for the pyfunc (default: the first eval's).")
+
+
+def cli_main(args) -> int:
+    from dllmflow.settings import load_settings_json
+    from dllmflow.pipeline import find_consolidated
+
+    run_dir = Path(args.run_dir)
+    settings = load_settings_json(run_dir / "settings.json")
+    evals = {}
+    for f in args.eval_files:
+        result = json.loads(Path(f).read_text())
+        evals[result["protocol"]["sampler"]] = result
+    sampler = args.sampler or next(iter(evals), "llada")
+    run_id = log_run(settings, run_dir, evals=evals, lineage={"git_sha": git_sha()})
+    version = register_model(settings, run_id, find_consolidated(run_dir), sampler=sampler,
+                             sampler_settings=evals.get(sampler, {}).get("protocol", {}).get("sampler_settings"))
+    decision = apply_gate(settings, version, evals, sampler)
+    print(json.dumps({"run_id": run_id, **decision}, indent=2))
+    return 0

@@ -1,0 +1,53 @@
+"""The training entry point: one process per rank, started by torchrun (or plain python for one rank).
+
+    torchrun --nproc_per_node 2 -m dllmflow.train --settings runs/tiny/settings.json [--resume]
+    python -m dllmflow.train --settings runs/tiny/settings.json          # a single in-process rank
+
+It knows nothing of Metaflow or torchx: the settings come only from the JSON file (written by
+`dllmflow train` / the flow), and the run dir is that file's directory. A failure prints one line
+`[rank N] dllmflow.train failed: ...` (plus the traceback for non-user errors) and exits 1, which
+the launcher quotes. After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) it resumes from LATEST.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from dllmflow.errors import UserError
+
+FAIL_MARKER = "dllmflow.train failed:"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dllmflow.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--settings", required=True, help="RUN/settings.json written by `dllmflow train`")
+    parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        from dllmflow.settings import load_settings_json
+        from dllmflow.training.trainer import run_training
+
+        settings = load_settings_json(args.settings)
+        resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        result = run_training(settings, Path(args.settings).resolve().parent, resume=resume)
+        if rank == "0":
+            print(f"training done: step {result.final_step}, checkpoint {result.checkpoint_dir}", flush=True)
+        return 0
+    except Exception as e:  # every rank reports its own failure; torchrun then stops the others
+        if not isinstance(e, UserError):
+            traceback.print_exc()
+        print(f"[rank {rank}] {FAIL_MARKER} {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        from dllmflow.training.parallel import shutdown
+
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Deterministic, stateless global batching: which rows each rank trains on at each step.
+
+Every optimizer step consumes `global_batch_size` (gbs) consecutive global positions
+`p = step * gbs + k`, `k in [0, gbs)`. Position p reads row `perm_e[p mod N]` of epoch `e = p // N`, where
+`perm_e` is a permutation seeded by (train.seed, e). Rank r's micro-batch j holds the slots
+
+    k = (j * world + r) * local_batch_size + b,      b in [0, local_batch_size)
+
+so a micro-batch is the same set of rows whatever the world size / accumulation split (for a fixed
+local batch size): padding, and therefore the loss, does not depend on the topology. With
+local_batch_size 1 this is k = r + j * world. Nothing is stored: resuming at step s is just asking for step s.
+The global position p is also the sample's identity for seeding its corruption noise.
+
+    batches = GlobalBatches(dataset, collator, gbs=8, lbs=4, rank=0, world=2, seed=42)
+    for mb in batches.step(17): ...      # list of collated micro-batches, each with "global_index" [B]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dllmflow.errors import UserError
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """Row order of one epoch, a pure function of (seed, epoch)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7_919 + 1) & (2**63 - 1))
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+class GlobalBatches:
+    """Micro-batches of one rank for a given step; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        dataset: Sequence[dict[str, Any]],
+        collator: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+        global_batch_size: int,
+        local_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+    ):
+        if global_batch_size % (local_batch_size * world_size):
+            raise UserError(
+                f"train.global_batch_size ({global_batch_size}) must be a multiple of "
+                f"train.local_batch_size x world size ({local_batch_size} x {world_size})"
+            )
+        if len(dataset) == 0:
+            raise UserError(
+                "the training split of dataset.prepared_dir is empty; run `dllmflow prepare` again"
+            )
+        self.dataset, self.collator = dataset, collator
+        self.gbs, self.lbs = global_batch_size, local_batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        self.grad_accum_steps = global_batch_size // (local_batch_size * world_size)
+        self._perm_cache: dict[int, list[int]] = {}
+
+    def positions(self, step: int, micro: int) -> list[int]:
+        """Global positions of this rank's micro-batch `micro` at `step`."""
+        first = (micro * self.world + self.rank) * self.lbs
+        return [step * self.gbs + first + b for b in range(self.lbs)]
+
+    def row_index(self, position: int) -> int:
+        n = len(self.dataset)
+        epoch = position // n
+        if epoch not in self._perm_cache:
+            self._perm_cache = {epoch: epoch_permutation(n, self.seed, epoch)}  # one epoch at a time
+        return self._perm_cache[epoch][position % n]
+
+    def step(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The collated micro-batches of `step`; each carries `global_index` [B] (long) for noise seeding."""
+        out = []
+        for micro in range(self.grad_accum_steps):
+            positions = self.positions(step, micro)
+            batch = self.collator([self.dataset[self.row_index(p)] for p in positions])
+            batch["global_index"] = torch.tensor(positions, dtype=torch.long)  # [B]
+            out.append(batch)
+        return out

@@ -1,0 +1,133 @@
+"""Process group setup and data-parallel wrappers (DDP, FSDP2) for the trainer.
+
+    dist_info = init_distributed(settings)    # torchrun env -> process group; plain python -> world 1
+    model = apply_fsdp2(model)                # or apply_ddp(model, dist_info.device)
+    with grad_sync(model, enabled=is_last_micro_batch): loss.backward()
+
+Backend: `distributed.backend` (`auto` = nccl when CUDA is available, else gloo). Without torchrun's
+env (RANK/WORLD_SIZE) the trainer runs in-process as a single rank and no process group is created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from dllmflow.settings import Settings
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    distributed: bool  # a process group exists (launched by torchrun)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(settings: Settings) -> DistInfo:
+    """Join the process group torchrun set up (env://); pick the device from LOCAL_RANK."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = settings.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if not launched:
+        return DistInfo(0, 0, 1, device, False)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, True)
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def apply_fsdp2(model: nn.Module) -> nn.Module:
+    """Shard each decoder block, then the root (embeddings, norm, head). In place; returns the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in decoder_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def apply_parallel(model: nn.Module, settings: Settings, info: DistInfo) -> nn.Module:
+    """`distributed.strategy` -> the wrapped model (unchanged without a process group)."""
+    if not info.distributed:
+        return model
+    if settings.distributed.strategy == "fsdp2":
+        return apply_fsdp2(model)
+    return apply_ddp(model, info.device)
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: modules whose class the model lists in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:  # fall back to the children of any `layers` ModuleList
+        for name, module in model.named_modules():
+            if name.endswith("layers") and isinstance(module, nn.ModuleList):
+                blocks.extend(module)
+    return blocks
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The underlying HF model (DDP keeps it in `.module`; FSDP2 modifies the model in place)."""
+    return (
+        model.module
+        if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel)
+        else model
+    )
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter for all but the last micro-batch of a step."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        ctx = contextlib.nullcontext() if enabled else model.no_sync()
+        with ctx:
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In-place SUM over all ranks (no-op without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

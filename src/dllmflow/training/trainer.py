@@ -1,0 +1,258 @@
+"""The training loop: one strategy, DDP/FSDP2, globally normalised losses, atomic checkpoints.
+
+    from dllmflow.training.trainer import run_training
+    result = run_training(settings, "runs/tiny", resume=False)   # in-process: one rank
+    # or, one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.train --settings runs/tiny/settings.json
+
+One optimizer step (spec §1.3):
+  1) every micro-batch of the step is collated and corrupted first (noise seeded per sample by its
+     global position, so it does not depend on the topology);
+  2) per-term token counts are summed over micro-batches and all-reduced over ranks;
+  3) each micro-batch: total = sum_k w_k * sums_k / max(G_k, 1); backward of total * world_size
+     (DDP/FSDP2 average gradients over ranks; this turns the average back into global sum / global count);
+  4) clip, AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`.
+The loss therefore does not depend on world size or gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dllmflow.training import checkpoint as ckpt
+from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
+from dllmflow.training.parallel import (
+    DistInfo,
+    all_reduce_sum,
+    apply_parallel,
+    grad_sync,
+    init_distributed,
+    unwrap,
+)
+
+# Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
+FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"
+FAIL_RANK_ENV = "DLLM_FAIL_RANK"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_step: int
+    losses: list[float] = field(default_factory=list)  # this invocation's per-step global losses
+    checkpoint_dir: Path | None = None
+    consolidated_dir: Path | None = None
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+
+def build_optimizer(model: torch.nn.Module, settings) -> torch.optim.Optimizer:
+    t = settings.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+
+
+def lr_factor(step: int, settings) -> float:
+    """Multiplier of train.lr for the update after `step` completed steps: linear warmup, then cosine
+    down to min_lr_ratio at max_steps (or constant)."""
+    t = settings.train
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def run_training(settings, run_dir: str | os.PathLike | None = None, resume: bool = False) -> TrainResult:
+    from dllmflow.data.collate import DLLMCollator
+    from dllmflow.data.dataset import PreparedDataset
+    from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.diffusion.strategies import build_strategy
+    from dllmflow.training.data import GlobalBatches
+
+    run_dir = Path(run_dir or settings.resolved_run_dir)
+    info = init_distributed(settings)
+    t = settings.train
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "settings.json").is_file():
+            settings.write_json(run_dir / "settings.json")
+
+    # 1) data, tokenizer, model, strategy (identical init on every rank: seeded before building)
+    prepared = settings.dataset.prepared_dir
+    tokenizer = load_tokenizer(prepared)
+    dataset = PreparedDataset(prepared, "train")
+    collator = DLLMCollator.from_settings(settings, tokenizer)
+    batches = GlobalBatches(
+        dataset, collator, t.global_batch_size, t.local_batch_size, info.rank, info.world_size, t.seed
+    )
+    torch.manual_seed(t.seed)
+    strategy = build_strategy(settings)
+    model = strategy.build_model(tokenizer).to(info.device)
+    strategy.setup(model, tokenizer, info.device)
+    num_params = sum(p.numel() for p in model.parameters())
+    model = apply_parallel(model, settings, info)
+    model.train()
+    optimizer = build_optimizer(model, settings)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, settings))
+
+    # 2) resume
+    ckpt_root = run_dir / "checkpoints"
+    log = MetricsLog(run_dir / "metrics.jsonl", enabled=info.is_main)
+    start = 0
+    latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+    if latest is not None:
+        start = ckpt.load_checkpoint(latest, model, optimizer, scheduler, info)["step"]
+        _print(info, f"resumed from {latest} at step {start}")
+    elif resume:
+        _print(info, f"--resume: no checkpoint under {ckpt_root}; starting from step 0")
+    log.truncate_after(start)
+
+    # 3) loop
+    result = TrainResult(run_dir=run_dir, final_step=start)
+    autocast = _autocast(settings, info)
+    fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
+    fail_rank = os.environ.get(FAIL_RANK_ENV)
+    tick = time.perf_counter()
+    for step in range(start, t.max_steps):
+        record = train_step(model, strategy, batches, step, settings, info, autocast)
+        record["grad_norm"] = _clip(model, t.max_grad_norm)
+        record["lr"] = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+        now = time.perf_counter()
+        dt, tick = now - tick, now
+        done = step + 1
+        record.update(step=done, epoch=done * t.global_batch_size / len(dataset), mode=settings.dllm.mode)
+        record["mem"] = memory_gib(info.device)
+        record["tps"] = record["tokens_per_step"] / dt
+        if t.peak_tflops:
+            flops = 6.0 * num_params * record["tokens_per_step"]
+            record["mfu"] = 100.0 * flops / 1e12 / (info.world_size * dt) / t.peak_tflops
+        result.losses.append(record["loss"])
+        log.write(record)
+        if info.is_main and (done % t.log_every == 0 or done == t.max_steps):
+            print(console_line(record, t.max_steps), flush=True)
+
+        # 4) checkpoint (the final step always saves, with the consolidated export)
+        last = done == t.max_steps
+        if done % settings.checkpoint.every_steps == 0 or last:
+            mode = settings.checkpoint.save_consolidated
+            export = None
+            if mode == "every" or (mode == "final" and last):
+                export = _exporter(model, strategy, tokenizer, run_dir, info)
+            result.checkpoint_dir = ckpt.save_checkpoint(
+                ckpt_root,
+                done,
+                model,
+                optimizer,
+                scheduler,
+                info,
+                settings.checkpoint.keep_last,
+                extra_state={"samples_seen": done * t.global_batch_size},
+                export=export,
+            )
+            if export is not None:
+                result.consolidated_dir = result.checkpoint_dir / "model" / "consolidated"
+        result.final_step = done
+        if fail_at == done and fail_rank in (None, "", str(info.rank)):
+            raise RuntimeError(f"injected failure after step {done} ({FAIL_AT_STEP_ENV}={fail_at})")
+    return result
+
+
+def train_step(model, strategy, batches, step: int, settings, info: DistInfo, autocast) -> dict[str, Any]:
+    """Forward/backward of every micro-batch of one step; returns globally reduced metrics."""
+    from dllmflow.diffusion.seeding import sample_seed
+
+    # 1) collate + corrupt everything first, so the denominators are known before any backward
+    micro = []
+    for mb in batches.step(step):
+        positions = mb.pop("global_index").tolist()
+        mb = {k: v.to(info.device) for k, v in mb.items()}
+        mb.update(strategy.corrupt(mb, [sample_seed(settings.train.seed, step, p) for p in positions]))
+        micro.append(mb)
+
+    # 2) global counts per loss term (+ tokens and supervised tokens for the metrics)
+    local = defaultdict(float)
+    for mb in micro:
+        for k, v in strategy.token_counts(mb).items():
+            local[k] += float(v)
+        local["__tokens"] += mb["input_ids"].numel()
+        local["__supervised"] += float(mb["loss_mask"].sum())
+    keys = sorted(local)
+    counts = dict(
+        zip(keys, all_reduce_sum(torch.tensor([local[k] for k in keys], dtype=torch.float64)).tolist())
+    )
+
+    # 3) forward/backward with global denominators; gradients sync on the last micro-batch only
+    loss_sum = torch.zeros(2, dtype=torch.float64)  # [loss, dllm_loss]
+    metric_sums: dict[str, float] = defaultdict(float)
+    for j, mb in enumerate(micro):
+        with grad_sync(model, enabled=j == len(micro) - 1):
+            with autocast:
+                out = strategy.loss(model, mb)
+                terms = {k: out.weight(k) * s / max(counts[k], 1.0) for k, s in out.sums.items()}
+                total = sum(terms.values())
+            (total * info.world_size).backward()
+        loss_sum[0] += float(total.detach())
+        loss_sum[1] += float(sum(terms[k].detach() for k in out.dllm_terms if k in terms))
+        for k, v in out.metric_sums.items():
+            metric_sums[k] += float(v)
+
+    # 4) global metrics
+    all_reduce_sum(loss_sum)
+    record: dict[str, Any] = {"loss": loss_sum[0].item(), "dllm_loss": loss_sum[1].item()}
+    if metric_sums:
+        mkeys = sorted(metric_sums)
+        reduced = all_reduce_sum(torch.tensor([metric_sums[k] for k in mkeys], dtype=torch.float64)).tolist()
+        record.update(strategy.finalize_metrics(dict(zip(mkeys, reduced))))
+    record["tokens_per_step"] = int(counts["__tokens"])
+    record["supervised_tokens"] = int(counts["__supervised"])
+    return record
+
+
+def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _autocast(settings, info: DistInfo):
+    dtype = settings.train.autocast_dtype
+    if info.device.type != "cuda" or dtype == "none":
+        return torch.autocast("cpu", enabled=False)
+    return torch.autocast("cuda", dtype=getattr(torch, dtype))
+
+
+def _exporter(model, strategy, tokenizer, run_dir: Path, info: DistInfo):
+    """Collective export of the consolidated HF dir into `<model_dir>/consolidated` (rank 0 writes)."""
+    import shutil
+
+    def export(model_dir: Path) -> None:
+        state = ckpt.full_state_dict(model)
+        if info.is_main:
+            out = model_dir / "consolidated"
+            out.mkdir(parents=True, exist_ok=True)
+            strategy.export(unwrap(model), state, tokenizer, out)
+            shutil.copy2(run_dir / "settings.json", out / "settings.json")
+
+    return export
+
+
+def _print(info: DistInfo, msg: str) -> None:
+    if info.is_main:
+        print(msg, flush=True)

@@ -1,0 +1,181 @@
+"""MLflow registry on a real SQLite store and a real `mlflow server`: run logging, idempotent
+registration, the champion gate, and loading `models:/<name>@champion` in a fresh process that has no
+access to the training directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dllmflow import registry
+from dllmflow.errors import UserError
+from dllmflow.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def consolidated(tmp_path_factory) -> Path:
+    """A consolidated HF dir (tiny random model + the prepared tokenizer + settings.json), no training."""
+    from dllmflow.data.prepare import prepare
+    from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.models.build import build_model
+
+    tmp = tmp_path_factory.mktemp("ckpt")
+    settings = load_settings(
+        ROOT / "params" / "tiny_mdlm.yaml",
+        dataset={"prepared_dir": str(tmp / "prepared"), "limit": 24},
+        run_dir=str(tmp / "run"),
+    )
+    prepare(settings)
+    tok = load_tokenizer(tmp / "prepared")
+    model = build_model(settings, tok)
+    out = tmp / "run" / "consolidated"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    settings.write_json(out / "settings.json")
+    settings.write_json(tmp / "run" / "settings.json")
+    (tmp / "run" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": i, "loss": 5.0 - i, "dllm_loss": 5.0 - i, "lr": 1e-3}) for i in range(1, 4))
+    )
+    return out
+
+
+def _settings(tmp_path: Path, uri: str, **registry_over):
+    return load_settings(
+        ROOT / "params" / "tiny_mdlm.yaml",
+        registry={"tracking_uri": uri, "model_name": "reg-test", **registry_over},
+    )
+
+
+def _evals(acc: float, tps: float = 50.0) -> dict:
+    return {"llada": {"metrics": {"exact_match_flexible": acc, "exact_match_strict": acc, "tokens_per_s": tps},
+                      "protocol": {"sampler": "llada", "sampler_settings": {"steps": 8, "max_new_tokens": 8}},
+                      "predictions": [{"prompt": "p", "prediction": "q"}]}}
+
+
+def test_log_register_gate_and_idempotency(tmp_path, consolidated):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    s = _settings(tmp_path, uri, gate={"tolerance": 0.05})
+    run_dir = consolidated.parent
+
+    run1 = registry.log_run(s, run_dir, evals=_evals(0.5), lineage={"metaflow_run": "F/1", "data_content_hash": "abc"})
+    v1 = registry.register_model(s, run1, consolidated, sampler="llada", sampler_settings={"steps": 8})
+    assert registry.register_model(s, run1, consolidated, sampler="llada").version == v1.version  # no second version
+    d1 = registry.apply_gate(s, v1, _evals(0.5), "llada")
+    assert d1["promoted"] and "no champion" in d1["reason"]
+
+    client = MlflowClient(uri)
+    run = client.get_run(run1)
+    assert run.data.tags["data_content_hash"] == "abc" and run.data.params["dllm.mode"] == "mdlm"
+    assert [m.value for m in client.get_metric_history(run1, "train/loss")] == [4.0, 3.0, 2.0]
+    assert run.data.metrics["eval/llada/exact_match_flexible"] == 0.5
+    # Same Metaflow pathspec -> the same MLflow run (a resumed flow does not fork the record).
+    assert registry.log_run(s, run_dir, evals={}, lineage={"metaflow_run": "F/1"}) == run1
+
+    # A worse model outside the tolerance stays candidate; champion does not move.
+    run2 = registry.log_run(s, run_dir, evals=_evals(0.3), lineage={"metaflow_run": "F/2"})
+    v2 = registry.register_model(s, run2, consolidated, sampler="llada")
+    d2 = registry.apply_gate(s, v2, _evals(0.3), "llada")
+    assert not d2["promoted"] and "<" in d2["reason"]
+    assert client.get_model_version_by_alias("reg-test", "champion").version == v1.version
+    assert client.get_model_version_by_alias("reg-test", "candidate").version == v2.version
+    assert client.get_model_version("reg-test", v2.version).tags["gate.decision"] == "rejected"
+
+    # Within the tolerance it is promoted; a speed floor can still refuse.
+    run3 = registry.log_run(s, run_dir, evals=_evals(0.46), lineage={"metaflow_run": "F/3"})
+    v3 = registry.register_model(s, run3, consolidated, sampler="llada")
+    assert registry.apply_gate(s, v3, _evals(0.46), "llada")["promoted"]
+    slow = _settings(tmp_path, uri, gate={"min_tokens_per_s": 1e9})
+    assert not registry.apply_gate(slow, v3, _evals(0.9), "llada")["promoted"]
+
+
+def _load_champion_in_subprocess(uri: str, name: str, cwd: Path) -> list:
+    code = (
+        "import json, mlflow; "
+        f"m = mlflow.pyfunc.load_model('models:/{name}@champion'); "
+        "print('PRED=' + json.dumps(m.predict(['What is 2 + 3?'], params={'steps': 4, 'max_new_tokens': 4})))"
+    )
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("PRED="))
+    return json.loads(line[5:])
+
+
+def test_champion_loads_without_training_dirs(tmp_path, consolidated):
+    # Register a copy, then delete the copy: the model must come from the MLflow artifact store.
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(consolidated, ckpt)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    s = _settings(tmp_path, uri)
+    run = registry.log_run(s, consolidated.parent, evals=_evals(0.2), lineage={"metaflow_run": "F/9"})
+    v = registry.register_model(s, run, ckpt, sampler="llada", sampler_settings={"steps": 8, "max_new_tokens": 8})
+    assert registry.apply_gate(s, v, _evals(0.2), "llada")["promoted"]
+    shutil.rmtree(ckpt)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    preds = _load_champion_in_subprocess(uri, "reg-test", elsewhere)
+    assert isinstance(preds, list) and len(preds) == 1 and isinstance(preds[0], str)
+
+
+def test_dead_server_is_a_clear_error(tmp_path):
+    s = _settings(tmp_path, f"http://127.0.0.1:{_free_port()}")
+    with pytest.raises(UserError, match="not reachable"):
+        registry.connect(s)
+
+
+def test_missing_consolidated_dir_is_a_clear_error(tmp_path):
+    s = _settings(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with pytest.raises(UserError, match="consolidated"):
+        registry.register_model(s, "no-run", tmp_path / "nope", sampler="llada")
+
+
+@pytest.mark.slow
+def test_real_mlflow_server(tmp_path, consolidated):
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.time() + 90
+        while True:
+            try:
+                if httpx.get(uri + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, "mlflow server exited"
+            assert time.time() < deadline, "mlflow server did not answer /health in 90 s"
+            time.sleep(1)
+        s = _settings(tmp_path, uri)
+        run = registry.log_run(s, consolidated.parent, evals=_evals(0.4), lineage={"metaflow_run": "S/1"})
+        v = registry.register_model(s, run, consolidated, sampler="llada", sampler_settings={"steps": 8})
+        assert registry.apply_gate(s, v, _evals(0.4), "llada")["promoted"]
+        preds = _load_champion_in_subprocess(uri, "reg-test", tmp_path)
+        assert len(preds) == 1
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)

@@ -1,0 +1,120 @@
+"""GSM8K answer extraction (strict / flexible, commas and $ ignored) and one `evaluate` run on a tiny
+prepared dataset + random checkpoint: metrics agree with the predictions, the protocol is recorded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dllmflow.cli import main
+from dllmflow.data.tokenizer import load_tokenizer
+from dllmflow.evaluate import (
+    evaluate,
+    gold_answer,
+    gsm8k_extract_flexible,
+    gsm8k_extract_strict,
+    normalize_number,
+    prompt_messages,
+)
+from dllmflow.settings import load_settings
+
+
+@pytest.mark.parametrize(
+    "text,strict,flexible",
+    [
+        ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
+        ("Total is $1,234.\n#### $1,234", "1234", "1234"),
+        ("#### 1,000,000 and then 5 more", "1000000", "5"),
+        ("The answer is 42.", None, "42"),
+        ("It costs $18.00 in total", None, "18"),
+        ("#### -3", "-3", "-3"),
+        ("I earned 2.5 dollars, then 3 dollars", None, "3"),
+        ("#### 0.50", "0.5", "0.5"),
+        ("no number here", None, None),
+        ("####", None, None),
+    ],
+)
+def test_extractors(text, strict, flexible):
+    assert gsm8k_extract_strict(text) == strict
+    assert gsm8k_extract_flexible(text) == flexible
+
+
+def test_strict_takes_the_answer_line_not_the_last_number():
+    text = "#### 12\nThen 5 apples were left over."
+    assert gsm8k_extract_strict(text) == "12" and gsm8k_extract_flexible(text) == "5"
+
+
+def test_normalize_and_gold():
+    assert normalize_number("$1,234.") == "1234"
+    assert normalize_number("7.250") == "7.25"
+    assert normalize_number("abc") is None
+    assert gold_answer("Half of 48 is 24.\n#### 24") == "24"
+    assert gold_answer("The answer is 1,500") == "1500"
+
+
+def test_prompt_messages_drop_the_reference_answer():
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a #### 1"}]
+    assert prompt_messages(chat) == chat[:1]
+    shot = [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "#### 0"}]
+    assert prompt_messages(chat, [shot]) == shot + chat[:1]
+
+
+# ---- a real (tiny) evaluation -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from dllmflow.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("eval")
+    data = root / "chat.jsonl"
+    with data.open("w") as f:
+        for i in range(24):
+            chat = [{"role": "user", "content": f"What is {i} + {i}?"},
+                    {"role": "assistant", "content": f"{i} + {i} = {2 * i}.\n#### {2 * i:,}"}]  # fmt: skip
+            f.write(json.dumps({"messages": chat}) + "\n")
+    settings = load_settings(
+        dataset={"path_or_dataset_id": str(data), "prepared_dir": str(root / "prepared"), "eval_fraction": 0.5,
+                 "seq_length": 64},
+        tokenizer={"train_vocab_size": 300},
+        eval={"limit": 3, "max_new_tokens": 8, "steps": 4, "batch_size": 2},
+    )  # fmt: skip
+    prepare(settings)
+    tok = load_tokenizer(root / "prepared")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=64)  # fmt: skip
+    ckpt = root / "ckpt"
+    Qwen3ForCausalLM(cfg).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    settings.write_json(ckpt / "settings.json")
+    return ckpt, settings
+
+
+def test_evaluate_records_metrics_protocol_predictions(setup):
+    ckpt, _ = setup
+    res = evaluate(ckpt, overrides={"threshold": 0.9})  # settings from the checkpoint's settings.json
+    m, proto, preds = res["metrics"], res["protocol"], res["predictions"]
+    assert m["num_examples"] == len(preds) == 3  # settings.eval.limit
+    assert m["exact_match_strict"] == sum(p["correct_strict"] for p in preds) / 3
+    assert m["exact_match_flexible"] == sum(p["correct_flexible"] for p in preds) / 3
+    assert all(p["answer"] is not None and "," not in p["answer"] for p in preds)
+    assert 1 <= m["nfe"] <= 4 and m["tokens_per_s"] >= 0 and m["tokens_per_forward"] >= 0
+    assert proto["sampler"] == "llada" and proto["split"] == "eval" and proto["limit"] == 3
+    s = proto["sampler_settings"]
+    assert (s["max_new_tokens"], s["steps"], s["threshold"], s["block_size"]) == (8, 4, 0.9, 128)
+    assert proto["n_shot"] == 0 and len(proto["chat_template_sha256"]) == 16 and proto["seed"] == 0
+
+
+def test_evaluate_cli_writes_results(setup, tmp_path, capsys):
+    ckpt, _ = setup
+    out = tmp_path / "results.json"
+    code = main(["evaluate", "--checkpoint", str(ckpt), "--limit", "2", "--output", str(out), "--steps", "2"])
+    assert code == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["metrics"]["num_examples"] == 2 and res["protocol"]["sampler_settings"]["steps"] == 2
+    assert "exact_match_strict" in capsys.readouterr().out
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--sampler", "nope"]) == 2

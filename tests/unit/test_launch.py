@@ -1,0 +1,85 @@
+"""The torchx component (`build_app`), the failure message and the LR schedule, without launching."""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+import pytest
+
+from dllmflow.launch import build_app, describe_failure, parse_overrides
+from dllmflow.settings import load_settings
+from dllmflow.training.trainer import lr_factor
+
+
+def _cmd(app) -> list[str]:
+    (role,) = app.roles
+    assert role.entrypoint == "bash" and role.args[0] == "-c"
+    return shlex.split(role.args[1])
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_single_node_app_runs_the_entry_point_under_torchrun(tmp_path):
+    s = load_settings(launch={"nproc_per_node": 2, "env": {"FOO": "bar"}, "resources": {"cpu": 3}})
+    app = build_app(s, tmp_path, resume=True)
+    cmd = _cmd(app)
+    assert cmd[0] == "torchrun" and _flag(cmd, "--nnodes") == "1" and _flag(cmd, "--nproc_per_node") == "2"
+    assert _flag(cmd, "--rdzv_endpoint") == "localhost:0"
+    assert cmd[-5:] == ["-m", "dllmflow.train", "--settings", str(tmp_path / "settings.json"), "--resume"]
+    role = app.roles[0]
+    assert role.num_replicas == 1 and role.env["FOO"] == "bar" and role.resource.cpu == 3
+
+
+def test_multi_node_app_uses_one_rendezvous_endpoint(tmp_path):
+    s = load_settings(launch={"nnodes": 2, "nproc_per_node": 1, "max_restarts": 3})
+    app = build_app(s, tmp_path)
+    cmd = _cmd(app)
+    host, port = _flag(cmd, "--rdzv_endpoint").split(":")
+    assert host == "127.0.0.1" and int(port) > 0  # a free local port: both "nodes" run on this machine
+    assert _flag(cmd, "--max_restarts") == "3" and _flag(cmd, "--rdzv_backend") == "c10d"
+    assert app.roles[0].num_replicas == 2 and "--resume" not in cmd
+
+    fixed = build_app(load_settings(launch={"nnodes": 2, "rdzv_endpoint": "head:29400"}), tmp_path)
+    assert _flag(_cmd(fixed), "--rdzv_endpoint") == "head:29400"
+
+
+def test_failure_message_names_the_root_cause_rank_first(tmp_path):
+    logs = tmp_path / "logs" / "torchx" / "app" / "trainer"
+    for replica, line in (
+        (
+            0,
+            "[default0]:[rank 0] dllmflow.train failed: RuntimeError: [pair.cc:553] Connection closed by peer",
+        ),
+        (1, "[default0]:[rank 1] dllmflow.train failed: ValueError: bad batch in row 7"),
+    ):
+        (logs / str(replica)).mkdir(parents=True)
+        (logs / str(replica) / "stderr.log").write_text(f"Traceback ...\n{line}\n")
+    msg = describe_failure("local_cwd://torchx/app", "FAILED", tmp_path / "logs")
+    lines = msg.splitlines()
+    assert lines[1] == "rank 1 failed: ValueError: bad batch in row 7"
+    assert "rank(s) 0 stopped" in lines[2] and lines[-1] == f"logs: {tmp_path / 'logs'}"
+
+
+def test_set_overrides_parse_like_yaml_values():
+    assert parse_overrides(["train.lr=1e-4", "launch.nnodes=2", "name=abc", "eval.samplers=[llada]"]) == {
+        "train.lr": 1e-4, "launch.nnodes": 2, "name": "abc", "eval.samplers": ["llada"],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_lr_schedule_warmup_then_cosine_or_constant(schedule):
+    s = load_settings(
+        train={"max_steps": 10, "warmup_steps": 2, "min_lr_ratio": 0.1, "lr_schedule": schedule}
+    )
+    factors = [lr_factor(step, s) for step in range(10)]
+    assert factors[:2] == [0.5, 1.0]
+    if schedule == "constant":
+        assert factors[2:] == [1.0] * 8
+    else:
+        # reference: 0.1 + 0.9 * (1 + cos(pi * (step - warmup) / (max - warmup))) / 2
+        want = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in range(2, 10)]
+        assert factors[2:] == pytest.approx(want)
+    assert lr_factor(10, s) == pytest.approx(0.1 if schedule == "cosine" else 1.0)

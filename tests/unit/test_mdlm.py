@@ -1,0 +1,153 @@
+"""MDLM (spec §2.1): the loss against a direct reference formula, and the strategy end to end."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dllmflow.diffusion.losses import mdlm_loss_sum, per_token_ce
+from dllmflow.diffusion.strategies import LossOutput, build_strategy
+from dllmflow.diffusion.strategies.mdlm import MDLMStrategy
+from dllmflow.errors import UserError
+from dllmflow.models.attention import forward_bidirectional
+from dllmflow.settings import load_settings
+
+V = 13
+
+
+def ref_mdlm_sum(logits, x, noise, sup, p) -> float:
+    """Σ_i -log softmax(logits_i)[x_i] · 1[noise_i ∧ sup_i] / max(p_i, 1e-8), one position at a time."""
+    total = 0.0
+    B, L, _ = logits.shape
+    for b in range(B):
+        for i in range(L):
+            if noise[b, i] and sup[b, i]:
+                row = logits[b, i].double()
+                logz = math.log(sum(math.exp(v) for v in row.tolist()))
+                total += (logz - row[x[b, i]].item()) / max(p[b, i].item(), 1e-8)
+    return total
+
+
+def _problem(seed=0, B=3, L=9):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, L, V, generator=g) * 3
+    x = torch.randint(0, V, (B, L), generator=g)
+    noise = torch.rand(B, L, generator=g) < 0.5
+    sup = torch.ones(B, L)
+    sup[:, :3] = 0
+    p = (0.05 + 0.95 * torch.rand(B, 1, generator=g)).expand(B, L)
+    return logits, x, noise, sup, p
+
+
+def test_per_token_ce_matches_cross_entropy_and_upcasts():
+    logits, x, *_ = _problem(1)
+    ce = per_token_ce(logits, x)
+    assert ce.shape == x.shape and ce.dtype == torch.float32
+    torch.testing.assert_close(
+        ce, F.cross_entropy(logits.reshape(-1, V), x.reshape(-1), reduction="none").view_as(x)
+    )
+    assert per_token_ce(logits.bfloat16(), x).dtype == torch.float32
+
+
+def test_loss_matches_reference_formula():
+    logits, x, noise, sup, p = _problem(2)
+    got = mdlm_loss_sum(logits, x, noise, sup, p)
+    assert math.isclose(got.item(), ref_mdlm_sum(logits, x, noise, sup, p), rel_tol=1e-5)
+
+
+def test_zero_when_no_noise():
+    logits, x, _, sup, p = _problem(3)
+    logits.requires_grad_(True)
+    loss = mdlm_loss_sum(logits, x, torch.zeros_like(x, dtype=torch.bool), sup, p)
+    assert loss.item() == 0.0
+    loss.backward()  # still differentiable (an empty sum)
+    assert (logits.grad == 0).all()
+
+
+def test_only_corrupted_supervised_positions_count():
+    logits, x, noise, sup, p = _problem(4)
+    noise[:, :3] = True  # corrupted but unsupervised: must not count
+    counted = noise & (sup != 0)
+    logits.requires_grad_(True)
+    mdlm_loss_sum(logits, x, noise, sup, p).backward()
+    has_grad = logits.grad.abs().sum(-1) > 0
+    assert torch.equal(has_grad, counted)
+
+
+def test_inverse_p_weighting():
+    logits, x, noise, sup, _ = _problem(5)
+    one = mdlm_loss_sum(logits, x, noise, sup, torch.ones(3, 9))
+    quarter = mdlm_loss_sum(logits, x, noise, sup, torch.full((3, 9), 0.25))
+    torch.testing.assert_close(quarter, 4 * one)
+
+
+# ---- strategy ---------------------------------------------------------------------------------------
+
+
+def _tiny_qwen3(vocab=48):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, head_dim=8, use_cache=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return Qwen3ForCausalLM(cfg)
+
+
+def _batch(B=4, L=20, mask_id=47):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, mask_id, (B, L), generator=g)
+    loss_mask = torch.zeros(B, L)
+    loss_mask[:, 5:] = 1
+    attn = torch.ones(B, L, dtype=torch.long)
+    attn[1, 15:] = 0
+    return {"input_ids": x, "loss_mask": loss_mask, "attention_mask": attn}
+
+
+def test_strategy_end_to_end():
+    strategy = build_strategy(load_settings(dllm={"mode": "mdlm", "eps": 0.001}))
+    assert isinstance(strategy, MDLMStrategy)
+    model = _tiny_qwen3()
+    strategy.setup(model, SimpleNamespace(mask_token_id=47), torch.device("cpu"))
+    batch = _batch()
+    clean = batch["input_ids"].clone()
+    state = torch.get_rng_state()
+    side = strategy.corrupt(batch, seeds=[10, 11, 12, 13])
+    assert torch.equal(state, torch.get_rng_state())
+    assert set(side) == {"noisy_input_ids", "noise_mask", "p_mask"}
+    assert (side["noisy_input_ids"][side["noise_mask"]] == 47).all()
+    assert side["noise_mask"].any()
+    batch.update(side)
+    assert torch.equal(batch["input_ids"], clean)  # clean ids stay intact
+    assert strategy.token_counts(batch) == {"diffusion": torch.tensor(4 * 15)}
+    out = strategy.loss(model, batch)
+    assert isinstance(out, LossOutput) and set(out.sums) == {"diffusion"}
+    out.sums["diffusion"].backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+
+    # The model reads the noisy ids (bidirectionally); the loss is the reference formula on its logits.
+    with torch.no_grad():
+        logits = forward_bidirectional(model, side["noisy_input_ids"], batch["attention_mask"])
+    want = ref_mdlm_sum(logits, clean, side["noise_mask"], batch["loss_mask"], side["p_mask"])
+    assert math.isclose(out.sums["diffusion"].item(), want, rel_tol=1e-5)
+
+
+def test_strategy_seeds_are_per_sample():
+    strategy = build_strategy(load_settings(dllm={"mode": "mdlm", "mask_token_id": 47}))
+    batch = _batch()
+    full = strategy.corrupt(batch, seeds=[10, 11, 12, 13])
+    half = strategy.corrupt({k: v[2:] for k, v in batch.items()}, seeds=[12, 13])
+    assert all(torch.equal(full[k][2:], half[k]) for k in full)
+
+
+def test_strategy_without_mask_id_raises_clearly():
+    strategy = build_strategy(load_settings(dllm={"mode": "mdlm"}))
+    with pytest.raises(UserError, match="mask_token_id"):
+        strategy.corrupt(_batch(), seeds=[1, 2, 3, 4])

@@ -1,0 +1,256 @@
+"""Unit tests of `dllmflow.data.regenerate`: prompt extraction, input slicing, shard scanning, manifest
+rules, atomic shard writing, payloads, backoff and CLI/YAML settings. The requests themselves are tested
+against the real local server in tests/integration/test_regenerate.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dllmflow.data import regenerate as rg
+from dllmflow.errors import UserError
+from dllmflow.settings import RegenerateConfig
+
+U = {"role": "user", "content": "q"}
+A = {"role": "assistant", "content": "a"}
+S = {"role": "system", "content": "s"}
+
+
+def cfg(tmp_path, **kw) -> RegenerateConfig:
+    base = {
+        "input_data": "in.jsonl",
+        "output_dir": str(tmp_path / "out"),
+        "target_server": "http://x/v1",
+        "model": "m",
+    }
+    return RegenerateConfig(**{**base, **kw})
+
+
+# ---- prompt extraction --------------------------------------------------------------------------
+
+
+def test_drops_all_trailing_assistant_turns_keeps_earlier_ones():
+    u2 = {"role": "user", "content": "q2"}
+    assert rg.extract_prompt([S, U, A, u2, A, {"role": "assistant", "content": "again"}]) == [S, U, A, u2]
+    assert rg.extract_prompt([U]) == [U]
+    assert rg.extract_prompt([U, A]) == [U]
+
+
+@pytest.mark.parametrize("messages", [[], [A], [S, A, A], [S], "not json", None, [{"content": "no role"}]])
+def test_rows_without_a_user_turn_are_rejected(messages):
+    assert rg.extract_prompt(messages) is None
+
+
+def test_json_string_chats_and_parquet_nulls():
+    # Prepared data stores chats as JSON strings; parquet fills absent struct fields with None.
+    assert rg.extract_prompt(json.dumps([U, A])) == [U]
+    assert rg.extract_prompt([{**U, "reasoning_content": None}, A]) == [U]
+
+
+def test_build_prompts_counts_skipped_rows_and_keeps_input_order():
+    rows = [{"messages": [U, A]}, {"messages": [S, A]}, {"messages": [{"role": "user", "content": "z"}]}]
+    prompts, skipped = rg.build_prompts(rows, "messages", "x")
+    assert skipped == 1
+    assert [p.index for p in prompts] == [0, 2]
+    assert prompts[0].original == [U, A]
+
+
+def test_missing_messages_column_names_it():
+    with pytest.raises(UserError, match="--messages-column 'chat'.*columns: \\['messages'\\]"):
+        rg.build_prompts([{"messages": [U]}], "chat", "x.jsonl")
+
+
+# ---- input --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "split,expected",
+    [("train", list(range(10))), ("train[:3]", [0, 1, 2]), ("train[7:]", [7, 8, 9]), ("train[-2:]", [8, 9]),
+     ("train[10%:30%]", [1, 2]), ("test[2:4]", [2, 3])],
+)  # fmt: skip
+def test_split_slices_local_rows(tmp_path, split, expected):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"i": i, "messages": [U]}) for i in range(10)) + "\n")
+    assert [r["i"] for r in rg.load_rows(str(path), split)] == expected
+
+
+def test_bad_split_syntax_names_the_flag():
+    with pytest.raises(UserError, match="--split"):
+        rg.parse_split("train[1:2")
+
+
+def test_shuffle_seed_permutes_before_slicing(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"i": i}) for i in range(20)))
+    a = [r["i"] for r in rg.load_rows(str(path), "train[:5]", shuffle_seed=3)]
+    full = [r["i"] for r in rg.load_rows(str(path), "train", shuffle_seed=3)]
+    assert a == full[:5] and sorted(full) == list(range(20)) and full != list(range(20))
+    assert a == [r["i"] for r in rg.load_rows(str(path), "train[:5]", shuffle_seed=3)]
+
+
+def test_loads_parquet_dir_json_array_and_reports_bad_lines(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    for k in range(2):
+        pq.write_table(
+            pa.Table.from_pylist([{"i": 2 * k + j, "messages": [U]} for j in range(2)]), d / f"s{k}.parquet"
+        )
+    (d / "manifest.json").write_text("{}")  # not data
+    assert [r["i"] for r in rg.load_rows(str(d))] == [0, 1, 2, 3]
+    arr = tmp_path / "a.json"
+    arr.write_text(json.dumps([{"i": 5}, {"i": 6}]))
+    assert [r["i"] for r in rg.load_rows(str(arr))] == [5, 6]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"i": 1}\n{oops\n')
+    with pytest.raises(UserError, match="bad.jsonl:2"):
+        rg.load_rows(str(bad))
+    with pytest.raises(UserError, match="no such file"):
+        rg.load_rows(str(tmp_path / "missing.jsonl"))
+
+
+# ---- shards and manifest ------------------------------------------------------------------------
+
+
+def test_scan_shards_ignores_other_files_and_missing_dir(tmp_path):
+    assert rg.scan_shards(tmp_path / "nope") == set()
+    for name in ["shard-000000.parquet", "shard-000003.parquet", "shard-000001.parquet.tmp", "shard-1.parquet",
+                 "shard-0000002.parquet", "manifest.json", "xshard-000004.parquet"]:  # fmt: skip
+        (tmp_path / name).write_text("")
+    assert rg.scan_shards(tmp_path) == {0, 3}
+
+
+def test_manifest_holds_content_settings_only(tmp_path):
+    m = rg.build_manifest(cfg(tmp_path, concurrency=7, timeout_s=5, max_retries=9))
+    assert set(m) == {"input_data", "target_server", "model", "messages_column", "split", "dataset_name",
+                      "shuffle_seed", "shard_size", "max_new_tokens", "temperature", "top_p", "reasoning"}  # fmt: skip
+    assert m == rg.build_manifest(cfg(tmp_path, output_dir="elsewhere"))  # output_dir and knobs excluded
+
+
+def test_fresh_run_into_empty_dir_writes_manifest(tmp_path):
+    c = cfg(tmp_path)
+    assert rg.prepare_output_dir(c.output_dir, rg.build_manifest(c), resume=False) == set()
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == rg.build_manifest(c)
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_fresh_run_refuses_existing_shards(tmp_path):
+    c = cfg(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "shard-000000.parquet").write_text("")
+    with pytest.raises(UserError, match="already holds 1 shard.*--resume"):
+        rg.prepare_output_dir(c.output_dir, rg.build_manifest(c), resume=False)
+
+
+def test_resume_rules(tmp_path):
+    c = cfg(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard-000002.parquet").write_text("")
+    with pytest.raises(UserError, match="no manifest.json"):
+        rg.prepare_output_dir(out, rg.build_manifest(c), resume=True)
+    (out / "manifest.json").write_text(json.dumps(rg.build_manifest(c)))
+    assert rg.prepare_output_dir(out, rg.build_manifest(c), resume=True) == {2}
+    # Operational knobs may change on resume; content settings may not, and the message names them.
+    knobs = cfg(tmp_path, concurrency=1, timeout_s=1, max_retries=0)
+    assert rg.prepare_output_dir(out, rg.build_manifest(knobs), resume=True) == {2}
+    changed = cfg(tmp_path, temperature=0.8, model="other")
+    with pytest.raises(
+        UserError, match=r"model: 'm' \(manifest\) vs 'other'.*temperature: 0.0 \(manifest\) vs 0.8"
+    ):
+        rg.prepare_output_dir(out, rg.build_manifest(changed), resume=True)
+
+
+def test_write_shard_is_atomic_and_round_trips(tmp_path):
+    rows = [
+        {"messages": [U, {**A, "reasoning_content": "think"}], "original_messages": [U, A]},
+        {"messages": [U, A], "original_messages": [U, A, A]},
+    ]
+    path = rg.write_shard(tmp_path, 7, rows, with_reasoning=True)
+    assert path.name == "shard-000007.parquet" and rg.scan_shards(tmp_path) == {7}
+    assert [p.name for p in tmp_path.iterdir()] == ["shard-000007.parquet"]  # no tmp left behind
+    back = pq.read_table(path).to_pylist()
+    assert back[0]["messages"][1] == {**A, "reasoning_content": "think"}
+    assert back[1]["messages"][1] == {**A, "reasoning_content": None}
+    assert back[1]["original_messages"] == [U, A, A]
+    plain = rg.write_shard(tmp_path, 8, [rows[1]], with_reasoning=False)
+    assert pq.read_table(plain).column_names == ["messages", "original_messages"]
+    assert pq.read_table(plain).to_pylist()[0]["messages"] == [U, A]
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+
+def test_backoff_is_capped_exponential():
+    assert [rg.backoff_s(a) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert [rg.backoff_s(a, base=0.01, cap=0.03) for a in range(3)] == [0.01, 0.02, 0.03]
+
+
+def test_payload_and_reasoning_modes(tmp_path):
+    p = rg.build_payload(cfg(tmp_path, max_new_tokens=5, temperature=0.8, top_p=0.9), [U])
+    assert p == {"model": "m", "messages": [U], "max_tokens": 5, "temperature": 0.8, "top_p": 0.9}
+    off = rg.build_payload(cfg(tmp_path, reasoning="disable"), [U])
+    assert off["chat_template_kwargs"] == {"enable_thinking": False} and "extra_body" not in off
+    assert "chat_template_kwargs" not in rg.build_payload(cfg(tmp_path, reasoning="save"), [U])
+
+
+def test_assistant_turn_keeps_reasoning_only_when_saved():
+    reply = {"choices": [{"message": {"role": "assistant", "content": "x", "reasoning_content": "r"}}]}
+    assert rg.assistant_turn(reply, "save") == {"role": "assistant", "content": "x", "reasoning_content": "r"}
+    assert rg.assistant_turn(reply, "none") == {"role": "assistant", "content": "x"}
+    empty = {"choices": [{"message": {"content": None, "reasoning_content": ""}}]}
+    assert rg.assistant_turn(empty, "save") == {"role": "assistant", "content": ""}
+
+
+def test_api_key_from_env(monkeypatch):
+    monkeypatch.delenv("DLLMFLOW_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert rg.api_key_from_env() is None
+    monkeypatch.setenv("OPENAI_API_KEY", "o")
+    assert rg.api_key_from_env() == "o"
+    monkeypatch.setenv("DLLMFLOW_API_KEY", "d")
+    assert rg.api_key_from_env() == "d"
+
+
+# ---- settings: flags over YAML ------------------------------------------------------------------
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    rg.add_cli_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_flags_override_params_yaml(tmp_path):
+    params = tmp_path / "p.yaml"
+    params.write_text("regenerate:\n  input_data: a.jsonl\n  model: t\n  shard_size: 7\n  temperature: 0.8\n")
+    c = rg.config_from_args(parse("--params", str(params), "--shard-size", "3", "--reasoning", "disable"))
+    assert (c.input_data, c.model, c.shard_size, c.temperature, c.reasoning) == (
+        "a.jsonl",
+        "t",
+        3,
+        0.8,
+        "disable",
+    )
+    assert c.target_server == rg.DEFAULT_TARGET_SERVER and c.concurrency == 32  # code defaults
+
+
+@pytest.mark.parametrize(
+    "flag,value", [("--shard-size", "0"), ("--concurrency", "0"), ("--max-new-tokens", "0"), ("--top-p", "0"),
+                   ("--timeout-s", "0"), ("--max-retries", "-1"), ("--temperature", "-0.5")],
+)  # fmt: skip
+def test_invalid_flags_name_the_flag(flag, value):
+    with pytest.raises(UserError, match=f"^{flag}"):
+        rg.config_from_args(parse(flag, value))
+
+
+def test_required_settings_are_named(tmp_path):
+    with pytest.raises(UserError, match="--input-data"):
+        rg.regenerate(RegenerateConfig(model="m", target_server="http://x/v1"))
+    with pytest.raises(UserError, match="--model"):
+        rg.regenerate(RegenerateConfig(input_data="x", target_server="http://x/v1"))
+    with pytest.raises(UserError, match="--target-server"):
+        rg.regenerate(RegenerateConfig(input_data="x", model="m"))
