@@ -83,6 +83,7 @@ def load_for_generation(path: str | Path, mask_id: int | None = None, device: st
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
     from dllmflow.settings import load_settings_json
 
     ckpt = resolve_checkpoint(path)
@@ -96,6 +97,8 @@ def load_for_generation(path: str | Path, mask_id: int | None = None, device: st
     except (OSError, ValueError) as e:
         raise UserError(f"checkpoint {ckpt}: cannot load the tokenizer/model ({e})") from None
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
+    # Samplers read the training values they must match (scdd's schedule) from here.
+    setattr(model, TRAINING_SETTINGS_ATTR, settings)
     return model.to(device).eval(), tokenizer, settings
 
 
@@ -154,13 +157,16 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     g.add_argument("--uniform_ratio", type=float, help="scdd: must match training")
     g.add_argument("--schedule_shape", type=float, help="scdd: must match training")
     g.add_argument("--schedule_peak", type=float, help="scdd: must match training")
+    g.add_argument("--editing_threshold", type=float, help="llada2: LLaDA2.1 token editing, 0 = off")
+    g.add_argument("--max_post_steps", type=int, help="llada2: editing-only steps after a block is full")
     g.add_argument("--no_kv_cache", action="store_true", help="also turns off the causal context")
     g.add_argument("--mask_id", type=int)
     g.add_argument("--seed", type=int, default=seed_default)
 
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
-                 "uniform_ratio", "schedule_shape", "schedule_peak", "seed")  # fmt: skip
+                 "uniform_ratio", "schedule_shape", "schedule_peak", "editing_threshold", "max_post_steps",
+                 "seed")  # fmt: skip
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:

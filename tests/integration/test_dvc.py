@@ -67,5 +67,7 @@ def test_repro_push_pull_restores_identical_files(repo: Path, tmp_path: Path):
 
     # a changed dataset param makes the stage stale
     params = repo / "params" / "tiny_mdlm.yaml"
-    params.write_text(params.read_text().replace("seq_length: 256", "seq_length: 200"))
+    text = params.read_text()
+    assert "seq_length: 384" in text
+    params.write_text(text.replace("seq_length: 384", "seq_length: 200"))
     assert "modified" in run("dvc", "status", cwd=repo)

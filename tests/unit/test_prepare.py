@@ -114,7 +114,7 @@ def test_gsm8k_prepare_counts_and_answers(gsm8k_prepared):
     assert m["tokenizer"]["vocab_size"] == 512
     ds = PreparedDataset(s.dataset.prepared_dir, "eval")
     assert len(ds) == m["splits"]["eval"]["rows"]
-    assert all(len(ds[i]["input_ids"]) <= 256 for i in range(len(ds)))
+    assert all(len(ds[i]["input_ids"]) <= s.dataset.seq_length for i in range(len(ds)))
     assert all(r["answer"].split("\n")[-1].startswith("#### ") for r in ds.rows(limit=20))
 
 

@@ -101,7 +101,11 @@ def _data_files(path: Path) -> list[Path]:
         if path.suffix not in FILE_SUFFIXES:
             raise UserError(f"{path}: unsupported file type; use .jsonl or .parquet")
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_SUFFIXES)
+    # A dir of shards (e.g. `dllmflow regenerate` output) reads only its shards, not its manifest.json.
+    shards = sorted(path.glob("shard-*.parquet"))
+    files = shards or sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_SUFFIXES and p.name != "manifest.json"
+    )
     if not files:
         raise UserError(f"{path}: directory holds no .jsonl or .parquet files")
     return files

@@ -58,7 +58,7 @@ def _scdd_vocab_terms(
     lg = logits.to(torch.float32, copy=True)  # a copy: the caller's logits stay untouched
     lg[:, mask_token_id] = float("-inf")
     logp = torch.log_softmax(lg, dim=-1)  # [n, V]; logp[:, M] = -inf
-    A = torch.log((base_s[:, None] + rho_s[:, None] * logp.exp()).clamp_min(TINY))  # [n, V]
+    A = torch.log(torch.addcmul(base_s[:, None], rho_s[:, None], logp.exp()).clamp_min(TINY))  # [n, V]
     sum_a = A.sum(-1) - A[:, mask_token_id]  # drop A(M) = log base_s
     a_x = A.gather(1, x[:, None]).squeeze(1)
     a_z = A.gather(1, z[:, None]).squeeze(1)

@@ -83,14 +83,18 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
         if getattr(cfg, knob) is not None:
             kwargs[knob] = getattr(cfg, knob)
     try:
-        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
-        hint = (
-            " (set model.trust_remote_code: true for remote-code models)"
-            if "trust_remote_code" in str(e)
-            else ""
-        )
+        hint = " (set model.trust_remote_code: true)" if "trust_remote_code" in str(e) else ""
         raise UserError(f"{field}={name!r}: cannot load the model{hint}: {str(e).splitlines()[0]}") from e
+    if cfg.gguf_file:
+        # A GGUF-loaded model refuses save_pretrained (the consolidated export): keep a plain model
+        # of the same class holding the dequantised weights instead.
+        model.config._attn_implementation = cfg.attn_implementation
+        plain = type(model)(model.config).to(dtype)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    return model
 
 
 def _looks_local(name: str) -> bool:

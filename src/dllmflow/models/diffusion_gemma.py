@@ -86,26 +86,29 @@ class DiffusionGemmaForBlockDiffusionTraining(DiffusionGemmaForBlockDiffusion):
         self_conditioning_mask: Tensor | None = None,  # [B] bool coins; None = no self-conditioning
         encoder_logits_mask: Tensor | None = None,  # [B, S] bool; None = no encoder logits
     ) -> BlockDiffusionTrainingOutput:
-        # 1) encoder: causal pass over the clean sequence; a config-less cache keeps every layer full-length
-        enc = self.model.encoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=DynamicCache(),
-        )
+        encode = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         decode = {
-            "cache": enc.cache,
             "decoder_input_ids": decoder_input_ids,
             "decoder_attention_mask": decoder_attention_mask,
             "decoder_position_ids": decoder_position_ids,
         }
-        # 2) pass 1 (no grad, zero signal); skipped when no coin is on, since its output would be zeroed
+        # Pass 1 only if some coin is on (a coin-off example's signal is zeroed anyway).
+        need_sc = self_conditioning_mask is not None and bool(self_conditioning_mask.any())
         sc_logits = None
-        if self_conditioning_mask is not None and bool(self_conditioning_mask.any()):
+        if need_sc and _is_fsdp2(self):
+            # FSDP2 segfaults in backward when a shard group runs under no_grad between two grad uses
+            # in one forward (torch 2.13, CPU/gloo): run pass 1 first, with its own no-grad encoder.
             with torch.no_grad():
-                sc_logits = super().forward(**decode).logits.detach()  # [B, R, V]
+                sc_logits = super().forward(cache=self._encode(**encode).cache, **decode).logits.detach()
+        # 1) encoder: causal pass over the clean sequence, writing the KV cache the decoder reads
+        enc = self._encode(**encode)
+        # 2) pass 1 (no grad, zero self-conditioning signal)
+        if need_sc and sc_logits is None:
+            with torch.no_grad():
+                sc_logits = super().forward(cache=enc.cache, **decode).logits.detach()  # [B, R, V]
         # 3) pass 2 with gradient, the soft predictions gated per example by the coin
         out = super().forward(
+            cache=enc.cache,
             **decode,
             self_conditioning_logits=sc_logits,
             self_conditioning_mask=self_conditioning_mask if sc_logits is not None else None,
@@ -117,11 +120,32 @@ class DiffusionGemmaForBlockDiffusionTraining(DiffusionGemmaForBlockDiffusion):
             enc_logits = softcap(self.lm_head(hidden).float(), self.final_logit_softcapping)
         return BlockDiffusionTrainingOutput(logits=out.logits, encoder_logits=enc_logits)
 
+    def _encode(self, input_ids: Tensor, attention_mask: dict[str, Tensor], position_ids: Tensor):
+        # A config-less DynamicCache keeps every layer full-length (sliding layers included): the
+        # training masks index all S encoder columns and apply the sliding window themselves.
+        return self.model.encoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=DynamicCache()
+        )
+
+    def fsdp_units(self) -> list[list[torch.nn.Module]]:
+        """FSDP2 shard groups: encoder layer i and decoder layer i share every weight, so they must be
+        sharded together (`fully_shard([enc_i, dec_i])`); torch refuses tied weights split across groups."""
+        pairs = zip(self.model.encoder.language_model.layers, self.model.decoder.layers)
+        return [[enc, dec] for enc, dec in pairs]
+
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any):
         """Save as the plain HF class, so `AutoModel`/`DiffusionGemmaForBlockDiffusion` load it."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
         _set_config_fields(Path(save_directory), architectures=[HF_ARCHITECTURE])
         return out
+
+
+def _is_fsdp2(module: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def softcap(logits: Tensor, cap: float | None) -> Tensor:

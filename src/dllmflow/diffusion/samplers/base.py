@@ -54,13 +54,20 @@ class SamplerConfig(BaseModel):
     schedule_shape: float = Field(1.0, gt=0.0)
     schedule_peak: float = Field(0.5, gt=0.0, lt=1.0)
     eps: float = Field(1e-3, gt=0.0, le=1.0)
+    # llada2 only (LLaDA2.1 editing): a committed token of the current block is replaced when the
+    # model's confidence in a different token exceeds this; 0 = off.
+    editing_threshold: float = Field(0.0, ge=0.0, le=1.0)
+    max_post_steps: int = Field(16, ge=0, description="llada2: editing-only forwards after a block is full.")
 
 
 # Guide "Generation Parameters" + spec §3.1-3.6. `eos_token_id: "tokenizer"` = filled from the tokenizer.
 PRESETS: dict[str, dict[str, Any]] = {
     "llada": dict(steps=128, max_new_tokens=128, block_size=128, temperature=0.0, remasking="low_confidence"),
     "scdd": dict(steps=128, max_new_tokens=128, temperature=1.0),
-    "llada2": dict(steps=32, max_new_tokens=128, block_size=32, temperature=0.0, threshold=0.5),
+    "llada2": dict(
+        steps=32, max_new_tokens=128, block_size=32, temperature=0.0, threshold=0.5, editing_threshold=0.0,
+        max_post_steps=16,
+    ),
     "nemotron": dict(
         steps=1024, max_new_tokens=1024, block_size=32, use_kv_cache=True, threshold=0.9, causal_context=True,
         eos_token_id="tokenizer",
@@ -147,6 +154,10 @@ def trim_at_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
         if t in stop_ids:
             return ids[:i]
     return ids
+
+
+# Attribute `load_for_generation` sets on a loaded model: the training Settings of its checkpoint.
+TRAINING_SETTINGS_ATTR = "dllmflow_training_settings"
 
 
 # ---- schedule and token selection ---------------------------------------------------------------
@@ -379,6 +390,23 @@ def run_infill(
     return x, lengths, nfe
 
 
+def native_generate(model: Any, *names: str) -> Callable | None:
+    """The checkpoint's own remote-code `generate` when its class defines one taking every keyword in
+    `names` (transformers' generic `GenerationMixin.generate` never counts), else None."""
+    import inspect
+
+    from transformers import GenerationMixin
+
+    method = getattr(type(model), "generate", None)
+    if method is None or method is GenerationMixin.generate:
+        return None
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return None
+    return model.generate if all(n in params for n in names) else None
+
+
 # ---- the sampler interface ----------------------------------------------------------------------
 
 
@@ -402,10 +430,24 @@ class Sampler:
     supports_kv_cache: ClassVar[bool] = False
     supports_batching: ClassVar[bool] = True
 
-    def __init__(self, model, tokenizer, config: SamplerConfig, mask_id: int | None = None, forward=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: SamplerConfig,
+        mask_id: int | None = None,
+        forward=None,
+        *,
+        training_settings: Any = None,
+    ):
         if config.use_kv_cache and not self.supports_kv_cache:
             raise UserError(f"sampler {self.name} has no KV-cache path; pass --no_kv_cache")
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        # The checkpoint's training Settings (settings.json), or None: given, or left on the model by
+        # `dllmflow.generate.load_for_generation`.
+        self.training_settings = (
+            training_settings if training_settings is not None else getattr(model, TRAINING_SETTINGS_ATTR, None)
+        )
         self.mask_id = resolve_mask_id(mask_id, tokenizer, model)
         fill = getattr(tokenizer, "eos_token_id", None)
         self.fill_id = int(fill if fill is not None else getattr(tokenizer, "pad_token_id", 0) or 0)
