@@ -1,12 +1,19 @@
-"""Sampler speed: `llada` with threshold 0.9 against one token per step, same checkpoint, same prompts.
+"""Sampler speed, every figure a ratio against a baseline measured in the same run. Three tables:
+
+1. `llada` with threshold 0.9 against one token per step (through `dllmflow evaluate`: exact match too);
+2. every sampler on the same prompts and the same checkpoint: tokens/s, NFE (forwards per prompt) and
+   tokens per forward, against llada one-token-per-step (presets, scaled to `--max_new_tokens`;
+   gemma runs a random tiny DiffusionGemma on the same token ids: a different network);
+3. nemotron with and without the KV cache at `--kv_new_tokens` (256) new tokens, greedy, causal
+   context on in both: tokens/s ratio and whether the outputs are identical token for token; on the
+   checkpoint, and on a random Qwen3 of `--kv_hidden` x `--kv_layers` (no EOS stop: the whole window
+   is decoded, and the forward's arithmetic outweighs its Python overhead).
 
     OMP_NUM_THREADS=1 python bench/sample.py                       # trains a tiny overfit checkpoint (~30 s)
     python bench/sample.py --checkpoint runs/tiny_mdlm/checkpoints --split eval --limit 32
 
 Without `--checkpoint` a tiny mdlm model is trained in-process on 16 short GSM-style chats and scored
-on those same chats (exact match is only meaningful where the model learned something). Prints
-tokens/s, NFE (forwards per example), tokens per forward and exact match of both settings, and the
-threshold run as a ratio of the one-token-per-step baseline measured in the same run. Does not assert.
+on those same chats (exact match is only meaningful where the model learned something). Does not assert.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("tokens_per_s", "nfe", "tokens_per_forward", "exact_match_strict", "exact_match_flexible")
+SPEED_KEYS = ("tokens_per_s", "nfe", "tokens_per_forward")
 
 
 def train_overfit_checkpoint(root: Path, steps: int) -> Path:
@@ -48,6 +56,111 @@ def train_overfit_checkpoint(root: Path, steps: int) -> Path:
     return root / "run" / "checkpoints"
 
 
+def bench_prompts(ckpt, split: str, limit: int):
+    """(model, tokenizer, chat-templated prompt ids) of the checkpoint's prepared data, as evaluate builds them."""
+    from dllmflow.data.dataset import PreparedDataset
+    from dllmflow.evaluate import prompt_messages
+    from dllmflow.generate import load_for_generation
+
+    model, tok, settings = load_for_generation(ckpt, device="cpu")
+    rows = PreparedDataset(settings.dataset.prepared_dir, split).rows(limit)
+    prompts = [list(tok.apply_chat_template(prompt_messages(r["messages"]), add_generation_prompt=True,
+                                            return_dict=False)) for r in rows]  # fmt: skip
+    return model, tok, prompts
+
+
+def run_sampler(model, tok, name: str, overrides: dict, prompts: list[list[int]]) -> dict:
+    """One warm-up prompt, then every prompt (batched where the sampler batches)."""
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+
+    cfg = build_sampler_config(name, overrides, tok)
+    if overrides.get("eos_token_id", "") is None:
+        cfg = cfg.model_copy(update={"eos_token_id": None})
+    sampler = SAMPLERS[name](model, tok, cfg, mask_id=getattr(model.config, "mask_token_id", None))
+    sampler.generate(prompts[:1])
+    r = sampler.generate(prompts)
+    forwards = sum(r.row_nfe) if r.row_nfe else r.nfe * len(prompts)
+    return {
+        "tokens_per_s": r.num_generated_tokens / max(r.elapsed_s, 1e-9),
+        "nfe": forwards / len(prompts),
+        "tokens_per_forward": r.num_generated_tokens / max(forwards, 1),
+        "sequences": r.sequences,
+        "elapsed_s": r.elapsed_s,
+    }
+
+
+def print_table(title: str, results: dict[str, dict], baseline: str, keys=SPEED_KEYS) -> None:
+    print(
+        f"\n{title}\n{'':<24}" + "".join(f"{k:>20}" for k in keys) + "".join(f"{'x ' + k:>22}" for k in keys)
+    )
+    base = results[baseline]
+    for name, res in results.items():
+        if "error" in res:
+            print(f"{name:<24}  skipped: {res['error']}")
+            continue
+        ratios = [res[k] / base[k] if base[k] else float("nan") for k in keys]
+        print(
+            f"{name:<24}"
+            + "".join(f"{res[k]:>20.3f}" for k in keys)
+            + "".join(f"{r:>21.2f}x" for r in ratios)
+        )
+
+
+def gemma_model(tok):
+    """A random tiny DiffusionGemma over the same vocabulary (the bench has no trained one)."""
+    from dllmflow.models.diffusion_gemma import build_tiny_diffusion_gemma
+    from dllmflow.settings import load_settings
+
+    return build_tiny_diffusion_gemma(
+        load_settings(ROOT / "params" / "tiny_block_diffusion.yaml"), tok
+    ).eval()
+
+
+def every_sampler(model, tok, prompts, n: int) -> dict[str, dict]:
+    """Presets scaled to n new tokens (steps = n where the preset has steps = max_new_tokens)."""
+    runs = {
+        "llada one/step (base)": ("llada", {"steps": n, "block_size": n}),
+        "llada thr 0.9": ("llada", {"steps": n, "block_size": n, "threshold": 0.9}),
+        "scdd": ("scdd", {"steps": n}),
+        "llada2": ("llada2", {"block_size": min(32, n)}),
+        "nemotron (kv cache)": ("nemotron", {"steps": n}),
+        "nemotron (no cache)": ("nemotron", {"steps": n, "use_kv_cache": False}),
+        "idlm": ("idlm", {"steps": n}),
+        "gemma (random tiny)": ("gemma", {"steps": 8}),
+    }
+    out = {}
+    for label, (name, over) in runs.items():
+        try:
+            m = gemma_model(tok) if name == "gemma" else model
+            out[label] = run_sampler(m, tok, name, {"max_new_tokens": n, **over}, prompts)
+        except Exception as e:  # a sampler that cannot run here is reported, not fatal
+            out[label] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def kv_cache_runs(model, tok, prompts, n: int, eos: bool) -> dict[str, dict]:
+    common = {"max_new_tokens": n, "steps": n, "temperature": 0.0, "causal_context": True}
+    if not eos:
+        common["eos_token_id"] = None
+    return {
+        "no cache (base)": run_sampler(model, tok, "nemotron", {**common, "use_kv_cache": False}, prompts),
+        "kv cache": run_sampler(model, tok, "nemotron", {**common, "use_kv_cache": True}, prompts),
+    }
+
+
+def random_qwen3(tok, hidden: int, layers: int, mask_id: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(hidden // 64, 1)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads, head_dim=hidden // heads, intermediate_size=3 * hidden,
+                      mask_token_id=mask_id)  # fmt: skip
+    return Qwen3ForCausalLM(cfg).eval()
+
+
 def main() -> None:
     from dllmflow.evaluate import evaluate
 
@@ -58,6 +171,10 @@ def main() -> None:
     p.add_argument("--max_new_tokens", type=int, default=32)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--train_steps", type=int, default=300)
+    p.add_argument("--kv_new_tokens", type=int, default=256)
+    p.add_argument("--kv_limit", type=int, default=4, help="prompts for the KV-cache table")
+    p.add_argument("--kv_hidden", type=int, default=256)
+    p.add_argument("--kv_layers", type=int, default=4)
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,6 +187,12 @@ def main() -> None:
             name: evaluate(ckpt, split=split, limit=args.limit, overrides=o)["metrics"]
             for name, o in runs.items()
         }
+        model, tok, prompts = bench_prompts(ckpt, split, args.limit)
+        samplers = every_sampler(model, tok, prompts, args.max_new_tokens)
+        kv_prompts = prompts[: args.kv_limit]
+        kv_ckpt = kv_cache_runs(model, tok, kv_prompts, args.kv_new_tokens, eos=True)
+        big = random_qwen3(tok, args.kv_hidden, args.kv_layers, model.config.mask_token_id)
+        kv_big = kv_cache_runs(big, tok, kv_prompts, args.kv_new_tokens, eos=False)
 
     names = list(results)
     print(
@@ -82,6 +205,16 @@ def main() -> None:
         k: results[names[1]][k] / results[names[0]][k] if results[names[0]][k] else float("nan") for k in KEYS
     }
     print(f"{'ratio thr/base':<18}" + "".join(f"{ratio[k]:>21.2f}x" for k in KEYS))
+
+    print_table(f"every sampler, {len(prompts)} prompts, {args.max_new_tokens} new tokens (base: llada one token/step)",
+                samplers, "llada one/step (base)")  # fmt: skip
+    for label, kv in (
+        (f"checkpoint {ckpt}", kv_ckpt),
+        (f"random Qwen3 {args.kv_hidden}x{args.kv_layers}", kv_big),
+    ):
+        same = kv["kv cache"]["sequences"] == kv["no cache (base)"]["sequences"]
+        print_table(f"nemotron KV cache, {label}, {len(kv_prompts)} prompts, {args.kv_new_tokens} new tokens "
+                    f"-- outputs identical: {same}", kv, "no cache (base)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """FinetuneFlow: prepare -> train (torchx/torchrun) -> evaluate (one branch per sampler) -> register.
 
-    python flows/finetune.py --config params params/tiny_mdlm.yaml run
-    python flows/finetune.py --config params params/tiny_mdlm.yaml run --max-steps 20 --eval-limit 8
+    python flows/finetune.py --config recipe params/tiny_mdlm.yaml run
+    python flows/finetune.py --config recipe params/tiny_mdlm.yaml run --max-steps 20 --eval-limit 8
     python flows/finetune.py resume                      # after a failure: reruns from the failed step
-    python flows/finetune.py --config params params/tiny_mdlm.yaml card view end
+    python flows/finetune.py --config recipe params/tiny_mdlm.yaml card view end
 
-The `params` Config is validated by `dllmflow.settings` before any step runs (a typo fails at parse
+The `recipe` Config is validated by `dllmflow.settings` before any step runs (a typo fails at parse
 time, naming the field). Steps are thin: each calls one `dllmflow.pipeline` function and keeps its
 small result as an artifact. Production: `argo-workflows create` deploys the same flow on the
 `@schedule` from `flow.schedule_cron` (needs a cloud datastore; see infra/argo.md).
@@ -14,9 +14,10 @@ small result as an artifact. Production: `argo-workflows create` deploys the sam
 from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, resources, retry, schedule, step
 
 
-@schedule(cron=config_expr("params.flow.schedule_cron"))
+@schedule(cron=config_expr("recipe.flow.schedule_cron"))
 class FinetuneFlow(FlowSpec):
-    params = Config("params", default="params/tiny_mdlm.yaml", parser="dllmflow.pipeline.parse_params_config")
+    # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
+    recipe = Config("recipe", default="params/tiny_mdlm.yaml", parser="dllmflow.pipeline.parse_params_config")
 
     max_steps = Parameter("max-steps", type=int, default=0, help="Override train.max_steps (0 = from params).")
     eval_limit = Parameter("eval-limit", type=int, default=0, help="Override eval.limit (0 = from params).")
@@ -28,7 +29,7 @@ class FinetuneFlow(FlowSpec):
 
         # A plain dict (JSON) artifact: every later step rehydrates it with pipeline.as_settings.
         self.settings = pipeline.resolve_flow_settings(
-            dict(self.params), max_steps=self.max_steps, eval_limit=self.eval_limit
+            dict(self.recipe), max_steps=self.max_steps, eval_limit=self.eval_limit
         )
         self.run_dir = pipeline.flow_run_dir(self.settings, current.origin_run_id or current.run_id)
         self.next(self.prepare)
@@ -40,11 +41,11 @@ class FinetuneFlow(FlowSpec):
         self.data = pipeline.prepare_data(self.settings, force=self.force_prepare)
         self.next(self.train)
 
-    @retry(times=config_expr("params.flow.train_retries"))
+    @retry(times=config_expr("recipe.flow.train_retries"))
     @resources(
-        cpu=config_expr("params.flow.resources.cpu"),
-        gpu=config_expr("params.flow.resources.gpu"),
-        memory=config_expr("params.flow.resources.memory_mb"),
+        cpu=config_expr("recipe.flow.resources.cpu"),
+        gpu=config_expr("recipe.flow.resources.gpu"),
+        memory=config_expr("recipe.flow.resources.memory_mb"),
     )
     @step
     def train(self):

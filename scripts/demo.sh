@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-python flows/finetune.py --config params params/tiny_mdlm.yaml run "$@"
+python flows/finetune.py --config recipe params/tiny_mdlm.yaml run "$@"

@@ -93,13 +93,36 @@ def load_for_generation(path: str | Path, mask_id: int | None = None, device: st
     trust = bool(settings and settings.model.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, trust_remote_code=trust)
+        loader = _MODEL_LOADERS.get(_model_type(ckpt))
+        if loader is not None:  # families AutoModelForCausalLM does not know (encoder + canvas decoders)
+            model = loader(ckpt, dtype=dtype, device=device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, trust_remote_code=trust)
     except (OSError, ValueError) as e:
         raise UserError(f"checkpoint {ckpt}: cannot load the tokenizer/model ({e})") from None
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
     # Samplers read the training values they must match (scdd's schedule) from here.
     setattr(model, TRAINING_SETTINGS_ATTR, settings)
     return model.to(device).eval(), tokenizer, settings
+
+
+def _load_diffusion_gemma(path, dtype, device):
+    from dllmflow.models.diffusion_gemma import load_diffusion_gemma
+
+    return load_diffusion_gemma(path, dtype=dtype, device=device)
+
+
+# config.json `model_type` -> loader, for checkpoints that are not plain causal LMs.
+_MODEL_LOADERS = {"diffusion_gemma": _load_diffusion_gemma}
+
+
+def _model_type(ckpt: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((ckpt / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def check_sampler_fits(sampler: str, settings: Any) -> str | None:

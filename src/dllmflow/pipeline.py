@@ -35,7 +35,7 @@ def as_settings(settings: SettingsLike) -> Settings:
 def parse_params_config(text: str) -> dict[str, Any]:
     """Metaflow `Config` parser: YAML text -> the fully validated settings (defaults filled in), so
     decorators can read `params.flow.resources.cpu` and a typo fails before any step runs."""
-    return load_settings_text(text, source="--config params").to_dict()
+    return load_settings_text(text, source="--config recipe").to_dict()
 
 
 def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_limit: int = 0) -> dict[str, Any]:
@@ -64,25 +64,27 @@ def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, An
     `dvc repro` on it (DVC skips it when its params and deps hashes are unchanged); then check that the
     result was prepared with exactly these settings, else prepare directly (which also skips work
     when its input fingerprint is unchanged). Returns the data hash and how it was obtained."""
-    from dllmflow.data.prepare import prepare
+    from dllmflow.data.prepare import prepare, read_manifest
 
     s = as_settings(settings)
-    via_dvc = None
+    via_dvc, dvc_skipped = None, False
     stage = None if force else _dvc_stage_for(s.dataset.prepared_dir)
     if stage is not None:
         proc = subprocess.run(["dvc", "repro", stage], capture_output=True, text=True)
         if proc.returncode == 0:
-            via_dvc = stage
+            via_dvc, dvc_skipped = stage, "didn't change" in proc.stdout
         else:
             log.warning("dvc repro %s failed, preparing directly:\n%s", stage, proc.stderr[-2000:])
+    before = read_manifest(s.dataset.prepared_dir)
     manifest = prepare(s, force=force)
     return {
         "prepared_dir": s.dataset.prepared_dir,
         "content_hash": manifest["content_hash"],
-        "reused": bool(manifest.get("reused", False)),
+        # True when nothing was rebuilt: DVC skipped the stage, or prepare() matched its fingerprint.
+        "reused": dvc_skipped if via_dvc else bool(before and before.get("content_hash") == manifest["content_hash"]),
         "dvc_stage": via_dvc,
         "dvc_rev": _git_rev() if via_dvc else None,
-        "rows": manifest.get("rows", {}),
+        "rows": {name: split["rows"] for name, split in manifest.get("splits", {}).items()},
     }
 
 
@@ -140,18 +142,24 @@ def find_consolidated(run_dir: str | os.PathLike) -> Path:
 # ---- evaluate --------------------------------------------------------------------------------------------
 
 
+# Evaluations that are not a sampler decoding the checkpoint: a DFlash export is a draft, measured by
+# speculative decoding against its frozen target (acceptance length tau, speed-up in target forwards).
+EXTRA_EVALUATIONS: dict[str, tuple[str, ...]] = {"dflash": ("acceptance",)}
+
+
 def eval_samplers(settings: SettingsLike) -> list[str]:
-    """The samplers valid for the trained mode (or `eval.samplers` when set)."""
+    """The samplers valid for the trained mode (or `eval.samplers` when set), plus mode-specific
+    evaluations such as DFlash acceptance."""
     from dllmflow.diffusion.samplers import SAMPLERS, SAMPLERS_FOR_MODE
 
     s = as_settings(settings)
-    fitting = [n for n in SAMPLERS_FOR_MODE[s.dllm.mode] if _sampler_available(SAMPLERS, n)]
+    extra = list(EXTRA_EVALUATIONS.get(s.dllm.mode, ()))
     if s.eval.samplers:
-        unknown = [n for n in s.eval.samplers if n not in SAMPLERS]
+        unknown = [n for n in s.eval.samplers if n not in SAMPLERS and n not in extra]
         if unknown:
             raise UserError(f"eval.samplers: unknown sampler(s) {unknown}; choose from {sorted(SAMPLERS)}")
         return list(s.eval.samplers)
-    return fitting
+    return [n for n in SAMPLERS_FOR_MODE[s.dllm.mode] if _sampler_available(SAMPLERS, n)] + extra
 
 
 def _sampler_available(registry, name: str) -> bool:
@@ -166,7 +174,12 @@ def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict
     from dllmflow.evaluate import evaluate
 
     s = as_settings(settings)
-    result = evaluate(find_consolidated(run_dir), settings=s, sampler=sampler, limit=s.eval.limit)
+    if sampler == "acceptance":
+        from dllmflow.evaluate_dflash import evaluate_dflash
+
+        result = evaluate_dflash(find_consolidated(run_dir), settings=s, limit=s.eval.limit)
+    else:
+        result = evaluate(find_consolidated(run_dir), settings=s, sampler=sampler, limit=s.eval.limit)
     out = Path(run_dir) / "eval" / f"{sampler}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))

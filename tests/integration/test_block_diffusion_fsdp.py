@@ -29,7 +29,9 @@ def _setup(world: int):
     from dllmflow.settings import load_settings
 
     rows = load_gsm8k_rows()[:32]
-    tok = train_bpe_tokenizer([m["content"] for r in rows for m in r["messages"]], 512, "<mask>", "<pad>", "<eos>")
+    tok = train_bpe_tokenizer(
+        [m["content"] for r in rows for m in r["messages"]], 512, "<mask>", "<pad>", "<eos>"
+    )
     settings = load_settings(
         ROOT / "params" / "tiny_block_diffusion.yaml",
         model={"canvas_length": 16},
@@ -55,14 +57,12 @@ def _loss(strategy, model, batch, counts):
 def _worker(out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import fully_shard
+    from dllmflow.training.parallel import apply_fsdp2
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     strategy, model, collate, rows = _setup(world)
-    for unit in model.fsdp_units():
-        fully_shard(unit)
-    fully_shard(model)
+    apply_fsdp2(model)  # the trainer's path: shards each fsdp_units() group, then the root
     n = len(rows) // world
     batch = collate(rows[rank * n : (rank + 1) * n])
     batch.update(strategy.corrupt(batch, SEEDS[rank * n : (rank + 1) * n]))

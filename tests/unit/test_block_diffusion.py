@@ -82,13 +82,15 @@ def test_corruption_is_uniform_random_tokens_on_supervised_positions_only(tok, r
     strategy, _, batch = make(tok, rows)
     V, eps = len(tok), strategy.cfg.eps
     for b, seed in enumerate(SEEDS):
-        x, sup = batch["input_ids"][b : b + 1], batch["loss_mask"][b : b + 1] != 0
+        n = int(batch["attention_mask"][b].sum())  # drawn over the row's own length, not the padded one
+        x, sup = batch["input_ids"][b : b + 1, :n], batch["loss_mask"][b : b + 1, :n] != 0
         gen = torch.Generator().manual_seed(seed)
         t = eps + (1 - eps) * torch.rand(1, 1, generator=gen)  # one t per example
         noise = (torch.rand(x.shape, generator=gen) < t) & sup
         repl = torch.randint(0, V, x.shape, generator=gen)
-        assert torch.equal(batch["noise_mask"][b : b + 1], noise)
-        assert torch.equal(batch["noisy_input_ids"][b : b + 1], torch.where(noise, repl, x))
+        assert torch.equal(batch["noise_mask"][b : b + 1, :n], noise)
+        assert torch.equal(batch["noisy_input_ids"][b : b + 1, :n], torch.where(noise, repl, x))
+        assert not batch["noise_mask"][b, n:].any()
     assert not (batch["noise_mask"] & (batch["loss_mask"] == 0)).any()  # the prompt stays clean
     changed = batch["noisy_input_ids"] != batch["input_ids"]
     assert not (changed & ~batch["noise_mask"]).any()
@@ -114,14 +116,19 @@ def test_block_selection_is_seeded_per_sample_and_independent_of_the_batch_split
     strategy, _, whole = make(tok, rows)
     again = strategy.corrupt({k: whole[k] for k in ("input_ids", "loss_mask", "attention_mask")}, SEEDS)
     assert torch.equal(again["selected_block"], whole["selected_block"])
-    for lo, hi in ((0, 2), (2, 4)):  # the same samples cut into two micro-batches (or two ranks)
-        part = {k: whole[k][lo:hi] for k in ("input_ids", "loss_mask", "attention_mask")}
+    collate = DLLMCollator.from_settings(make_settings(tok), tok)
+    lengths = set()
+    for lo, hi in ((0, 2), (2, 4), (0, 1), (3, 4)):  # the same samples cut into other micro-batches / ranks
+        part = collate(rows[lo:hi])  # re-collated: a different padded length
+        lengths.add(part["input_ids"].shape[1])
         split = strategy.corrupt(part, SEEDS[lo:hi])
         assert torch.equal(split["selected_block"], whole["selected_block"][lo:hi])
         assert torch.equal(split["self_conditioning_mask"], whole["self_conditioning_mask"][lo:hi])
-        assert torch.equal(split["noisy_input_ids"], whole["noisy_input_ids"][lo:hi])
-        R = split["canvas_loss_mask"].shape[1]
+        L, R = split["noisy_input_ids"].shape[1], split["canvas_ids"].shape[1]
+        assert torch.equal(split["noisy_input_ids"], whole["noisy_input_ids"][lo:hi, :L])
+        assert torch.equal(split["canvas_ids"], whole["canvas_ids"][lo:hi, :R])
         assert torch.equal(split["canvas_loss_mask"], whole["canvas_loss_mask"][lo:hi, :R])
+    assert len(lengths | {whole["input_ids"].shape[1]}) > 1  # the padding really changed
     # over many seeds every block of a row gets chosen, and only real blocks
     one = {k: whole[k][:1] for k in ("input_ids", "loss_mask", "attention_mask")}
     nvb = int(whole["response_lengths"][0]) // BS

@@ -349,3 +349,26 @@ def test_scdd_smallest_reachable_time_is_two_steps():
     ]
     assert min(ts).item() >= 2 / 1000 - 1e-6
     assert max(ts).item() <= 1 - 1 / 1000 + 1e-6
+
+
+def test_per_sample_noise_does_not_depend_on_batch_padding():
+    """A row padded to 20 or to 30 (other micro-batch) gets the same noise with a fixed draw_length."""
+    from dllmflow.diffusion.corruption import corrupt_blockwise, corrupt_uniform, per_sample
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 50, (1, 20), generator=g)
+    mask = torch.ones(1, 20)
+    mask[:, :5] = 0
+    short = (ids, mask)
+    long = (torch.nn.functional.pad(ids, (0, 10)), torch.nn.functional.pad(mask, (0, 10)))
+    for kernel, kw in [(corrupt_uniform, {}), (corrupt_blockwise, {"block_size": 4})]:
+        a = per_sample(kernel, [123], *short, mask_token_id=2, draw_length=64, **kw)
+        b = per_sample(kernel, [123], *long, mask_token_id=2, draw_length=64, **kw)
+        for x, y in zip(a, b):
+            assert x.shape[1] == 20 and y.shape[1] == 30
+            assert torch.equal(x, y[:, :20])
+        # Without a fixed draw length the stream shifts with the padded length (why draw_length exists).
+        c = per_sample(kernel, [123], *short, mask_token_id=2, **kw)
+        d = per_sample(kernel, [123], *long, mask_token_id=2, **kw)
+        if kernel is corrupt_blockwise:
+            assert not torch.equal(c[1], d[1][:, :20])

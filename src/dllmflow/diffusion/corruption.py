@@ -37,21 +37,33 @@ def per_sample(
     seeds: Sequence[int],
     input_ids: Tensor,
     loss_mask: Tensor,
+    *,
+    draw_length: int | None = None,
     **kw: Any,
 ) -> tuple[Tensor, ...]:
     """Run `kernel` on each row with its own `torch.Generator(seed)` and concatenate the outputs.
 
     One generator per row makes a sample's noise a function of its seed alone (not of the batch size
-    or of its neighbours), which is what makes corruption topology-independent (spec §1.3).
+    or of its neighbours), which is what makes corruption topology-independent (spec §1.3). The
+    kernels draw `[1, L]` tensors, so the padded batch length L would still shift the stream; with
+    `draw_length` (the run's fixed `dataset.seq_length`) each row is drawn at that length (extra
+    positions unsupervised, hence never corrupted) and cut back, so the noise no longer depends on
+    how the micro-batch was padded.
     """
     if len(seeds) != input_ids.shape[0]:
         raise ValueError(f"per_sample: got {len(seeds)} seeds for a batch of {input_ids.shape[0]} rows")
+    length = input_ids.shape[1]
+    extra = max((draw_length or length) - length, 0)
+    if extra:
+        input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+        loss_mask = torch.nn.functional.pad(loss_mask, (0, extra))
     outs = []
     for b, seed in enumerate(seeds):
         gen = torch.Generator(device=input_ids.device)
         gen.manual_seed(int(seed))
         outs.append(kernel(input_ids[b : b + 1], loss_mask[b : b + 1], generator=gen, **kw))
-    return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
+    return tuple(torch.cat(parts, dim=0)[:, :length] if parts[0].dim() > 1 else torch.cat(parts, dim=0)
+                 for parts in zip(*outs))
 
 
 def corrupt_uniform(

@@ -17,6 +17,8 @@ What it lacks is one call that does the training pass, so `DiffusionGemmaForBloc
 
 Doing this inside `forward` keeps the whole step one call of the (DDP/FSDP-wrapped) root module.
 Without the flag, `forward` is the parent's, so the model's own `generate` works unchanged.
+FSDP2: encoder layer i and decoder layer i share their weights, so shard each pair as one group,
+`for unit in model.fsdp_units(): fully_shard(unit)`, then the root (per-layer sharding is refused by torch).
 
     from dllmflow.models.diffusion_gemma import build_diffusion_gemma, export_diffusion_gemma
     model = build_diffusion_gemma(settings, tokenizer)           # tiny (model.tiny) or the hub id
@@ -124,7 +126,10 @@ class DiffusionGemmaForBlockDiffusionTraining(DiffusionGemmaForBlockDiffusion):
         # A config-less DynamicCache keeps every layer full-length (sliding layers included): the
         # training masks index all S encoder columns and apply the sliding window themselves.
         return self.model.encoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=DynamicCache()
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=DynamicCache(),
         )
 
     def fsdp_units(self) -> list[list[torch.nn.Module]]:

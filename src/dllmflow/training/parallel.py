@@ -64,11 +64,14 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def apply_fsdp2(model: nn.Module) -> nn.Module:
-    """Shard each decoder block, then the root (embeddings, norm, head). In place; returns the model."""
+    """Shard each decoder block, then the root (embeddings, norm, head). In place; returns the model.
+    A model whose blocks share weights lists its shard groups in `fsdp_units()` (DiffusionGemma: encoder
+    layer i and decoder layer i are one group, since torch refuses tied weights split across groups)."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in decoder_blocks(model):
-        fully_shard(block)
+    units = model.fsdp_units() if hasattr(model, "fsdp_units") else decoder_blocks(model)
+    for unit in units:
+        fully_shard(unit)
     fully_shard(model)
     return model
 

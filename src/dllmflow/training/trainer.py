@@ -191,13 +191,10 @@ def train_step(model, strategy, batches, step: int, settings, info: DistInfo, au
             local[k] += float(v)
         local["__tokens"] += mb["input_ids"].numel()
         local["__supervised"] += float(mb["loss_mask"].sum())
-    keys = sorted(local)
-    counts = dict(
-        zip(keys, all_reduce_sum(torch.tensor([local[k] for k in keys], dtype=torch.float64)).tolist())
-    )
+    counts = _reduce(local, info)
 
     # 3) forward/backward with global denominators; gradients sync on the last micro-batch only
-    loss_sum = torch.zeros(2, dtype=torch.float64)  # [loss, dllm_loss]
+    loss_sums = {"loss": 0.0, "dllm_loss": 0.0}
     metric_sums: dict[str, float] = defaultdict(float)
     for j, mb in enumerate(micro):
         with grad_sync(model, enabled=j == len(micro) - 1):
@@ -206,21 +203,25 @@ def train_step(model, strategy, batches, step: int, settings, info: DistInfo, au
                 terms = {k: out.weight(k) * s / max(counts[k], 1.0) for k, s in out.sums.items()}
                 total = sum(terms.values())
             (total * info.world_size).backward()
-        loss_sum[0] += float(total.detach())
-        loss_sum[1] += float(sum(terms[k].detach() for k in out.dllm_terms if k in terms))
+        loss_sums["loss"] += float(total.detach())
+        loss_sums["dllm_loss"] += float(sum(terms[k].detach() for k in out.dllm_terms if k in terms))
         for k, v in out.metric_sums.items():
             metric_sums[k] += float(v)
 
     # 4) global metrics
-    all_reduce_sum(loss_sum)
-    record: dict[str, Any] = {"loss": loss_sum[0].item(), "dllm_loss": loss_sum[1].item()}
+    record: dict[str, Any] = _reduce(loss_sums, info)
     if metric_sums:
-        mkeys = sorted(metric_sums)
-        reduced = all_reduce_sum(torch.tensor([metric_sums[k] for k in mkeys], dtype=torch.float64)).tolist()
-        record.update(strategy.finalize_metrics(dict(zip(mkeys, reduced))))
+        record.update(strategy.finalize_metrics(_reduce(metric_sums, info)))
     record["tokens_per_step"] = int(counts["__tokens"])
     record["supervised_tokens"] = int(counts["__supervised"])
     return record
+
+
+def _reduce(values: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """SUM over ranks of a dict of scalars, in one collective (on the device: NCCL needs CUDA tensors)."""
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=info.device)
+    return dict(zip(keys, all_reduce_sum(t).tolist()))
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> float:

@@ -445,9 +445,9 @@ class Sampler:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         # The checkpoint's training Settings (settings.json), or None: given, or left on the model by
         # `dllmflow.generate.load_for_generation`.
-        self.training_settings = (
-            training_settings if training_settings is not None else getattr(model, TRAINING_SETTINGS_ATTR, None)
-        )
+        if training_settings is None:
+            training_settings = getattr(model, TRAINING_SETTINGS_ATTR, None)
+        self.training_settings = training_settings
         self.mask_id = resolve_mask_id(mask_id, tokenizer, model)
         fill = getattr(tokenizer, "eos_token_id", None)
         self.fill_id = int(fill if fill is not None else getattr(tokenizer, "pad_token_id", 0) or 0)

@@ -14,7 +14,9 @@ Per micro-batch (the trainer calls these three in order, see `strategies/base.py
 Block choice and coins come from per-sample generators derived from the trainer's per-sample seeds
 (other streams of `dllmflow.diffusion.seeding.sample_seed`), so resume, world size and how a step is
 cut into micro-batches do not change them; they are drawn once in `corrupt` and stored, so the
-denominators and the forward use the same selection.
+denominators and the forward use the same selection. Corruption draws over each row's own length
+(not the padded batch length) for the same reason. The encoder AR term is a training-only loss
+(absent in eval mode); the self-conditioning coins apply in both.
 
     dllmflow train --params params/tiny_block_diffusion.yaml
 """
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dllmflow.diffusion.corruption import corrupt_uniform_random, per_sample
+from dllmflow.diffusion.corruption import corrupt_uniform_random
 from dllmflow.diffusion.masks.block_diffusion import (
     build_decoder_masks,
     build_encoder_masks,
@@ -77,6 +79,30 @@ def check_single_turn(loss_mask: Tensor) -> None:
             f"{int(runs.max())} supervised runs; set dataset.mask_history: true (supervise only the final "
             "assistant turn) and re-run `dllmflow prepare`"
         )
+
+
+def corrupt_rows(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    seeds: list[int],
+    vocab_size: int,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """`corrupt_uniform_random` on each row over its own length (its attended extent, which the collator
+    fixes per sample), not the padded batch length: the kernel's token draws follow `rand(1, L)` in the
+    generator's stream, so drawing over the padded L would make a sample's noise depend on the longest
+    row it was batched with (i.e. on the world size and the micro-batch split)."""
+    noisy, noise = input_ids.clone(), torch.zeros_like(input_ids, dtype=torch.bool)  # [B, L]
+    lengths = attention_mask.long().sum(dim=1).clamp(min=1).tolist()
+    for b, (seed, n) in enumerate(zip(seeds, lengths, strict=True)):
+        gen = torch.Generator(device=input_ids.device)
+        gen.manual_seed(int(seed))
+        z, m, _ = corrupt_uniform_random(
+            input_ids[b : b + 1, :n], loss_mask[b : b + 1, :n], vocab_size, eps=eps, generator=gen
+        )
+        noisy[b, :n], noise[b, :n] = z[0], m[0]
+    return noisy, noise
 
 
 def build_response_window(
@@ -178,13 +204,8 @@ class BlockDiffusionStrategy(Strategy):
             attention_mask = torch.ones_like(input_ids)
         check_single_turn(loss_mask)
         # 1) uniform random tokens over the full vocabulary, one t per example, p_mask ≡ 1
-        noisy, noise, _ = per_sample(
-            corrupt_uniform_random,
-            seeds,
-            input_ids,
-            loss_mask,
-            vocab_size=self.cfg.vocab_size,
-            eps=self.cfg.eps,
+        noisy, noise = corrupt_rows(
+            input_ids, loss_mask, attention_mask, seeds, self.cfg.vocab_size, self.cfg.eps
         )
         # 2) the response window with one selected block per example
         window = build_response_window(

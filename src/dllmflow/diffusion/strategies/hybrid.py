@@ -53,7 +53,8 @@ class HybridStrategy(Strategy):
         x, m = batch["input_ids"], batch["loss_mask"]
         if self.cfg.block_size is None:
             z, noise, p = per_sample(
-                corrupt_uniform, seeds, x, m, mask_token_id=self.mask_token_id, eps=self.cfg.eps
+                corrupt_uniform, seeds, x, m, mask_token_id=self.mask_token_id, eps=self.cfg.eps,
+                draw_length=self.settings.dataset.seq_length,
             )
         else:
             z, noise, p = per_sample(
@@ -61,6 +62,7 @@ class HybridStrategy(Strategy):
                 seeds,
                 x,
                 m,
+                draw_length=self.settings.dataset.seq_length,
                 mask_token_id=self.mask_token_id,
                 block_size=self.cfg.block_size,
                 eps=self.cfg.eps,

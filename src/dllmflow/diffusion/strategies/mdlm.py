@@ -30,6 +30,7 @@ class MDLMStrategy(Strategy):
             seeds,
             batch["input_ids"],
             batch["loss_mask"],
+            draw_length=self.settings.dataset.seq_length,
             mask_token_id=require_mask_id(self),
             eps=self.cfg.eps,
         )

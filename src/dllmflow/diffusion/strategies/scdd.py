@@ -52,6 +52,7 @@ class SCDDStrategy(Strategy):
             seeds,
             batch["input_ids"],
             batch["loss_mask"],
+            draw_length=self.settings.dataset.seq_length,
             mask_token_id=require_mask_id(self),
             vocab_size=c.vocab_size,
             num_timesteps=c.num_timesteps,

@@ -1,0 +1,164 @@
+"""`scdd`: the ancestral sampler of self-correcting discrete diffusion (spec §3.2).
+
+Every canvas position is redrawn at every step from the exact reverse posterior q(z_s | z_t, x ~ p_θ)
+of the SCDD forward process, walking t from 1 down to eps over `steps` steps. Per step s < t the
+forward process keeps a visible token with probability α' = clean_t/clean_s, redraws it uniformly
+over the K = V-1 non-mask tokens with β' = γ_t/γ_s - α', and masks it with η = 1 - α' - β' (the
+sampler's mass ratios, not training's ρ ratios: spec §7 caveat 8). The posterior, with p = p_θ:
+
+    visible c:  q(v) ∝ (clean_s p(v) + uniform_s/K) (α' δ_vc + β'/K),   q([MASK]) = 0
+    masked:     q(v) = η (clean_s p(v) + uniform_s/K) / absorbed_t,     q([MASK]) = absorbed_s / absorbed_t
+
+so a committed token can be rewritten but never re-masked. A last forward takes the argmax at every
+canvas position ("noise removal": leftover masks and wrong visible tokens alike). NFE = steps + 1.
+The schedule (`uniform_ratio`, `schedule_shape`, `schedule_peak`) must be the training one: unset
+flags take the checkpoint's settings.json values, an explicit flag that differs warns.
+
+    sampler = SCDDSampler(model, tok, build_sampler_config("scdd", {"steps": 64}), training_settings=s)
+    result = sampler.generate([ids_a, ids_b])
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dllmflow.diffusion.schedules import TINY, scdd_schedule
+from dllmflow.errors import UserError
+
+from .base import GenerationResult, Sampler, SamplerConfig, build_canvas
+
+SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
+
+
+def resolve_scdd_schedule(config: SamplerConfig, training_settings: Any) -> tuple[SamplerConfig, list[str]]:
+    """Fill the schedule fields the caller left unset from the training settings (scdd mode only);
+    -> (config, one message per explicitly set field that disagrees with training)."""
+    dllm = getattr(training_settings, "dllm", None)
+    if getattr(dllm, "mode", None) != "scdd":
+        return config, []
+    update, mismatches = {}, []
+    for name in SCHEDULE_FIELDS:
+        trained = float(getattr(dllm, name))
+        if name not in config.model_fields_set:
+            update[name] = trained
+        elif not math.isclose(getattr(config, name), trained, rel_tol=1e-6, abs_tol=1e-9):
+            mismatches.append(
+                f"--{name} {getattr(config, name)} but the checkpoint was trained with {trained}"
+            )
+    return config.model_copy(update=update), mismatches
+
+
+def scdd_step_probs(
+    log_p: Tensor, current: Tensor, mask_id: int, t: float, s: float, config: SamplerConfig
+) -> Tensor:
+    """Reverse-posterior probabilities [N, V] for N canvas positions.
+
+    log_p [N, V]: log p_θ with the [MASK] column at -inf; current [N]: z_t. Rows whose posterior is
+    all zero (a degenerate schedule) come back all zero; the caller keeps their token.
+    """
+    sch = scdd_schedule(
+        torch.tensor([t, s], dtype=torch.float64),
+        config.uniform_ratio,
+        config.schedule_shape,
+        config.schedule_peak,
+    )
+    clean_t, clean_s = float(sch.clean[0]), float(sch.clean[1])
+    uni_t, uni_s = float(sch.uniform[0]), float(sch.uniform[1])
+    abs_t, abs_s = float(sch.absorbed[0]), float(sch.absorbed[1])
+    gamma_t, gamma_s = float(sch.gamma[0]), float(sch.gamma[1])
+    alpha = clean_t / max(clean_s, TINY)
+    beta = gamma_t / max(gamma_s, TINY) - alpha
+    eta = 1.0 - alpha - beta
+
+    p = log_p.double().exp()  # [N, V]; exactly 0 on the mask column
+    n, vocab = p.shape
+    k = vocab - 1
+    rows = torch.arange(n, device=p.device)
+    masked = current == mask_id  # [N]
+    cur = current.clamp(0, vocab - 1)
+    p_c = p[rows, cur]  # [N]
+
+    # 1) visible rows: stay (α'), or any non-mask token (β'), weighted by where x may be at s
+    den = (uni_t / k + clean_t * p_c).clamp_min(TINY)  # [N]
+    visible = (clean_s * beta / k) * p + uni_s * beta / k**2  # [N, V]
+    visible[rows, cur] += clean_s * alpha * p_c + alpha * uni_s / k
+    visible[:, mask_id] = 0.0
+    visible = visible / den[:, None]
+
+    # 2) masked rows: unmask to where x may be at s (η), or stay masked
+    rel = eta / max(abs_t, TINY)
+    unmask = rel * uni_s / k + rel * clean_s * p  # [N, V]
+    unmask[:, mask_id] = abs_s / max(abs_t, TINY)
+
+    probs = torch.where(masked[:, None], unmask, visible)
+    return probs.clamp_min(0.0)
+
+
+class SCDDSampler(Sampler):
+    name = "scdd"
+    supports_infill = False
+    supports_kv_cache = False
+    supports_batching = True
+
+    def __init__(
+        self, model, tokenizer, config: SamplerConfig, mask_id: int | None = None, forward=None, **kw
+    ):
+        if config.use_kv_cache:
+            raise UserError(
+                "sampler scdd redraws every canvas position every step, so it has no KV-cache path; drop the cache "
+                "setting (pass --no_kv_cache)"
+            )
+        super().__init__(model, tokenizer, config, mask_id, forward, **kw)
+        self.config, mismatches = resolve_scdd_schedule(config, self.training_settings)
+        for msg in mismatches:
+            warnings.warn(f"scdd schedule does not match training: {msg}", UserWarning, stacklevel=2)
+
+    def model_forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        from dllmflow.models.attention import forward_bidirectional
+
+        return forward_bidirectional(self.model, input_ids, attention_mask)  # [B, T, V]
+
+    def _denoiser_log_probs(self, logits: Tensor) -> Tensor:
+        """log p_θ [N, V] from logits [N, V]: [MASK] excluded, tempered; temperature 0 = one-hot argmax."""
+        logits = logits.float()
+        logits[:, self.mask_id] = -math.inf
+        if self.config.temperature == 0:
+            one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+            return one_hot.log()
+        return torch.log_softmax(logits / self.config.temperature, dim=-1)
+
+    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+        cfg, gen = self.config, self.generator()
+        G = cfg.max_new_tokens
+        canvas = build_canvas(prompt_ids, G, self.mask_id, self.fill_id, self.device)
+        x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start  # [B, T], [B, T], [B]
+        pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
+        in_canvas = (pos >= start[:, None]) & (pos < (start + G)[:, None])  # [B, T]
+        rows, cols = in_canvas.nonzero(as_tuple=True)  # N = B * G canvas positions
+
+        ts = torch.linspace(1.0, cfg.eps, cfg.steps + 1, dtype=torch.float64).tolist()
+        for i in range(cfg.steps):
+            logits = self._forward(x, attn)[rows, cols]  # [N, V]
+            probs = scdd_step_probs(self._denoiser_log_probs(logits), x[rows, cols], self.mask_id, ts[i],
+                                    ts[i + 1], cfg)  # fmt: skip
+            alive = probs.sum(dim=-1) > 0  # [N] a degenerate (all-zero) posterior keeps its token
+            draw = torch.multinomial(probs[alive], 1, generator=gen).squeeze(-1)  # [N_alive]
+            x[rows[alive], cols[alive]] = draw.to(x.dtype)
+
+        # noise removal: argmax everywhere on the canvas, [MASK] excluded
+        logits = self._forward(x, attn)[rows, cols].float()  # [N, V]
+        logits[:, self.mask_id] = -math.inf
+        x[rows, cols] = logits.argmax(-1).to(x.dtype)
+        nfe = cfg.steps + 1
+        seqs = [x[b, len(p) : len(p) + G].tolist() for b, p in enumerate(prompt_ids)]
+        return seqs, nfe, [nfe] * len(prompt_ids)
+
+    def infill(self, seqs: list[list[int]]) -> GenerationResult:
+        raise UserError(
+            "sampler scdd does not support infill (it redraws the whole canvas); use --sampler llada"
+        )
