@@ -1,124 +1,357 @@
-"""Training step time: each dLLM strategy against a plain next-token (AR) step, same model, same batch.
+"""Training step time of every `dllm.mode` against a plain next-token (AR) step on the same backbone.
 
-    OMP_NUM_THREADS=1 python bench/train_step.py                                  # tiny_mdlm, 20 steps
-    python bench/train_step.py --params params/tiny_mdlm.yaml --set model.tiny.hidden_size=256 --steps 30
+    OMP_NUM_THREADS=1 python bench/train_step.py                          # all modes, tiny recipes
+    python bench/train_step.py --modes mdlm idlm --steps 30 --seq-len 256
+    python bench/train_step.py --set model.tiny.hidden_size=128 --set model.tiny.num_hidden_layers=4
 
-A full optimizer step is timed for each mode (modes interleaved step by step): corrupt (strategies) + forward + loss + backward +
-clip + AdamW step, on one collated batch of `train.local_batch_size` rows of the prepared training
-data (prepared first if missing). Every mode starts from the same initial weights. Prints the
-median step time of each mode and its ratio to the AR step measured in the same run, with the model
-size and sequence length. Does not assert (goal for mdlm on CPU: ratio <= 1.10).
-Add a mode by listing it in MODES (and its dllm overrides in MODE_SETTINGS when it needs any).
+Each mode runs its own tiny recipe `params/tiny_<mode>.yaml` (plus `--set` overrides) through the real
+code paths: `prepare` (into a temp dir, `dataset.limit` small), `load_tokenizer`,
+`DLLMCollator.from_settings`, `build_strategy` -> `build_model` / `setup` / `corrupt` / `token_counts`
+/ `loss`, the trainer's optimizer and its global-count reduction of the loss terms. A timed step is
+what the trainer does per step: corrupt + forward + loss + backward + clip + AdamW step, on one
+collated batch of `train.local_batch_size` prepared rows (fresh per-sample seeds every step).
+
+The AR baseline is a causal-LM next-token CE step on the same backbone, batch and sequence length:
+the plain tiny causal LM (mdlm, scdd, hybrid, idlm), the DiffusionGemma encoder alone as a causal LM
+(block_diffusion), and full fine-tuning of the frozen target (dflash: the alternative to training a
+draft). Every runner is stepped in turn (interleaved) so machine-load drift hits all alike; the
+median over `--steps` timed steps after `--warmup` is reported. Printed, not asserted:
+
+    mode ratio = median mode step / median AR step     (goals: mdlm <= 1.10, idlm <= 2.2)
+    corrupt %  = share of the step spent in strategy.corrupt
+    dflash     = target forward (strategy.target_features) vs draft step (draft_loss + backward + opt)
+    block_diffusion: self_conditioning_p 1 vs 0 (cost of the extra no-grad decoder pass) and the share
+                     of building the encoder/decoder attention masks
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import statistics
+import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["mdlm"]  # dllm.mode names, timed through the strategy registry
-MODE_SETTINGS: dict[str, dict] = {"mdlm": {"mode": "mdlm"}}
+MODES = ["mdlm", "scdd", "hybrid", "idlm", "block_diffusion", "dflash"]
+GOALS = {"mdlm": 1.10, "idlm": 2.2}  # issue goals: mode step <= goal x AR step
+DATA_LIMIT = 64  # prepared training rows: enough for one batch, quick to tokenise
+# A bit wider than the recipes' 64-wide model so per-token compute, not Python overhead, dominates
+# (the dflash target is sized from it too); `--set model.tiny.hidden_size=64` gives the recipes' size.
+DEFAULT_SET = {"model.tiny.hidden_size": 128, "model.tiny.intermediate_size": 256}
 
 
-def ar_step_fn(model, batch):
-    """The baseline: causal LM, next-token CE on the supervised positions."""
-    ids, mask = batch["input_ids"], batch["loss_mask"]  # [B, L]
-    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).logits  # [B, L, V]
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-    return (ce * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum().clamp_min(1)
+# ---- settings and data ----------------------------------------------------------------------------
 
 
-def strategy_step_fn(strategy, seed: int):
-    def step(model, batch):
-        b = dict(batch)
-        b.update(strategy.corrupt(b, [seed + i for i in range(b["input_ids"].shape[0])]))
-        counts = strategy.token_counts(b)
-        out = strategy.loss(model, b)
-        return sum(out.weight(k) * s / max(float(counts[k]), 1.0) for k, s in out.sums.items())
+def mode_settings(mode: str, args, tmp: Path, **extra):
+    """The tiny recipe of `mode` with the CLI overrides, data and targets under `tmp`."""
+    from dllmflow.launch import parse_overrides
+    from dllmflow.settings import load_settings
 
-    return step
-
-
-class Runner:
-    """One mode's model + optimizer; `step()` times one full optimizer step."""
-
-    def __init__(self, model, loss_fn, batch):
-        self.model, self.loss_fn, self.batch = model, loss_fn, batch
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.times: list[float] = []
-
-    def step(self, record: bool) -> None:
-        t0 = time.perf_counter()
-        self.loss_fn(self.model, self.batch).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if record:
-            self.times.append(time.perf_counter() - t0)
+    overrides = {"dataset.limit": DATA_LIMIT, **DEFAULT_SET, **parse_overrides(args.set), **extra}
+    if args.seq_len:
+        overrides["dataset.seq_length"] = args.seq_len
+    if mode == "dflash":
+        overrides["dflash.target_model_id"] = f"tiny:{tmp / 'target'}"
+    settings = load_settings(ROOT / "params" / f"tiny_{mode}.yaml", **overrides)
+    # Prepared data depends on the dataset + tokenizer sections only: share it between recipes.
+    used = {"d": settings.dataset.model_dump(mode="json"), "t": settings.tokenizer.model_dump(mode="json")}
+    key = hashlib.sha256(json.dumps(used, sort_keys=True).encode()).hexdigest()[:12]
+    return load_settings(
+        ROOT / "params" / f"tiny_{mode}.yaml", **overrides, **{"dataset.prepared_dir": str(tmp / key)}
+    )
 
 
-def main() -> None:
+def load_batch(settings):
+    """Prepare (once per dataset config), then collate the first `local_batch_size` training rows."""
     from dllmflow.data.collate import DLLMCollator
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.data.prepare import prepare
     from dllmflow.data.tokenizer import load_tokenizer
-    from dllmflow.diffusion.strategies import STRATEGIES
-    from dllmflow.launch import parse_overrides
-    from dllmflow.models.build import build_model
-    from dllmflow.settings import load_settings
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--params", nargs="+", default=[str(ROOT / "params" / "tiny_mdlm.yaml")])
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--modes", nargs="+", default=MODES)
-    args = p.parse_args()
-
-    settings = load_settings(*args.params, **parse_overrides(args.set))
     if not (Path(settings.dataset.prepared_dir) / "manifest.json").is_file():
         prepare(settings)
     tokenizer = load_tokenizer(settings.dataset.prepared_dir)
     data = PreparedDataset(settings.dataset.prepared_dir, "train")
     rows = [data[i % len(data)] for i in range(settings.train.local_batch_size)]
     batch = DLLMCollator.from_settings(settings, tokenizer)(rows)
-    torch.manual_seed(settings.train.seed)
-    init = {k: v.clone() for k, v in build_model(settings, tokenizer).state_dict().items()}
+    batch.pop("global_index", None)
+    return tokenizer, batch
 
-    def fresh_model(mode_settings):
-        model = build_model(mode_settings, tokenizer)
-        model.load_state_dict(init)
-        return model.train()
 
-    runners = {"ar": Runner(fresh_model(settings), ar_step_fn, batch)}
-    for mode in args.modes:
-        mode_settings = settings
-        if mode != settings.dllm.mode:
-            mode_settings = load_settings(
-                *args.params, **parse_overrides(args.set), dllm=MODE_SETTINGS.get(mode, {"mode": mode})
-            )
-        strategy = STRATEGIES[mode](mode_settings)
-        model = fresh_model(mode_settings)
+def batch_key(batch) -> str:
+    h = hashlib.sha256()
+    for k in ("input_ids", "attention_mask"):  # the AR step's cost does not depend on loss_mask
+        h.update(batch[k].contiguous().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+# ---- step functions: (model, batch, step index, marks) -> scalar loss -----------------------------
+
+
+def ar_loss(model, batch, step: int, marks: dict) -> torch.Tensor:
+    """The baseline: causal LM, next-token CE on the supervised positions."""
+    ids, mask = batch["input_ids"], batch["loss_mask"]  # [B, L]
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).logits  # [B, L, V]
+    return _next_token_ce(logits, ids, mask)
+
+
+def gemma_encoder_ar_loss(model, batch, step: int, marks: dict) -> torch.Tensor:
+    """AR baseline on DiffusionGemma: the causal encoder alone + LM head (no canvas, no decoder)."""
+    from dllmflow.diffusion.masks.block_diffusion import build_encoder_masks
+    from dllmflow.models.diffusion_gemma import sliding_window_of, softcap
+
+    ids, attn = batch["input_ids"], batch["attention_mask"]  # [B, L]
+    B, L = ids.shape
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    hidden = model.model.encoder(
+        input_ids=ids,
+        attention_mask=build_encoder_masks(attn, sliding_window_of(model), dtype),
+        position_ids=torch.arange(L)[None].expand(B, L),
+    ).last_hidden_state  # [B, L, H]
+    logits = softcap(model.lm_head(hidden).float(), model.final_logit_softcapping)  # [B, L, V]
+    return _next_token_ce(logits, ids, batch["loss_mask"])
+
+
+def _next_token_ce(logits, ids, mask) -> torch.Tensor:
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    return (ce * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum().clamp_min(1)
+
+
+def strategy_loss(strategy, seed: int, loss_fn: Callable | None = None) -> Callable:
+    """corrupt -> token_counts -> loss, combined as the trainer does (term sum / global count)."""
+    from dllmflow.diffusion.seeding import sample_seed
+
+    def run(model, batch, step: int, marks: dict) -> torch.Tensor:
+        t0 = time.perf_counter()
+        b = dict(batch)
+        B = b["input_ids"].shape[0]
+        b.update(strategy.corrupt(b, [sample_seed(seed, step, step * B + i) for i in range(B)]))
+        marks["corrupt"] = time.perf_counter() - t0
+        counts = {k: float(v) for k, v in strategy.token_counts(b).items()}
+        out = (loss_fn or strategy.loss)(model, b, marks)
+        return sum(out.weight(k) * s / max(counts[k], 1.0) for k, s in out.sums.items())
+
+    return run
+
+
+def dflash_split(strategy) -> Callable:
+    """DFlash loss with the frozen target forward timed on its own."""
+
+    def loss(model, batch, marks: dict):
+        t0 = time.perf_counter()
+        target_hidden = strategy.target_features(batch)  # [B, L, |ids|·d]
+        marks["target"] = time.perf_counter() - t0
+        return strategy.draft_loss(model, batch, target_hidden)
+
+    return loss
+
+
+def plain_loss(strategy) -> Callable:
+    return lambda model, batch, marks: strategy.loss(model, batch)
+
+
+# ---- runner -----------------------------------------------------------------------------------------
+
+
+class Runner:
+    """One model + optimizer + batch; `step()` times one full optimizer step and its marked parts."""
+
+    def __init__(self, model, loss_fn, batch, settings):
+        from dllmflow.training.trainer import build_optimizer
+
+        self.model, self.loss_fn, self.batch = model.train(), loss_fn, batch
+        self.opt = build_optimizer(model, settings)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.times: list[float] = []
+        self.parts: dict[str, list[float]] = defaultdict(list)  # mark -> share of its step
+        self.count = 0
+
+    def step(self, record: bool) -> None:
+        marks: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.loss_fn(self.model, self.batch, self.count, marks).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        self.count += 1
+        if record:
+            self.times.append(dt)
+            for k, v in marks.items():
+                self.parts[k].append(v / dt)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    def share(self, mark: str) -> float:
+        return statistics.median(self.parts[mark]) if self.parts.get(mark) else float("nan")
+
+
+# ---- building the runners of one mode --------------------------------------------------------------
+
+
+def build_mode(mode: str, args, tmp: Path, ar_runners: dict) -> dict:
+    """Runners of `mode` (its own, and block_diffusion's sc p=0/1 variants) + its AR baseline's key."""
+    from dllmflow.diffusion.strategies import build_strategy
+
+    settings = mode_settings(mode, args, tmp)
+    tokenizer, batch = load_batch(settings)
+    if "vocab_size" in type(settings.dllm).model_fields and settings.dllm.vocab_size != len(tokenizer):
+        settings = mode_settings(mode, args, tmp, **{"dllm.vocab_size": len(tokenizer)})
+    seed = settings.train.seed
+
+    def make(s, loss_wrapper=plain_loss):
+        strategy = build_strategy(s)
+        torch.manual_seed(seed)
+        model = strategy.build_model(tokenizer)
         strategy.setup(model, tokenizer, torch.device("cpu"))
-        runners[mode] = Runner(model, strategy_step_fn(strategy, settings.train.seed), batch)
-    # Interleave the modes step by step so drift in machine load hits all of them alike.
-    for i in range(args.warmup + args.steps):
-        for runner in runners.values():
-            runner.step(record=i >= args.warmup)
-    results = {mode: statistics.median(r.times) for mode, r in runners.items()}
+        return strategy, Runner(model, strategy_loss(strategy, seed, loss_wrapper(strategy)), batch, s)
 
-    n_params = sum(t.numel() for t in init.values())
-    B, L = batch["input_ids"].shape
-    print(f"model {n_params / 1e6:.3f}M params | batch {B} x seq_len {L} | {args.steps} timed steps, median")
-    print(f"{'mode':<16}{'step ms':>10}{'vs ar':>8}")
-    for mode, t in results.items():
-        print(f"{mode:<16}{t * 1e3:>10.2f}{t / results['ar']:>8.3f}")
+    out: dict = {"settings": settings, "batch": batch}
+    if mode == "dflash":
+        from dllmflow.diffusion.strategies.dflash import build_tiny_target
+
+        tiny = settings.model.tiny
+        if tiny is not None:  # size the target like the other modes' backbone (reused once written)
+            build_tiny_target(
+                tmp / "target", tokenizer, tiny.hidden_size, max(4, tiny.num_hidden_layers), seed=seed
+            )
+        strategy, out["runner"] = make(settings, dflash_split)
+        ar_model, ar_fn, backbone = dflash_ar_target(strategy, tokenizer)
+    elif mode == "block_diffusion":
+        strategy, out["runner"] = make(settings)
+        for p in (0.0, 1.0):
+            s = mode_settings(
+                mode, args, tmp, **{"dllm.vocab_size": len(tokenizer), "dllm.self_conditioning_p": p}
+            )
+            out[f"sc{int(p)}"] = make(s)[1]
+        out["mask_ms"] = block_diffusion_mask_time(strategy, out["runner"], batch)
+        torch.manual_seed(seed)
+        ar_model, ar_fn = strategy.build_model(tokenizer), gemma_encoder_ar_loss
+        backbone = "DiffusionGemma encoder"
+    else:
+        from dllmflow.models.build import build_model
+
+        strategy, out["runner"] = make(settings)
+        torch.manual_seed(seed)
+        ar_model, ar_fn = build_model(settings, tokenizer), ar_loss
+        backbone = type(ar_model).__name__
+    key = (backbone, ar_model.config.to_json_string(use_diff=False), batch_key(batch))
+    if key not in ar_runners:
+        ar_runners[key] = Runner(ar_model, ar_fn, batch, settings)
+    out["ar_key"], out["backbone"] = key, backbone
+    return out
+
+
+def dflash_ar_target(strategy, tokenizer):
+    """A trainable copy of the frozen target: AR fine-tuning of it is what the draft step replaces."""
+    target = strategy.load_target(strategy.target_path(tokenizer), torch.device("cpu"))
+    target.requires_grad_(True)
+    return target, ar_loss, f"{type(target).__name__} (target)"
+
+
+def block_diffusion_mask_time(strategy, runner, batch, repeats: int = 5) -> float:
+    """Median seconds to build the encoder + decoder attention masks of one step (as `loss` does)."""
+    from dllmflow.diffusion.masks.block_diffusion import build_decoder_masks, build_encoder_masks
+    from dllmflow.diffusion.seeding import sample_seed
+
+    b = dict(batch)
+    B = b["input_ids"].shape[0]
+    b.update(strategy.corrupt(b, [sample_seed(0, 0, i) for i in range(B)]))
+    dtype = next(p.dtype for p in runner.model.parameters() if p.is_floating_point())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        build_decoder_masks(
+            b["prefix_lengths"],
+            b["response_lengths"],
+            b["attention_mask"],
+            b["canvas_ids"].shape[1],
+            strategy.block_size,
+            strategy.sliding_window,
+            dtype,
+        )
+        build_encoder_masks(b["attention_mask"], strategy.sliding_window, dtype)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per runner (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=None, help="dataset.seq_length (default: the recipes')")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="settings override, all modes"
+    )
+    args = p.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would bury the table
+
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp_dir:
+        ar_runners: dict = {}
+        modes = {mode: build_mode(mode, args, Path(tmp_dir), ar_runners) for mode in args.modes}
+        runners = list(ar_runners.values())
+        for m in modes.values():
+            runners += [m[k] for k in ("runner", "sc0", "sc1") if k in m]
+        # Interleave every runner step by step so drift in machine load hits all of them alike.
+        for i in range(args.warmup + args.steps):
+            for runner in runners:
+                runner.step(record=i >= args.warmup)
+    report(modes, ar_runners, args, time.perf_counter() - t_start)
+
+
+def report(modes: dict, ar_runners: dict, args, elapsed: float) -> None:
+    print(
+        f"train step, median of {args.steps} timed steps after {args.warmup} warmup, torch threads {torch.get_num_threads()}"
+    )
+    head = f"{'mode':<16}{'backbone (AR baseline)':<30}{'params':>9}{'B x L':>10}{'AR ms':>9}{'mode ms':>9}"
+    print(head + f"{'x AR':>7}{'goal':>14}{'corrupt%':>10}")
+    for mode, m in modes.items():
+        r, ar = m["runner"], ar_runners[m["ar_key"]]
+        B, L = m["batch"]["input_ids"].shape
+        ratio = r.median / ar.median
+        goal = GOALS.get(mode)
+        goal_s = "" if goal is None else f"<={goal:.2f} " + ("met" if ratio <= goal else "missed")
+        print(
+            f"{mode:<16}{m['backbone'][:29]:<30}{r.n_params / 1e3:>8.0f}k{f'{B}x{L}':>10}"
+            f"{ar.median * 1e3:>9.1f}{r.median * 1e3:>9.1f}{ratio:>7.2f}{goal_s:>14}{100 * r.share('corrupt'):>9.1f}%"
+        )
+    ar_sizes = ", ".join(f"{k[0]} {v.n_params / 1e3:.0f}k" for k, v in ar_runners.items())
+    print(f"(params = the trainable module of the mode; AR baselines: {ar_sizes})")
+    if "dflash" in modes:
+        r = modes["dflash"]["runner"]
+        tgt, cor = r.share("target"), r.share("corrupt")
+        print(
+            f"dflash split: frozen target forward {100 * tgt:.1f}% | draft step (draft_loss + backward + "
+            f"optimizer) {100 * (1 - tgt - cor):.1f}% | corrupt {100 * cor:.1f}% of {r.median * 1e3:.1f} ms"
+        )
+    if "block_diffusion" in modes:
+        m = modes["block_diffusion"]
+        sc0, sc1 = m["sc0"].median, m["sc1"].median
+        print(
+            f"block_diffusion: self_conditioning_p 1 vs 0: {sc1 * 1e3:.1f} / {sc0 * 1e3:.1f} ms = {sc1 / sc0:.2f}x "
+            f"(extra no-grad decoder pass); recipe p={m['settings'].dllm.self_conditioning_p}; "
+            f"mask building {m['mask_ms'] * 1e3:.2f} ms = {100 * m['mask_ms'] / m['runner'].median:.1f}% of the step"
+        )
+    print(f"total wall time {elapsed:.0f} s")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, An
     return {
         "prepared_dir": s.dataset.prepared_dir,
         "content_hash": manifest["content_hash"],
+        # sha256 of the input files (for DFlash: the regenerated shards), for the model's lineage.
+        "source_sha256": manifest.get("source", {}).get("sha256"),
         # True when nothing was rebuilt: DVC skipped the stage, or prepare() matched its fingerprint.
         "reused": dvc_skipped if via_dvc else bool(before and before.get("content_hash") == manifest["content_hash"]),
         "dvc_stage": via_dvc,
@@ -203,6 +205,7 @@ def register(
     s = as_settings(settings)
     lineage = {
         "data_content_hash": data.get("content_hash"),
+        "data_source_sha256": data.get("source_sha256"),
         "dvc_rev": data.get("dvc_rev") or "none",
         "dvc_stage": data.get("dvc_stage") or "none",
         "metaflow_run": pathspec,

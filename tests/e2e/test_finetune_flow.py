@@ -7,8 +7,10 @@ data code the stage depends on), so nothing touches the checkout.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +61,9 @@ def _env(proj: Path, **extra: str) -> dict[str, str]:
 
 
 def _flow(proj: Path, *args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "flows/finetune.py", "--config", "recipe", "params/tiny_mdlm.yaml", *args]
+    # `resume` reuses the failed run's Config (Metaflow refuses --config with resume).
+    config = [] if args[0] == "resume" else ["--config", "recipe", "params/tiny_mdlm.yaml"]
+    cmd = [sys.executable, "flows/finetune.py", *config, *args]
     proc = subprocess.run(cmd, cwd=proj, env=env, capture_output=True, text=True, timeout=900)
     if check:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -98,7 +102,9 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
     from metaflow.cards import get_cards
 
     html = get_cards(run["end"].task, id="report")[0].get()
-    assert "Lineage" in html and "training loss" in html.lower()
+    payload = base64.b64decode(re.search(r'__MF_DATA__\["[^"]+"\] = "([^"]+)"', html).group(1)).decode()
+    for needle in ("Training loss", "Evaluation", "Sample generations", "Lineage", data["content_hash"], "image"):
+        assert needle in payload, needle
 
     # A consumer with no access to the training dirs loads the champion and generates.
     shutil.rmtree(project / "runs")
@@ -125,11 +131,13 @@ def test_failed_flow_resume_reruns_only_the_failed_step(project):
     out = failed.stdout + failed.stderr
     assert "injected failure" in out and "rank 0" in out  # the failing rank's error reaches the step
 
-    _flow(project, "resume", env=_env(project))
+    resumed = _flow(project, "resume", env=_env(project))
     run = _client(project).latest_run
     assert run.successful
     # start and prepare were cloned from the failed run, train resumed from its step-3 checkpoint.
-    assert run["prepare"].task.metadata_dict.get("origin-task-id") is not None
+    log = resumed.stdout + resumed.stderr
+    assert any("/prepare/" in line and "Cloning previously run task" in line for line in log.splitlines()), log
+    assert not any("/prepare/" in line and "Task is starting" in line for line in log.splitlines())
     training = run["train"].task.data.training
     assert training["resumed"] is True
     steps = [json.loads(x)["step"] for x in (Path(project) / training["run_dir"] / "metrics.jsonl").read_text().splitlines()]

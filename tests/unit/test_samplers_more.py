@@ -574,3 +574,14 @@ def test_cli_reads_the_training_schedule_from_the_checkpoint(model, tok, tmp_pat
     with pytest.warns(UserWarning, match="Samplers that fit: scdd, llada"):
         cli_main(parser.parse_args(base + ["--sampler", "idlm"]))
     assert ">>> What is 2 + 3?" in capsys.readouterr().out
+
+
+def test_llada2_editing_flags_reach_the_config():
+    from dllmflow.generate import sampler_overrides
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--checkpoint", "x", "--prompt", "a", "--sampler", "llada2", "--editing_threshold", "0.7",
+                              "--max_post_steps", "4"])  # fmt: skip
+    cfg = build_sampler_config("llada2", sampler_overrides(args))
+    assert (cfg.editing_threshold, cfg.max_post_steps, cfg.steps, cfg.threshold) == (0.7, 4, 32, 0.5)
