@@ -124,6 +124,11 @@ def launch(
     settings.write_json(run_dir / "settings.json")
     local = lc.scheduler.startswith("local")
     cfg: dict[str, Any] = dict(lc.scheduler_args)
+    # Scheduler settings a user edits to leave this machine (queue, namespace, partition, ...):
+    # `launch.scheduler_args` win over ./.torchxconfig, which wins over infra/.torchxconfig.
+    from torchx.runner.config import apply as apply_torchxconfig
+
+    apply_torchxconfig(lc.scheduler, cfg, dirs=[os.getcwd(), str(Path.cwd() / "infra")])
     log_dir = None
     if local:
         log_dir = Path(cfg.setdefault("log_dir", str(run_dir / "logs")))

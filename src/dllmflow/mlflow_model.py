@@ -17,20 +17,31 @@ import mlflow
 from mlflow.pyfunc import PythonModel
 
 
+from dllmflow.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
+
+
 class DllmGenerator(PythonModel):
     """`predict(prompts)` generates text; `params` may override any sampler setting."""
 
     def load_context(self, context):
-        from dllmflow.generate import load_for_generation
-
         self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
-        self.model, self.tokenizer, _ = load_for_generation(context.artifacts["checkpoint"])
+        if self.generation["sampler"] == SPECULATIVE:  # a DFlash draft + its frozen target
+            from dllmflow.evaluate_dflash import load_dflash_pair
+
+            target = context.artifacts.get("target") or self.generation.get("target")
+            self.pair = load_dflash_pair(context.artifacts["checkpoint"], target=target)
+        else:
+            from dllmflow.generate import load_for_generation
+
+            self.model, self.tokenizer, _ = load_for_generation(context.artifacts["checkpoint"])
 
     def predict(self, context, model_input, params=None):
-        from dllmflow.registry import from_param_sentinels, generate_texts, prompts_of
+        from dllmflow.registry import from_param_sentinels, generate_texts, prompts_of, speculative_texts
 
         options = {**self.generation.get("sampler_settings", {}), **from_param_sentinels(params or {})}
         sampler = options.pop("sampler", None) or self.generation["sampler"]
+        if sampler == SPECULATIVE:
+            return speculative_texts(self.pair, prompts_of(model_input), options.get("max_new_tokens", 128))
         return generate_texts(self.model, self.tokenizer, prompts_of(model_input), sampler=sampler, **options)
 
 

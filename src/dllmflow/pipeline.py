@@ -214,7 +214,8 @@ def register(
     }
     run_id = registry.log_run(s, run_dir, evals=evals, lineage=lineage)
     gated = _gated_sampler(s, evals)
-    sampler_settings = evals.get(gated, {}).get("protocol", {}).get("sampler_settings", {})
+    protocol = evals.get(gated, {}).get("protocol", {})
+    sampler_settings = protocol.get("sampler_settings") or {"max_new_tokens": protocol.get("max_new_tokens")}
     version = registry.register_model(
         s, run_id, training["consolidated_dir"], sampler=gated, sampler_settings=sampler_settings
     )

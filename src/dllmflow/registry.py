@@ -28,6 +28,7 @@ from dllmflow.errors import UserError
 from dllmflow.settings import Settings
 
 CANDIDATE, CHAMPION = "candidate", "champion"
+SPECULATIVE = "acceptance"  # the DFlash evaluation/decoding (see mlflow_model.py)
 
 
 # ---- tracking ----------------------------------------------------------------------------------------
@@ -161,6 +162,22 @@ def generate_texts(model: Any, tokenizer: Any, prompts: list[str], *, sampler: s
     return [decode_response(tokenizer, ids) for ids in result.sequences]
 
 
+def speculative_texts(pair: tuple, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """DFlash: greedy speculative decoding with the draft against its frozen target (same text as the
+    target's own greedy decoding, fewer target forwards)."""
+    from dllmflow.evaluate_dflash import speculative_generate
+    from dllmflow.generate import decode_response, encode_prompt
+
+    draft, target, tokenizer, _, cfg = pair
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
+    out = []
+    for prompt in prompts:
+        result = speculative_generate(draft, target, encode_prompt(tokenizer, prompt), int(max_new_tokens),
+                                      int(cfg.block_size), list(cfg.target_layer_ids), mask_id, tokenizer.eos_token_id)
+        out.append(decode_response(tokenizer, result.tokens))
+    return out
+
+
 def prompts_of(model_input: Any) -> list[str]:
     if hasattr(model_input, "columns"):  # pandas DataFrame from the signature
         column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
@@ -186,7 +203,8 @@ def _signature(sampler: str, sampler_settings: dict[str, Any]):
 
     from dllmflow.diffusion.samplers.base import build_sampler_config
 
-    recorded = {"sampler": sampler, **build_sampler_config(sampler, sampler_settings).model_dump(), **sampler_settings}
+    preset = {} if sampler == SPECULATIVE else build_sampler_config(sampler, sampler_settings).model_dump()
+    recorded = {"sampler": sampler, **preset, **sampler_settings}
     params = []
     for name, dtype in _PARAM_TYPES.items():
         value = recorded.get(name)
@@ -225,6 +243,13 @@ def register_model(
 
     sampler_settings = {k: v for k, v in (sampler_settings or {}).items() if v is not None}
     generation = {"sampler": sampler, "sampler_settings": sampler_settings, "mode": settings.dllm.mode}
+    artifacts = {"checkpoint": str(consolidated_dir)}
+    if sampler == SPECULATIVE:  # the draft is useless without its target: ship a local target along
+        target = _local_target(settings)
+        if target is not None:
+            artifacts["target"] = target
+        else:
+            generation["target"] = settings.dflash.target_model_id
     with tempfile.TemporaryDirectory() as tmp:
         gen_path = Path(tmp) / "generation.json"
         gen_path.write_text(json.dumps(generation, indent=2))
@@ -232,7 +257,7 @@ def register_model(
             info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=str(Path(__file__).with_name("mlflow_model.py")),
-                artifacts={"checkpoint": str(consolidated_dir), "generation": str(gen_path)},
+                artifacts={**artifacts, "generation": str(gen_path)},
                 code_paths=[str(Path(__file__).parent)],
                 signature=_signature(sampler, sampler_settings),
                 input_example=["What is 2 + 3?"],
@@ -241,6 +266,15 @@ def register_model(
     version = mlflow.register_model(info.model_uri, name, tags={"run_id": run_id, "sampler": sampler})
     client.set_registered_model_alias(name, CANDIDATE, version.version)
     return client.get_model_version(name, version.version)
+
+
+def _local_target(settings: Settings) -> str | None:
+    """The DFlash target as a local dir (a `tiny:<dir>` target or a path), None for a hub id."""
+    target = settings.dflash.target_model_id if settings.dflash else None
+    if not target:
+        return None
+    target = target.removeprefix("tiny:")
+    return str(Path(target)) if (Path(target) / "config.json").is_file() else None
 
 
 def _version_of_run(client: Any, name: str, run_id: str) -> Any | None:

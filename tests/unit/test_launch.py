@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,18 @@ def test_lr_schedule_warmup_then_cosine_or_constant(schedule):
         want = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in range(2, 10)]
         assert factors[2:] == pytest.approx(want)
     assert lr_factor(10, s) == pytest.approx(0.1 if schedule == "cosine" else 1.0)
+
+
+def test_torchxconfig_sections_reach_the_scheduler_cfg():
+    """infra/.torchxconfig holds the settings a user edits to leave the machine; its keys are valid
+    run options of each scheduler (torchx warns about unknown ones)."""
+    from torchx.runner.config import apply
+    from torchx.schedulers import get_scheduler_factories
+
+    root = Path(__file__).resolve().parents[2]
+    for scheduler in ("local_cwd", "kubernetes", "slurm"):
+        cfg: dict = {}
+        apply(scheduler, cfg, dirs=[str(root / "infra")])
+        assert cfg, scheduler
+        opts = get_scheduler_factories()[scheduler](session_name="t").run_opts()
+        assert set(cfg) <= {name for name, _ in opts}, (scheduler, cfg)
