@@ -19,9 +19,13 @@ class FinetuneFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config("recipe", default="params/tiny_mdlm.yaml", parser="dllmflow.pipeline.parse_params_config")
 
-    max_steps = Parameter("max-steps", type=int, default=0, help="Override train.max_steps (0 = from params).")
+    max_steps = Parameter(
+        "max-steps", type=int, default=0, help="Override train.max_steps (0 = from params)."
+    )
     eval_limit = Parameter("eval-limit", type=int, default=0, help="Override eval.limit (0 = from params).")
-    force_prepare = Parameter("force-prepare", type=bool, default=False, help="Redo data prep even if unchanged.")
+    force_prepare = Parameter(
+        "force-prepare", type=bool, default=False, help="Redo data prep even if unchanged."
+    )
 
     @step
     def start(self):
@@ -61,7 +65,7 @@ class FinetuneFlow(FlowSpec):
         from dllmflow import pipeline
 
         self.sampler = self.input
-        self.eval_result = pipeline.evaluate_sampler(self.settings, self.run_dir, self.sampler)
+        self.eval_result = pipeline.evaluate_sampler(self.settings, self.training["run_dir"], self.sampler)
         self.next(self.join)
 
     @step
@@ -75,7 +79,11 @@ class FinetuneFlow(FlowSpec):
         from dllmflow import pipeline
 
         self.registration = pipeline.register(
-            self.settings, self.run_dir, self.evals, data=self.data, training=self.training,
+            self.settings,
+            self.training["run_dir"],
+            self.evals,
+            data=self.data,
+            training=self.training,
             pathspec=f"{current.flow_name}/{current.run_id}",
         )
         self.next(self.end)
@@ -85,8 +93,15 @@ class FinetuneFlow(FlowSpec):
     def end(self):
         from dllmflow import pipeline
 
-        pipeline.fill_card(current.card["report"], self.settings, self.run_dir, self.evals, self.data,
-                           self.training, self.registration)
+        pipeline.fill_card(
+            current.card["report"],
+            self.settings,
+            self.training["run_dir"],
+            self.evals,
+            self.data,
+            self.training,
+            self.registration,
+        )
         print(pipeline.next_steps_message(self.settings, self.registration, current.pathspec))
 
 

@@ -23,7 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dllmflow.launch", "Launch training through torchx (torchrun) and wait."),
     "generate": ("dllmflow.generate", "Generate text from a checkpoint with a sampler."),
     "evaluate": ("dllmflow.evaluate", "GSM8K exact match and speed of a checkpoint."),
-    "regenerate": ("dllmflow.data.regenerate", "Regenerate assistant turns through an OpenAI-compatible server."),
+    "regenerate": (
+        "dllmflow.data.regenerate",
+        "Regenerate assistant turns through an OpenAI-compatible server.",
+    ),
     "serve": ("dllmflow.serve", "Serve a local causal LM as an OpenAI-compatible chat endpoint."),
     "register": ("dllmflow.registry", "Log a finished run to MLflow and register its model."),
 }

@@ -16,7 +16,6 @@ from pathlib import Path
 import mlflow
 from mlflow.pyfunc import PythonModel
 
-
 from dllmflow.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
 
 

@@ -38,7 +38,9 @@ def parse_params_config(text: str) -> dict[str, Any]:
     return load_settings_text(text, source="--config recipe").to_dict()
 
 
-def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_limit: int = 0) -> dict[str, Any]:
+def resolve_flow_settings(
+    config: dict[str, Any], *, max_steps: int = 0, eval_limit: int = 0
+) -> dict[str, Any]:
     """Apply the run-time `Parameter`s to the Config and re-validate. Returns a JSON-able dict (the
     artifact every later step rehydrates)."""
     data = json.loads(json.dumps(config))
@@ -83,7 +85,9 @@ def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, An
         # sha256 of the input files (for DFlash: the regenerated shards), for the model's lineage.
         "source_sha256": manifest.get("source", {}).get("sha256"),
         # True when nothing was rebuilt: DVC skipped the stage, or prepare() matched its fingerprint.
-        "reused": dvc_skipped if via_dvc else bool(before and before.get("content_hash") == manifest["content_hash"]),
+        "reused": dvc_skipped
+        if via_dvc
+        else bool(before and before.get("content_hash") == manifest["content_hash"]),
         "dvc_stage": via_dvc,
         "dvc_rev": _git_rev() if via_dvc else None,
         "rows": {name: split["rows"] for name, split in manifest.get("splits", {}).items()},
@@ -108,7 +112,9 @@ def _dvc_stage_for(out_dir: str) -> str | None:
 
 def _git_rev() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -117,21 +123,46 @@ def _git_rev() -> str | None:
 
 
 def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
-    """Launch the torchx app and wait. Resumes from `run_dir`'s LATEST checkpoint when there is one
-    (a Metaflow `@retry` or `resume` lands here again with the same run dir)."""
+    """Launch the torchx app and wait, once per training stage (one, or e.g. the I-DLM block_length
+    curriculum, each stage starting from the previous one's export). A stage with a LATEST checkpoint
+    in its run dir resumes from it (a Metaflow `@retry` or `resume` lands here again with the same
+    run dir); a finished stage is not retrained."""
+    from dllmflow.diffusion.strategies import STRATEGIES
     from dllmflow.launch import launch
     from dllmflow.training.checkpoint import latest_checkpoint
 
-    s = as_settings(settings)
-    resume = latest_checkpoint(Path(run_dir) / "checkpoints") is not None
-    result = launch(s, run_dir=run_dir, resume=resume)
+    s = as_settings({**as_settings(settings).to_dict(), "run_dir": run_dir})
+    stages = STRATEGIES[s.dllm.mode].training_stages(s)
+    handles, resumed, log_dir = [], False, None
+    for stage in stages:
+        stage_dir = stage.resolved_run_dir
+        if _finished(stage_dir, stage.train.max_steps):
+            continue
+        resume = latest_checkpoint(stage_dir / "checkpoints") is not None
+        result = launch(stage, run_dir=stage_dir, resume=resume)
+        handles.append(result.app_handle)
+        resumed, log_dir = resumed or resume, result.log_dir
+    final_dir = str(stages[-1].resolved_run_dir)
     return {
-        "run_dir": run_dir,
-        "app_handle": result.app_handle,
-        "log_dir": str(result.log_dir),
-        "resumed": resume,
-        "consolidated_dir": str(find_consolidated(run_dir)),
+        "run_dir": final_dir,
+        "stages": [str(st.resolved_run_dir) for st in stages],
+        "app_handle": handles[-1] if handles else None,
+        "app_handles": handles,
+        "log_dir": str(log_dir) if log_dir else None,
+        "resumed": resumed,
+        "consolidated_dir": str(find_consolidated(final_dir)),
     }
+
+
+def _finished(run_dir: Path, max_steps: int) -> bool:
+    from dllmflow.training.checkpoint import latest_checkpoint, step_dir_name
+
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    return (
+        latest is not None
+        and latest.name == step_dir_name(max_steps)
+        and (latest / "model" / "consolidated").is_dir()
+    )
 
 
 def find_consolidated(run_dir: str | os.PathLike) -> Path:
@@ -248,7 +279,9 @@ def _gated_sampler(s: Settings, evals: dict[str, dict[str, Any]]) -> str:
 def fill_card(card, settings, run_dir, evals, data, training, registration) -> None:
     from dllmflow.report import build_card_components
 
-    for component in build_card_components(as_settings(settings), run_dir, evals, data, training, registration):
+    for component in build_card_components(
+        as_settings(settings), run_dir, evals, data, training, registration
+    ):
         card.append(component)
 
 
@@ -263,7 +296,7 @@ def next_steps_message(settings: SettingsLike, registration: dict[str, Any], pat
             f"Model {registration['model_name']} v{registration['version']} {status}: {registration.get('gate_reason')}",
             f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)",
             f"  Card:        python {flow_file} card view end --id report     ({pathspec})",
-            "  Champion:    python -c \"import mlflow; m = mlflow.pyfunc.load_model("
+            '  Champion:    python -c "import mlflow; m = mlflow.pyfunc.load_model('
             f"'models:/{s.registry.model_name}@champion'); print(m.predict(['What is 2 + 3?']))\"",
         ]
     )

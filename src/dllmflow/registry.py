@@ -114,7 +114,9 @@ def log_run(
         if settings_json.is_file():
             mlflow.log_artifact(str(settings_json))
         for sampler, result in (evals or {}).items():
-            metrics = {f"eval/{sampler}/{k}": float(v) for k, v in result.get("metrics", {}).items() if _is_number(v)}
+            metrics = {
+                f"eval/{sampler}/{k}": float(v) for k, v in result.get("metrics", {}).items() if _is_number(v)
+            }
             mlflow.log_metrics(metrics)
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / f"eval_{sampler}.json"
@@ -129,7 +131,10 @@ def _existing_run(experiment_id: str, pathspec: str | None) -> str | None:
     import mlflow
 
     found = mlflow.search_runs(
-        [experiment_id], filter_string=f"tags.metaflow_run = '{pathspec}'", output_format="list", max_results=1
+        [experiment_id],
+        filter_string=f"tags.metaflow_run = '{pathspec}'",
+        output_format="list",
+        max_results=1,
     )
     return found[0].info.run_id if found else None
 
@@ -146,7 +151,9 @@ def _param_value(v: Any) -> str:
 # ---- the pyfunc model ----------------------------------------------------------------------------------
 
 
-def generate_texts(model: Any, tokenizer: Any, prompts: list[str], *, sampler: str = "llada", **options: Any) -> list[str]:
+def generate_texts(
+    model: Any, tokenizer: Any, prompts: list[str], *, sampler: str = "llada", **options: Any
+) -> list[str]:
     """Chat-templated prompts -> generated texts with `sampler` (preset, then `options`)."""
     import torch
 
@@ -172,8 +179,16 @@ def speculative_texts(pair: tuple, prompts: list[str], max_new_tokens: int) -> l
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
     out = []
     for prompt in prompts:
-        result = speculative_generate(draft, target, encode_prompt(tokenizer, prompt), int(max_new_tokens),
-                                      int(cfg.block_size), list(cfg.target_layer_ids), mask_id, tokenizer.eos_token_id)
+        result = speculative_generate(
+            draft,
+            target,
+            encode_prompt(tokenizer, prompt),
+            int(max_new_tokens),
+            int(cfg.block_size),
+            list(cfg.target_layer_ids),
+            mask_id,
+            tokenizer.eos_token_id,
+        )
         out.append(decode_response(tokenizer, result.tokens))
     return out
 
@@ -189,8 +204,16 @@ def prompts_of(model_input: Any) -> list[str]:
 
 # MLflow params need a typed default; a sampler knob that is unset (None) travels as this sentinel.
 _UNSET = {"long": -1, "double": -1.0, "string": ""}
-_PARAM_TYPES = {"sampler": "string", "steps": "long", "max_new_tokens": "long", "block_size": "long",
-                "temperature": "double", "threshold": "double", "remasking": "string", "seed": "long"}
+_PARAM_TYPES = {
+    "sampler": "string",
+    "steps": "long",
+    "max_new_tokens": "long",
+    "block_size": "long",
+    "temperature": "double",
+    "threshold": "double",
+    "remasking": "string",
+    "seed": "long",
+}
 
 
 def from_param_sentinels(params: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +256,9 @@ def register_model(
     connect(settings)
     consolidated_dir = Path(consolidated_dir)
     if not (consolidated_dir / "config.json").is_file():
-        raise UserError(f"{consolidated_dir}: no consolidated checkpoint (config.json missing); did training finish?")
+        raise UserError(
+            f"{consolidated_dir}: no consolidated checkpoint (config.json missing); did training finish?"
+        )
     client = MlflowClient()
     name = settings.registry.model_name
     existing = _version_of_run(client, name, run_id)
@@ -302,7 +327,9 @@ def _pip_requirements() -> list[str]:
 # ---- the gate ------------------------------------------------------------------------------------------
 
 
-def apply_gate(settings: Settings, version: Any, evals: dict[str, dict[str, Any]], sampler: str) -> dict[str, Any]:
+def apply_gate(
+    settings: Settings, version: Any, evals: dict[str, dict[str, Any]], sampler: str
+) -> dict[str, Any]:
     """Move `champion` to `version` when its accuracy is not below the current champion's minus
     `registry.gate.tolerance` and its speed is not below `registry.gate.min_tokens_per_s`. The decision
     and its reason are written as tags on the model version and on its run."""
@@ -333,36 +360,54 @@ def apply_gate(settings: Settings, version: Any, evals: dict[str, dict[str, Any]
         champ_acc = float(champion.tags.get(f"eval.{gate.metric}", "nan"))
         if not math.isfinite(champ_acc) or acc >= champ_acc - gate.tolerance:
             promote = True
-            reason = f"{gate.metric} {acc:.4f} >= champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
+            reason = (
+                f"{gate.metric} {acc:.4f} >= champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
+            )
         else:
             promote = False
-            reason = f"{gate.metric} {acc:.4f} < champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
+            reason = (
+                f"{gate.metric} {acc:.4f} < champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
+            )
 
     client.set_model_version_tag(name, version.version, f"eval.{gate.metric}", f"{acc:.6f}")
     client.set_model_version_tag(name, version.version, "eval.tokens_per_s", f"{speed:.4f}")
-    client.set_model_version_tag(name, version.version, "gate.decision", "promoted" if promote else "rejected")
+    client.set_model_version_tag(
+        name, version.version, "gate.decision", "promoted" if promote else "rejected"
+    )
     client.set_model_version_tag(name, version.version, "gate.reason", reason)
     if version.run_id:
         client.set_tag(version.run_id, "gate.decision", "promoted" if promote else "rejected")
         client.set_tag(version.run_id, "gate.reason", reason)
     if promote:
         client.set_registered_model_alias(name, CHAMPION, version.version)
-    return {"promoted": promote, "reason": reason, "version": int(version.version), "metric": gate.metric,
-            "value": acc, "tokens_per_s": speed}
+    return {
+        "promoted": promote,
+        "reason": reason,
+        "version": int(version.version),
+        "metric": gate.metric,
+        "value": acc,
+        "tokens_per_s": speed,
+    }
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------
 
 
 def add_cli_args(parser) -> None:
-    parser.add_argument("--run-dir", required=True, help="A finished training run directory (holds settings.json).")
-    parser.add_argument("--eval", dest="eval_files", action="append", default=[], help="evaluate --output JSON files.")
-    parser.add_argument("--sampler", default=None, help="Sampler recorded for the pyfunc (default: the first eval's).")
+    parser.add_argument(
+        "--run-dir", required=True, help="A finished training run directory (holds settings.json)."
+    )
+    parser.add_argument(
+        "--eval", dest="eval_files", action="append", default=[], help="evaluate --output JSON files."
+    )
+    parser.add_argument(
+        "--sampler", default=None, help="Sampler recorded for the pyfunc (default: the first eval's)."
+    )
 
 
 def cli_main(args) -> int:
-    from dllmflow.settings import load_settings_json
     from dllmflow.pipeline import find_consolidated
+    from dllmflow.settings import load_settings_json
 
     run_dir = Path(args.run_dir)
     settings = load_settings_json(run_dir / "settings.json")
@@ -372,8 +417,13 @@ def cli_main(args) -> int:
         evals[result["protocol"]["sampler"]] = result
     sampler = args.sampler or next(iter(evals), "llada")
     run_id = log_run(settings, run_dir, evals=evals, lineage={"git_sha": git_sha()})
-    version = register_model(settings, run_id, find_consolidated(run_dir), sampler=sampler,
-                             sampler_settings=evals.get(sampler, {}).get("protocol", {}).get("sampler_settings"))
+    version = register_model(
+        settings,
+        run_id,
+        find_consolidated(run_dir),
+        sampler=sampler,
+        sampler_settings=evals.get(sampler, {}).get("protocol", {}).get("sampler_settings"),
+    )
     decision = apply_gate(settings, version, evals, sampler)
     print(json.dumps({"run_id": run_id, **decision}, indent=2))
     return 0

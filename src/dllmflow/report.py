@@ -27,7 +27,12 @@ def loss_figure(run_dir: str):
     steps = [r["step"] for r in rows if "loss" in r]
     ax.plot(steps, [r["loss"] for r in rows if "loss" in r], label="loss")
     if any("dllm_loss" in r for r in rows):
-        ax.plot(steps, [r.get("dllm_loss", float("nan")) for r in rows if "loss" in r], label="dllm_loss", alpha=0.7)
+        ax.plot(
+            steps,
+            [r.get("dllm_loss", float("nan")) for r in rows if "loss" in r],
+            label="dllm_loss",
+            alpha=0.7,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("training loss")
@@ -90,16 +95,29 @@ def build_card_components(
     samples = []
     for name, result in evals.items():
         for p in result.get("predictions", [])[:3]:
-            samples.append([name, _clip(p.get("prompt", "")), _clip(p.get("prediction", "")), str(p.get("answer_number", ""))])
+            samples.append(
+                [
+                    name,
+                    _clip(p.get("prompt", "")),
+                    _clip(p.get("prediction", "")),
+                    str(p.get("answer_number", "")),
+                ]
+            )
     if samples:
-        parts += [Markdown("## Sample generations"), Table(samples, headers=["sampler", "prompt", "generation", "reference"])]
+        parts += [
+            Markdown("## Sample generations"),
+            Table(samples, headers=["sampler", "prompt", "generation", "reference"]),
+        ]
     lineage = [
         ["data content hash", str(data.get("content_hash"))],
         ["DVC stage / rev", f"{data.get('dvc_stage')} / {data.get('dvc_rev')}"],
         ["torchx app", str(training.get("app_handle"))],
         ["MLflow run", str(registration.get("run_id"))],
         ["model version", f"{registration.get('model_name')} v{registration.get('version')}"],
-        ["gate", f"{'promoted' if registration.get('gate_promoted') else 'rejected'}: {registration.get('gate_reason')}"],
+        [
+            "gate",
+            f"{'promoted' if registration.get('gate_promoted') else 'rejected'}: {registration.get('gate_reason')}",
+        ],
         ["git sha", str(registration.get("lineage", {}).get("git_sha"))],
     ]
     parts += [Markdown("## Lineage"), Table(lineage, headers=["what", "value"])]

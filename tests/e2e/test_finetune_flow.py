@@ -42,8 +42,11 @@ def project(tmp_path) -> Path:
     (proj / "params").mkdir()
     shutil.copy(ROOT / "flows" / "finetune.py", proj / "flows" / "finetune.py")
     shutil.copy(ROOT / "dvc.yaml", proj / "dvc.yaml")
-    shutil.copytree(ROOT / "src" / "dllmflow" / "data", proj / "src" / "dllmflow" / "data",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "src" / "dllmflow" / "data",
+        proj / "src" / "dllmflow" / "data",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"]):
         subprocess.run(cmd, cwd=proj, check=True)
     return proj
@@ -54,7 +57,10 @@ def _env(proj: Path, **extra: str) -> dict[str, str]:
     env.update(
         METAFLOW_DATASTORE_SYSROOT_LOCAL=str(proj),
         MLFLOW_TRACKING_URI=f"sqlite:///{proj / 'mlflow.db'}",
-        GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t",
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@t",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@t",
         **extra,
     )
     return env
@@ -89,7 +95,10 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
     assert data["dvc_stage"] == "prepare" and len(data["content_hash"]) == 64
     training = run["train"].task.data.training
     assert training["resumed"] is True
-    steps = [json.loads(x)["step"] for x in (Path(project) / training["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(x)["step"]
+        for x in (Path(project) / training["run_dir"] / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 4: no step lost, none repeated
     reg = run["register"].task.data.registration
     assert reg["version"] == 1 and reg["gate_promoted"] is True
@@ -97,21 +106,38 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
     assert reg["lineage"]["metaflow_run"] == f"FinetuneFlow/{run.id}"
     assert reg["lineage"]["torchx_app_handle"].startswith("local_cwd://")
     evals = run["join"].task.data.evals
-    assert "llada" in evals and {"exact_match_strict", "tokens_per_s", "nfe"} <= set(evals["llada"]["metrics"])
+    assert "llada" in evals and {"exact_match_strict", "tokens_per_s", "nfe"} <= set(
+        evals["llada"]["metrics"]
+    )
 
     from metaflow.cards import get_cards
 
     html = get_cards(run["end"].task, id="report")[0].get()
     payload = base64.b64decode(re.search(r'__MF_DATA__\["[^"]+"\] = "([^"]+)"', html).group(1)).decode()
-    for needle in ("Training loss", "Evaluation", "Sample generations", "Lineage", data["content_hash"], "image"):
+    for needle in (
+        "Training loss",
+        "Evaluation",
+        "Sample generations",
+        "Lineage",
+        data["content_hash"],
+        "image",
+    ):
         assert needle in payload, needle
 
     # A consumer with no access to the training dirs loads the champion and generates.
     shutil.rmtree(project / "runs")
-    code = ("import json, mlflow; m = mlflow.pyfunc.load_model('models:/e2e-tiny@champion'); "
-            "print('PRED=' + json.dumps(m.predict(['What is 2 + 3?'])))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=project.parent, env=_env(project),
-                          capture_output=True, text=True, timeout=300)
+    code = (
+        "import json, mlflow; m = mlflow.pyfunc.load_model('models:/e2e-tiny@champion'); "
+        "print('PRED=' + json.dumps(m.predict(['What is 2 + 3?'])))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=project.parent,
+        env=_env(project),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     preds = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PRED="))[5:])
     assert len(preds) == 1 and isinstance(preds[0], str)
@@ -136,11 +162,16 @@ def test_failed_flow_resume_reruns_only_the_failed_step(project):
     assert run.successful
     # start and prepare were cloned from the failed run, train resumed from its step-3 checkpoint.
     log = resumed.stdout + resumed.stderr
-    assert any("/prepare/" in line and "Cloning previously run task" in line for line in log.splitlines()), log
+    assert any("/prepare/" in line and "Cloning previously run task" in line for line in log.splitlines()), (
+        log
+    )
     assert not any("/prepare/" in line and "Task is starting" in line for line in log.splitlines())
     training = run["train"].task.data.training
     assert training["resumed"] is True
-    steps = [json.loads(x)["step"] for x in (Path(project) / training["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(x)["step"]
+        for x in (Path(project) / training["run_dir"] / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == [1, 2, 3, 4, 5, 6]
 
 

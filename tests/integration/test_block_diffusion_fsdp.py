@@ -57,6 +57,7 @@ def _loss(strategy, model, batch, counts):
 def _worker(out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     from dllmflow.training.parallel import apply_fsdp2
 
     dist.init_process_group("gloo")

@@ -50,7 +50,9 @@ def consolidated(tmp_path_factory) -> Path:
     settings.write_json(out / "settings.json")
     settings.write_json(tmp / "run" / "settings.json")
     (tmp / "run" / "metrics.jsonl").write_text(
-        "\n".join(json.dumps({"step": i, "loss": 5.0 - i, "dllm_loss": 5.0 - i, "lr": 1e-3}) for i in range(1, 4))
+        "\n".join(
+            json.dumps({"step": i, "loss": 5.0 - i, "dllm_loss": 5.0 - i, "lr": 1e-3}) for i in range(1, 4)
+        )
     )
     return out
 
@@ -63,9 +65,13 @@ def _settings(tmp_path: Path, uri: str, **registry_over):
 
 
 def _evals(acc: float, tps: float = 50.0) -> dict:
-    return {"llada": {"metrics": {"exact_match_flexible": acc, "exact_match_strict": acc, "tokens_per_s": tps},
-                      "protocol": {"sampler": "llada", "sampler_settings": {"steps": 8, "max_new_tokens": 8}},
-                      "predictions": [{"prompt": "p", "prediction": "q"}]}}
+    return {
+        "llada": {
+            "metrics": {"exact_match_flexible": acc, "exact_match_strict": acc, "tokens_per_s": tps},
+            "protocol": {"sampler": "llada", "sampler_settings": {"steps": 8, "max_new_tokens": 8}},
+            "predictions": [{"prompt": "p", "prediction": "q"}],
+        }
+    }
 
 
 def test_log_register_gate_and_idempotency(tmp_path, consolidated):
@@ -75,9 +81,13 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     s = _settings(tmp_path, uri, gate={"tolerance": 0.05})
     run_dir = consolidated.parent
 
-    run1 = registry.log_run(s, run_dir, evals=_evals(0.5), lineage={"metaflow_run": "F/1", "data_content_hash": "abc"})
+    run1 = registry.log_run(
+        s, run_dir, evals=_evals(0.5), lineage={"metaflow_run": "F/1", "data_content_hash": "abc"}
+    )
     v1 = registry.register_model(s, run1, consolidated, sampler="llada", sampler_settings={"steps": 8})
-    assert registry.register_model(s, run1, consolidated, sampler="llada").version == v1.version  # no second version
+    assert (
+        registry.register_model(s, run1, consolidated, sampler="llada").version == v1.version
+    )  # no second version
     d1 = registry.apply_gate(s, v1, _evals(0.5), "llada")
     assert d1["promoted"] and "no champion" in d1["reason"]
 
@@ -113,7 +123,9 @@ def _load_champion_in_subprocess(uri: str, name: str, cwd: Path) -> list:
         "print('PRED=' + json.dumps(m.predict(['What is 2 + 3?'], params={'steps': 4, 'max_new_tokens': 4})))"
     )
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("PRED="))
     return json.loads(line[5:])
@@ -126,7 +138,9 @@ def test_champion_loads_without_training_dirs(tmp_path, consolidated):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     s = _settings(tmp_path, uri)
     run = registry.log_run(s, consolidated.parent, evals=_evals(0.2), lineage={"metaflow_run": "F/9"})
-    v = registry.register_model(s, run, ckpt, sampler="llada", sampler_settings={"steps": 8, "max_new_tokens": 8})
+    v = registry.register_model(
+        s, run, ckpt, sampler="llada", sampler_settings={"steps": 8, "max_new_tokens": 8}
+    )
     assert registry.apply_gate(s, v, _evals(0.2), "llada")["promoted"]
     shutil.rmtree(ckpt)
     elsewhere = tmp_path / "elsewhere"
@@ -151,10 +165,25 @@ def test_missing_consolidated_dir_is_a_clear_error(tmp_path):
 def test_real_mlflow_server(tmp_path, consolidated):
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     try:

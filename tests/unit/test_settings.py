@@ -54,7 +54,9 @@ def test_env_can_switch_mode_and_keep_yaml_fields(tmp_path, monkeypatch):
 
 def test_settings_are_frozen():
     s = load_settings()
-    with pytest.raises(Exception):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
         s.train.lr = 1.0  # type: ignore[misc]
 
 
@@ -109,7 +111,10 @@ def _err(tmp_path, text: str) -> str:
         ("dllm: {mode: block_diffusion}\n", "dllm.vocab_size"),
         ("dllm: {mode: idlm}\n", "dllm.mask_token_id"),
         ("dllm: {mode: dflash}\ndflash: {block_size: 16}\n", "dflash.target_model_id"),
-        ("dllm: {mode: dflash}\ndflash: {target_model_id: t, attention_backend: flash}\n", "dflash.attention_backend"),
+        (
+            "dllm: {mode: dflash}\ndflash: {target_model_id: t, attention_backend: flash}\n",
+            "dflash.attention_backend",
+        ),
         ("dllm: {mode: dflash}\ndflash: {target_model_id: t, block_size: 1}\n", "dflash"),
         ("dllm: {mode: diffusion}\n", "dllm"),  # unknown mode
         ("dataset: {unshifted: false}\n", "dataset"),

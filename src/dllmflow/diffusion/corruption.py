@@ -62,8 +62,10 @@ def per_sample(
         gen = torch.Generator(device=input_ids.device)
         gen.manual_seed(int(seed))
         outs.append(kernel(input_ids[b : b + 1], loss_mask[b : b + 1], generator=gen, **kw))
-    return tuple(torch.cat(parts, dim=0)[:, :length] if parts[0].dim() > 1 else torch.cat(parts, dim=0)
-                 for parts in zip(*outs))
+    return tuple(
+        torch.cat(parts, dim=0)[:, :length] if parts[0].dim() > 1 else torch.cat(parts, dim=0)
+        for parts in zip(*outs)
+    )
 
 
 def corrupt_uniform(

@@ -11,7 +11,15 @@ from .dllm import (
     MDLMConfig,
     SCDDConfig,
 )
-from .loader import Settings, SettingsError, deep_merge, load_settings, load_settings_json, load_settings_text, read_yaml
+from .loader import (
+    Settings,
+    SettingsError,
+    deep_merge,
+    load_settings,
+    load_settings_json,
+    load_settings_text,
+    read_yaml,
+)
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
@@ -28,9 +36,32 @@ from .sections import (
 )
 
 __all__ = [
-    "MODES", "BlockDiffusionConfig", "CheckpointConfig", "DFlashConfig", "DFlashSection", "DLLMConfig",
-    "DatasetConfig", "DistributedConfig", "EvalConfig", "FlowConfig", "HybridConfig", "IDLMConfig",
-    "LaunchConfig", "MDLMConfig", "ModelConfig", "RegenerateConfig", "RegistryConfig", "SCDDConfig",
-    "Settings", "SettingsError", "TinyModelConfig", "TokenizerConfig", "TrainConfig", "deep_merge",
-    "load_settings", "load_settings_json", "load_settings_text", "read_yaml",
+    "MODES",
+    "BlockDiffusionConfig",
+    "CheckpointConfig",
+    "DFlashConfig",
+    "DFlashSection",
+    "DLLMConfig",
+    "DatasetConfig",
+    "DistributedConfig",
+    "EvalConfig",
+    "FlowConfig",
+    "HybridConfig",
+    "IDLMConfig",
+    "LaunchConfig",
+    "MDLMConfig",
+    "ModelConfig",
+    "RegenerateConfig",
+    "RegistryConfig",
+    "SCDDConfig",
+    "Settings",
+    "SettingsError",
+    "TinyModelConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+    "deep_merge",
+    "load_settings",
+    "load_settings_json",
+    "load_settings_text",
+    "read_yaml",
 ]

@@ -43,12 +43,16 @@ class SCDDConfig(_DLLMBase):
     """Self-correcting discrete diffusion (spec §2.2)."""
 
     mode: Literal["scdd"]
-    vocab_size: PositiveInt = Field(..., description="Vocabulary size including [MASK]; must equal the model's.")
+    vocab_size: PositiveInt = Field(
+        ..., description="Vocabulary size including [MASK]; must equal the model's."
+    )
     num_timesteps: int = Field(1000, ge=2, description="Discrete diffusion steps T (>= 2).")
     uniform_ratio: float = Field(0.1, ge=0.0, lt=1.0, description="Peak share of uniform noise, 0 <= r < 1.")
     schedule_shape: float = Field(1.0, gt=0.0, description="Shape mass of the uniform-noise bump.")
     schedule_peak: float = Field(0.5, gt=0.0, lt=1.0, description="Time in (0, 1) of the uniform peak.")
-    chunk_size: PositiveInt | None = Field(1024, description="Positions per checkpointed loss chunk; null = one shot.")
+    chunk_size: PositiveInt | None = Field(
+        1024, description="Positions per checkpointed loss chunk; null = one shot."
+    )
 
 
 class HybridConfig(_DLLMBase):
@@ -56,8 +60,12 @@ class HybridConfig(_DLLMBase):
 
     mode: Literal["hybrid"]
     block_size: PositiveInt | None = Field(None, description="Set = blockwise corruption; unset = uniform.")
-    half_life_ratio: float | None = Field(0.25, gt=0.0, description="Blockwise half-life ratio (null -> 0.25).")
-    ar_loss_alpha: float = Field(1.0, ge=0.0, description="Weight on the DIFFUSION branch (AR is unweighted).")
+    half_life_ratio: float | None = Field(
+        0.25, gt=0.0, description="Blockwise half-life ratio (null -> 0.25)."
+    )
+    ar_loss_alpha: float = Field(
+        1.0, ge=0.0, description="Weight on the DIFFUSION branch (AR is unweighted)."
+    )
 
 
 class BlockDiffusionConfig(_DLLMBase):
@@ -67,7 +75,9 @@ class BlockDiffusionConfig(_DLLMBase):
     vocab_size: PositiveInt = Field(..., description="Vocabulary the uniform corruption draws from.")
     block_size: PositiveInt = Field(256, description="Response-block size for one-canvas-per-step selection.")
     encoder_loss_weight: float = Field(1.0, ge=0.0, description="Weight on the co-trained encoder AR loss.")
-    self_conditioning_p: float = Field(0.5, ge=0.0, le=1.0, description="Per-example self-conditioning probability.")
+    self_conditioning_p: float = Field(
+        0.5, ge=0.0, le=1.0, description="Per-example self-conditioning probability."
+    )
 
 
 class DFlashConfig(_DLLMBase):
@@ -99,17 +109,29 @@ MODES = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm")
 class DFlashSection(_Section):
     """The guide's top-level `dflash:` block (only read when `dllm.mode == dflash`)."""
 
-    target_model_id: str = Field(..., min_length=1, description="Hub id or local dir of the frozen causal target.")
+    target_model_id: str = Field(
+        ..., min_length=1, description="Hub id or local dir of the frozen causal target."
+    )
     target_torch_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    block_size: int = Field(0, ge=0, description="Tokens per draft block; 0 reads the draft config. Must resolve >= 2.")
-    loss_decay_gamma: float = Field(0.0, ge=0.0, description="Decay gamma; 0 = paper defaults (7/5/4 for 16/10/8).")
-    num_blocks_per_sample: PositiveInt = Field(1, description="Anchor blocks per sequence per step (paper: 512).")
+    block_size: int = Field(
+        0, ge=0, description="Tokens per draft block; 0 reads the draft config. Must resolve >= 2."
+    )
+    loss_decay_gamma: float = Field(
+        0.0, ge=0.0, description="Decay gamma; 0 = paper defaults (7/5/4 for 16/10/8)."
+    )
+    num_blocks_per_sample: PositiveInt = Field(
+        1, description="Anchor blocks per sequence per step (paper: 512)."
+    )
     attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
     overlap_anchors: bool = True
     use_fused_linear_ce: bool = True
     ce_chunk_size: PositiveInt = 1024
-    num_draft_layers: PositiveInt = Field(1, description="Layers of our own draft module when the draft has no class.")
-    target_layer_ids: list[int] | None = Field(None, description="Target layers feeding the draft; None = evenly spaced.")
+    num_draft_layers: PositiveInt = Field(
+        1, description="Layers of our own draft module when the draft has no class."
+    )
+    target_layer_ids: list[int] | None = Field(
+        None, description="Target layers feeding the draft; None = evenly spaced."
+    )
 
     @model_validator(mode="after")
     def _block_size_not_one(self) -> DFlashSection:

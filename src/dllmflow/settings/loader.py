@@ -46,7 +46,7 @@ ENV_PREFIX = "DLLMFLOW_"
 ENV_DELIMITER = "__"
 
 # The merged YAML of the load in progress; pydantic-settings asks sources for data with no arguments.
-_YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YAML_DATA", default={})
+_YAML_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_YAML_DATA", default=None)
 
 
 class SettingsError(UserError, ValueError):
@@ -55,10 +55,10 @@ class SettingsError(UserError, ValueError):
 
 class _YamlSource(PydanticBaseSettingsSource):
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return _YAML_DATA.get().get(field_name), field_name, False
+        return (_YAML_DATA.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_YAML_DATA.get())
+        return dict(_YAML_DATA.get() or {})
 
 
 class Settings(BaseSettings):
@@ -72,8 +72,12 @@ class Settings(BaseSettings):
         nested_model_default_partial_update=True,
     )
 
-    name: str = Field("tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Run/recipe name (dir and MLflow names).")
-    run_dir: str | None = Field(None, description="Where checkpoints, logs and settings.json go; None = runs/<name>.")
+    name: str = Field(
+        "tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Run/recipe name (dir and MLflow names)."
+    )
+    run_dir: str | None = Field(
+        None, description="Where checkpoints, logs and settings.json go; None = runs/<name>."
+    )
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
@@ -102,7 +106,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> Settings:
         if self.dllm.mode == "dflash" and self.dflash is None:
-            raise ValueError("dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)")
+            raise ValueError(
+                "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
+            )
         gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         world = self.launch.nnodes * self.launch.nproc_per_node
         if gbs % (lbs * world):
@@ -196,7 +202,9 @@ def load_settings_json(path: str | os.PathLike) -> Settings:
     try:
         return Settings.model_validate(data)
     except ValidationError as e:
-        raise SettingsError(format_validation_error(e, {k: str(path) for k in _flatten(data, False)})) from None
+        raise SettingsError(
+            format_validation_error(e, {k: str(path) for k in _flatten(data, False)})
+        ) from None
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

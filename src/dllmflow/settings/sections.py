@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    model_validator,
+)
 
 
 class Section(BaseModel):
@@ -42,9 +50,13 @@ class ModelConfig(Section):
         None, description="Hub id or local directory; unset = build `tiny` from its config."
     )
     tiny: TinyModelConfig | None = None
-    gguf_file: str | None = Field(None, description="GGUF file inside the model dir (e.g. SmolLM2 from PyPI).")
+    gguf_file: str | None = Field(
+        None, description="GGUF file inside the model dir (e.g. SmolLM2 from PyPI)."
+    )
     trust_remote_code: bool = False
-    torch_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Master-weight dtype.")
+    torch_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Master-weight dtype."
+    )
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
     # Family-specific knobs forwarded to the model config (Nemotron-Labs-Diffusion, DiffusionGemma).
     dlm_paradigm: str | None = None
@@ -66,11 +78,15 @@ class TokenizerConfig(Section):
     """Any HF tokenizer by id/path, or a byte-level BPE trained on the training text."""
 
     name_or_path: str | None = Field(None, description="HF id or dir; unset = the model's, else train a BPE.")
-    train_vocab_size: PositiveInt = Field(512, ge=64, description="Vocabulary of the trained BPE (incl. specials).")
+    train_vocab_size: PositiveInt = Field(
+        512, ge=64, description="Vocabulary of the trained BPE (incl. specials)."
+    )
     mask_token: str = "<mask>"
     pad_token: str = "<pad>"
     eos_token: str = "<eos>"
-    chat_template: str | None = Field(None, description="Jinja chat template override (with {% generation %}).")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template override (with {% generation %})."
+    )
 
 
 class DatasetConfig(Section):
@@ -146,7 +162,9 @@ class LaunchConfig(Section):
     image: str = "dllmflow:latest"
     env: dict[str, str] = Field(default_factory=dict)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
-    scheduler_args: dict[str, str] = Field(default_factory=dict, description="torchx scheduler cfg (queue, ...).")
+    scheduler_args: dict[str, str] = Field(
+        default_factory=dict, description="torchx scheduler cfg (queue, ...)."
+    )
 
 
 class EvalConfig(Section):
@@ -167,12 +185,16 @@ class GateConfig(Section):
     """When `champion` may move to a new version."""
 
     metric: str = "exact_match_flexible"
-    tolerance: NonNegativeFloat = Field(0.0, description="New accuracy may be this much below the champion's.")
+    tolerance: NonNegativeFloat = Field(
+        0.0, description="New accuracy may be this much below the champion's."
+    )
     min_tokens_per_s: NonNegativeFloat = Field(0.0, description="Speed floor for the gated sampler.")
 
 
 class RegistryConfig(Section):
-    tracking_uri: str | None = Field(None, description="None = MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
+    tracking_uri: str | None = Field(
+        None, description="None = MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db"
+    )
     experiment_name: str = "dllmflow"
     model_name: str = "dllmflow-tiny"
     gate: GateConfig = Field(default_factory=GateConfig)

@@ -1,7 +1,7 @@
 """Generation samplers, one file per sampler, in an explicit registry.
 
-    from dllmflow.diffusion.samplers import SAMPLERS
-    sampler = SAMPLERS["llada"](model, tokenizer, config)
+from dllmflow.diffusion.samplers import SAMPLERS
+sampler = SAMPLERS["llada"](model, tokenizer, config)
 """
 
 from __future__ import annotations

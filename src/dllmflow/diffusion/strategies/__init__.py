@@ -1,7 +1,7 @@
 """Training strategies, one file per `dllm.mode`, in an explicit registry.
 
-    from dllmflow.diffusion.strategies import STRATEGIES, build_strategy
-    strategy = build_strategy(settings)          # STRATEGIES[settings.dllm.mode](settings)
+from dllmflow.diffusion.strategies import STRATEGIES, build_strategy
+strategy = build_strategy(settings)          # STRATEGIES[settings.dllm.mode](settings)
 """
 
 from __future__ import annotations

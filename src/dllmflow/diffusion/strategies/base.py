@@ -61,6 +61,12 @@ class Strategy(ABC):
         self.cfg = settings.dllm
         self.mask_token_id: int | None = settings.dllm.mask_token_id
 
+    @classmethod
+    def training_stages(cls, settings: Settings) -> list[Settings]:
+        """The fine-tunes one training request runs, in order (default: one). A curriculum strategy
+        returns one Settings per stage, each with its own run_dir, stage i>0 starting from stage i-1."""
+        return [settings]
+
     # ---- model --------------------------------------------------------------------------------
     def build_model(self, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
         """The trainable module (wrapped by DDP/FSDP2 and optimised). Default: the configured model."""
@@ -80,7 +86,9 @@ class Strategy(ABC):
             )
         vocab = _model_vocab_size(model)
         if vocab is not None and not 0 <= self.mask_token_id < vocab:
-            raise ValueError(f"dllm.mask_token_id={self.mask_token_id} is outside the model vocabulary [0, {vocab})")
+            raise ValueError(
+                f"dllm.mask_token_id={self.mask_token_id} is outside the model vocabulary [0, {vocab})"
+            )
 
     # ---- one micro-batch ----------------------------------------------------------------------
     @abstractmethod

@@ -53,7 +53,12 @@ class HybridStrategy(Strategy):
         x, m = batch["input_ids"], batch["loss_mask"]
         if self.cfg.block_size is None:
             z, noise, p = per_sample(
-                corrupt_uniform, seeds, x, m, mask_token_id=self.mask_token_id, eps=self.cfg.eps,
+                corrupt_uniform,
+                seeds,
+                x,
+                m,
+                mask_token_id=self.mask_token_id,
+                eps=self.cfg.eps,
                 draw_length=self.settings.dataset.seq_length,
             )
         else:

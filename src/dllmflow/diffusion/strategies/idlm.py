@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from dllmflow.settings import Settings
 
 # Which stage of a `block_length` list a single run trains when it is not split by `curriculum_stages`.
-STAGE_ENV = "DLLMFLOW_IDLM_STAGE"
+# Not DLLMFLOW_-prefixed: the settings loader would read that as a (unknown) settings field.
+STAGE_ENV = "DLLM_IDLM_STAGE"
 
 
 class IDLMStrategy(Strategy):
@@ -43,6 +44,11 @@ class IDLMStrategy(Strategy):
     def __init__(self, settings: Settings):
         super().__init__(settings)
         self.block_length = resolve_block_length(settings)
+
+    @classmethod
+    def training_stages(cls, settings: Settings) -> list[Settings]:
+        """The block_length curriculum (e.g. [1, 2, 3]) as successive fine-tunes."""
+        return curriculum_stages(settings)
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -124,7 +130,7 @@ def shifted_supervision(loss_mask: Tensor, attention_mask: Tensor | None) -> Ten
 
 
 def resolve_block_length(settings: Settings) -> int:
-    """`dllm.block_length` as an int; for a curriculum list, the stage named by $DLLMFLOW_IDLM_STAGE (default 0)."""
+    """`dllm.block_length` as an int; for a curriculum list, the stage named by $DLLM_IDLM_STAGE (default 0)."""
     value = settings.dllm.block_length
     if isinstance(value, int):
         return value

@@ -1,0 +1,64 @@
+"""Print the project tree, one line per tracked file, with the first line of each module's docstring.
+
+python scripts/tree.py            # prints the tree (the README's "Layout" section is this output)
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTES = {
+    ".ci/run": "CI entry point: runs the README's test command (make test)",
+    ".dvc/config": "DVC repo config (add a remote: dvc remote add -d store <dir|s3://...>)",
+    ".dvc/.gitignore": "DVC internals kept out of git",
+    ".dvcignore": "paths DVC does not scan",
+    ".gitignore": "run outputs, caches, local stores",
+    "Makefile": "make demo | make test | make test-fast | make lint | make bench",
+    "README.md": "this file",
+    "docs/contracts.md": "interfaces the modules agree on",
+    "dvc.lock": "DVC record of the last reproduced stages (hashes of deps, params, outs)",
+    "dvc.yaml": "DVC stages: prepare; regenerate -> prepare_dflash",
+    "pyproject.toml": "package, console script `dllmflow`, ruff + pytest config",
+    "requirements.lock": "exact versions CI tested (torch==2.13.0 CPU wheel here)",
+    "infra/.torchxconfig": "torchx scheduler settings: local_cwd, kubernetes, slurm",
+    "infra/Dockerfile": "training image (CUDA torch + the lock)",
+    "infra/README.md": "leaving this machine: image, schedulers, multi-node",
+    "infra/argo.md": "deploying FinetuneFlow on a schedule with Argo Workflows",
+    "infra/k8s/mlflow.yaml": "MLflow server + registry on Kubernetes (Postgres, S3)",
+    "scripts/demo.sh": "the demo: FinetuneFlow on params/tiny_mdlm.yaml",
+    "scripts/env.sh": "environment: venv on PATH, local Metaflow/MLflow, offline HF",
+    "scripts/lock.sh": "re-freeze requirements.lock",
+    "scripts/setup.sh": "create .venv and install exactly the lock (idempotent)",
+    "src/dllmflow/data/templates/chat.jinja": "chat template with {% generation %} tags (assistant mask)",
+    "src/dllmflow/py.typed": "typing marker",
+}
+
+
+def describe(path: str) -> str:
+    if path in NOTES:
+        return NOTES[path]
+    p = ROOT / path
+    if p.suffix == ".py":
+        doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+        return doc.strip().splitlines()[0] if doc.strip() else ""
+    if p.suffix == ".yaml" and path.startswith("params/"):
+        first = next((ln for ln in p.read_text().splitlines() if ln.startswith("#")), "# recipe")
+        return first.lstrip("# ").strip()
+    return ""
+
+
+def main() -> None:
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    files = [f for f in files if not f.endswith("__init__.py") or f.count("/") <= 3]
+    width = max(len(f) for f in files) + 2
+    for f in sorted(files):
+        print(f"{f:<{width}}# {describe(f)}".rstrip(" #"))
+
+
+if __name__ == "__main__":
+    main()
