@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,14 +51,28 @@ def describe(path: str) -> str:
     return ""
 
 
-def main() -> None:
-    files = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    files = [f for f in files if not f.endswith("__init__.py") or f.count("/") <= 3]
+def tree_lines(limit: int = 100) -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    files = sorted(out.split())
     width = max(len(f) for f in files) + 2
-    for f in sorted(files):
-        print(f"{f:<{width}}# {describe(f)}".rstrip(" #"))
+    lines = []
+    for f in files:
+        note = describe(f)
+        note = note if len(note) <= limit else note[: limit - 1].rstrip() + "…"
+        lines.append(f"{f:<{width}}# {note}".rstrip(" #"))
+    return lines
+
+
+def main() -> None:
+    lines = tree_lines()
+    if "--readme" not in sys.argv:
+        print("\n".join(lines))
+        return
+    readme = ROOT / "README.md"
+    head, _, rest = readme.read_text().partition("## Layout")
+    before, _, after = rest.partition("```text\n")
+    _, _, tail = after.partition("```\n")
+    readme.write_text(head + "## Layout" + before + "```text\n" + "\n".join(lines) + "\n```\n" + tail)
 
 
 if __name__ == "__main__":

@@ -183,3 +183,47 @@ def test_bad_recipe_fails_before_any_step(project):
     assert proc.returncode != 0
     assert "train.lrr" in proc.stdout + proc.stderr
     assert not (project / "runs").exists()
+
+
+MODE_EVALS = {
+    "scdd": {"scdd", "llada"},
+    "hybrid": {"nemotron", "llada"},
+    "idlm": {"idlm"},
+    "block_diffusion": {"gemma"},
+    "dflash": {"acceptance"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODE_EVALS))
+def test_every_mode_trains_evaluates_and_registers_through_the_flow(tmp_path, mode):
+    """Each tiny recipe through FinetuneFlow: train, the evaluation matrix of its mode, registration.
+    The I-DLM recipe runs a two-stage block_length curriculum [1, 2] from one flow run."""
+    proj = tmp_path / "proj"
+    (proj / "flows").mkdir(parents=True)
+    (proj / "params").mkdir()
+    shutil.copy(ROOT / "flows" / "finetune.py", proj / "flows" / "finetune.py")
+    data = yaml.safe_load((ROOT / "params" / f"tiny_{mode}.yaml").read_text())
+    data["dataset"]["limit"] = 32
+    data["train"].update(max_steps=2, global_batch_size=4, local_batch_size=4, warmup_steps=0)
+    data["checkpoint"] = {"every_steps": 2}
+    data["eval"] = {"limit": 1, "max_new_tokens": 8, "steps": 8, "batch_size": 1}
+    data["flow"] = {"train_retries": 0}
+    data.setdefault("registry", {})["model_name"] = f"e2e-{mode}"
+    if mode == "idlm":
+        data["dllm"]["block_length"] = [1, 2]
+    (proj / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(data))
+
+    _flow(proj, "run", env=_env(proj))
+    run = _client(proj).latest_run
+    assert run.successful
+    assert set(run["join"].task.data.evals) == MODE_EVALS[mode]
+    reg = run["register"].task.data.registration
+    assert reg["version"] == 1 and reg["model_name"] == f"e2e-{mode}"
+    training = run["train"].task.data.training
+    if mode == "idlm":
+        assert len(training["stages"]) == 2 and training["run_dir"].endswith("stage_1")
+        stage1 = json.loads((proj / training["run_dir"] / "settings.json").read_text())
+        assert stage1["dllm"]["block_length"] == 2
+        assert stage1["model"]["pretrained_model_name_or_path"].endswith(
+            "stage_0/checkpoints/LATEST/model/consolidated"
+        )
