@@ -7,10 +7,8 @@ data code the stage depends on), so nothing touches the checkout.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -76,12 +74,39 @@ def _flow(proj: Path, *args: str, env: dict[str, str], check: bool = True) -> su
     return proc
 
 
-def _client(proj: Path):
-    os.environ["METAFLOW_DATASTORE_SYSROOT_LOCAL"] = str(proj)
-    from metaflow import Flow, namespace
+_RUN_INFO = """
+import base64, json, re
+from metaflow import Flow, namespace
+from metaflow.cards import get_cards
+namespace(None)
+run = Flow("FinetuneFlow").latest_run
+html = get_cards(run["end"].task, id="report")[0].get() if run.successful else ""
+m = re.search(r'__MF_DATA__\\["[^"]+"\\] = "([^"]+)"', html)
+print("INFO=" + json.dumps({
+    "id": run.id,
+    "successful": run.successful,
+    "data": run["prepare"].task.data.data,
+    "training": run["train"].task.data.training if run.successful else None,
+    "registration": run["register"].task.data.registration if run.successful else None,
+    "evals": run["join"].task.data.evals if run.successful else None,
+    "card": base64.b64decode(m.group(1)).decode() if m else "",
+}, default=str))
+"""
 
-    namespace(None)
-    return Flow("FinetuneFlow")
+
+def _latest_run(proj: Path) -> dict:
+    """The latest FinetuneFlow run of `proj`, read with the Metaflow client in a fresh process (Metaflow
+    reads its datastore root at import, so one pytest process cannot switch between projects)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_INFO],
+        cwd=proj,
+        env=_env(proj),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("INFO="))[5:])
 
 
 def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
@@ -89,31 +114,27 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
     # The first train attempt dies right after its step-3 checkpoint; @retry must resume from it.
     env = _env(project, DLLM_FAIL_AT_STEP="3")
     _flow(project, "run", env=env)
-    run = _client(project).latest_run
-    assert run.successful
-    data = run["prepare"].task.data.data
+    run = _latest_run(project)
+    assert run["successful"]
+    data = run["data"]
     assert data["dvc_stage"] == "prepare" and len(data["content_hash"]) == 64
-    training = run["train"].task.data.training
+    training = run["training"]
     assert training["resumed"] is True
     steps = [
         json.loads(x)["step"]
         for x in (Path(project) / training["run_dir"] / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 4: no step lost, none repeated
-    reg = run["register"].task.data.registration
+    reg = run["registration"]
     assert reg["version"] == 1 and reg["gate_promoted"] is True
     assert reg["lineage"]["data_content_hash"] == data["content_hash"]
-    assert reg["lineage"]["metaflow_run"] == f"FinetuneFlow/{run.id}"
+    assert reg["lineage"]["metaflow_run"] == f"FinetuneFlow/{run['id']}"
     assert reg["lineage"]["torchx_app_handle"].startswith("local_cwd://")
-    evals = run["join"].task.data.evals
+    evals = run["evals"]
     assert "llada" in evals and {"exact_match_strict", "tokens_per_s", "nfe"} <= set(
         evals["llada"]["metrics"]
     )
 
-    from metaflow.cards import get_cards
-
-    html = get_cards(run["end"].task, id="report")[0].get()
-    payload = base64.b64decode(re.search(r'__MF_DATA__\["[^"]+"\] = "([^"]+)"', html).group(1)).decode()
     for needle in (
         "Training loss",
         "Evaluation",
@@ -122,7 +143,7 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
         data["content_hash"],
         "image",
     ):
-        assert needle in payload, needle
+        assert needle in run["card"], needle
 
     # A consumer with no access to the training dirs loads the champion and generates.
     shutil.rmtree(project / "runs")
@@ -144,9 +165,9 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
 
     # A second run: DVC skips the unchanged data, a new version is registered and gated.
     _flow(project, "run", env=_env(project))
-    run2 = _client(project).latest_run
-    assert run2.id != run.id and run2["prepare"].task.data.data["reused"] is True
-    reg2 = run2["register"].task.data.registration
+    run2 = _latest_run(project)
+    assert run2["id"] != run["id"] and run2["data"]["reused"] is True
+    reg2 = run2["registration"]
     assert reg2["version"] == 2 and reg2["gate_reason"]
 
 
@@ -158,15 +179,15 @@ def test_failed_flow_resume_reruns_only_the_failed_step(project):
     assert "injected failure" in out and "rank 0" in out  # the failing rank's error reaches the step
 
     resumed = _flow(project, "resume", env=_env(project))
-    run = _client(project).latest_run
-    assert run.successful
+    run = _latest_run(project)
+    assert run["successful"]
     # start and prepare were cloned from the failed run, train resumed from its step-3 checkpoint.
     log = resumed.stdout + resumed.stderr
     assert any("/prepare/" in line and "Cloning previously run task" in line for line in log.splitlines()), (
         log
     )
     assert not any("/prepare/" in line and "Task is starting" in line for line in log.splitlines())
-    training = run["train"].task.data.training
+    training = run["training"]
     assert training["resumed"] is True
     steps = [
         json.loads(x)["step"]
@@ -214,12 +235,12 @@ def test_every_mode_trains_evaluates_and_registers_through_the_flow(tmp_path, mo
     (proj / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(data))
 
     _flow(proj, "run", env=_env(proj))
-    run = _client(proj).latest_run
-    assert run.successful
-    assert set(run["join"].task.data.evals) == MODE_EVALS[mode]
-    reg = run["register"].task.data.registration
+    run = _latest_run(proj)
+    assert run["successful"]
+    assert set(run["evals"]) == MODE_EVALS[mode]
+    reg = run["registration"]
     assert reg["version"] == 1 and reg["model_name"] == f"e2e-{mode}"
-    training = run["train"].task.data.training
+    training = run["training"]
     if mode == "idlm":
         assert len(training["stages"]) == 2 and training["run_dir"].endswith("stage_1")
         stage1 = json.loads((proj / training["run_dir"] / "settings.json").read_text())

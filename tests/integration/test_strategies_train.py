@@ -1,10 +1,10 @@
-"""The hybrid and I-DLM recipes train end to end (tiny Qwen3, embedded GSM8K, the real trainer).
+"""The scdd, hybrid and I-DLM recipes train end to end (tiny Qwen3, embedded GSM8K, the real trainer).
 
 * `params/tiny_hybrid.yaml` and `params/tiny_idlm.yaml` train in-process with finite, falling loss,
   and export a plain HF causal LM;
 * 2 processes (torchrun through torchx) give the same per-step losses as 1 process on the same
   global batch (hybrid under FSDP2, which runs the adapter's two forwards through sharded blocks;
-  I-DLM under DDP);
+  I-DLM and SCDD under DDP);
 * an I-DLM `block_length` curriculum runs as successive fine-tunes, each stage starting from the
   previous stage's consolidated checkpoint.
 """
@@ -23,6 +23,7 @@ from dllmflow.training.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 HYBRID = ROOT / "params" / "tiny_hybrid.yaml"
 IDLM = ROOT / "params" / "tiny_idlm.yaml"
+SCDD = ROOT / "params" / "tiny_scdd.yaml"
 pytestmark = pytest.mark.slow
 
 
@@ -81,6 +82,16 @@ def idlm_reference(prep, tmp_path_factory):
     return _train(IDLM, prep, tmp_path_factory.mktemp("idlm"))
 
 
+@pytest.fixture(scope="module")
+def scdd_reference(prep, tmp_path_factory):
+    return _train(SCDD, prep, tmp_path_factory.mktemp("scdd"))
+
+
+def test_tiny_scdd_trains(scdd_reference):
+    _assert_learns(scdd_reference)
+    _assert_plain_export(scdd_reference.consolidated_dir)
+
+
 def test_tiny_hybrid_trains_and_exports_the_plain_model(hybrid_reference):
     _assert_learns(hybrid_reference)
     rec = read_metrics(hybrid_reference.metrics_path)[-1]
@@ -96,12 +107,14 @@ def test_tiny_idlm_trains_and_exports_the_plain_model(idlm_reference):
 
 
 @pytest.mark.parametrize(
-    ("recipe", "strategy"), [(HYBRID, "fsdp2"), (IDLM, "ddp")], ids=["hybrid-fsdp2", "idlm-ddp"]
+    ("recipe", "strategy"),
+    [(HYBRID, "fsdp2"), (IDLM, "ddp"), (SCDD, "ddp")],
+    ids=["hybrid-fsdp2", "idlm-ddp", "scdd-ddp"],
 )
 def test_two_processes_match_one(recipe, strategy, prep, tmp_path, request):
     from dllmflow.launch import launch
 
-    reference = request.getfixturevalue("hybrid_reference" if recipe == HYBRID else "idlm_reference")
+    reference = request.getfixturevalue(f"{recipe.stem.removeprefix('tiny_')}_reference")
     s = load_settings(
         recipe, **overrides(prep, distributed={"strategy": strategy}, launch={"nproc_per_node": 2})
     )

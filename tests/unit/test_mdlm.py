@@ -151,3 +151,17 @@ def test_strategy_without_mask_id_raises_clearly():
     strategy = build_strategy(load_settings(dllm={"mode": "mdlm"}))
     with pytest.raises(UserError, match="mask_token_id"):
         strategy.corrupt(_batch(), seeds=[1, 2, 3, 4])
+
+
+def test_setup_with_a_tokenizer_without_mask_token_raises_clearly():
+    """Missing mask token: neither dllm.mask_token_id nor the tokenizer gives one."""
+
+    class NoMaskTokenizer:
+        mask_token_id = None
+
+    strategy = build_strategy(load_settings(dllm={"mode": "mdlm"}))
+    with pytest.raises(UserError, match="dllm.mask_token_id"):
+        strategy.setup(_tiny_qwen3(), NoMaskTokenizer(), torch.device("cpu"))
+    out_of_vocab = build_strategy(load_settings(dllm={"mode": "mdlm", "mask_token_id": 10_000}))
+    with pytest.raises(UserError, match="outside the model vocabulary"):
+        out_of_vocab.setup(_tiny_qwen3(), NoMaskTokenizer(), torch.device("cpu"))

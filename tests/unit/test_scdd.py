@@ -332,7 +332,7 @@ def test_setup_rejects_vocab_mismatch_and_out_of_vocab_mask():
     with pytest.raises(UserError, match=r"dllm.vocab_size=70 .* 64"):
         strategy.setup(_tiny_qwen3(64), SimpleNamespace(mask_token_id=63), torch.device("cpu"))
     strategy = build_strategy(_settings(mask_token_id=64))
-    with pytest.raises(ValueError, match="mask_token_id"):
+    with pytest.raises(UserError, match="mask_token_id"):
         strategy.setup(_tiny_qwen3(64), SimpleNamespace(mask_token_id=None), torch.device("cpu"))
 
 

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from dllmflow.errors import UserError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -76,17 +78,17 @@ class Strategy(ABC):
 
     def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         """Validate the model/tokenizer against the settings, load auxiliary models, resolve the mask
-        id (settings -> tokenizer). Raise `ValueError` naming the field on a mismatch."""
+        id (settings -> tokenizer). Raise `UserError` naming the field on a mismatch."""
         if self.mask_token_id is None:
             self.mask_token_id = getattr(tokenizer, "mask_token_id", None)
         if self.mask_token_id is None:
-            raise ValueError(
+            raise UserError(
                 f"dllm.mask_token_id is not set and the tokenizer has no mask token (mode {self.name}); "
                 "set dllm.mask_token_id or add a mask token to the tokenizer"
             )
         vocab = _model_vocab_size(model)
         if vocab is not None and not 0 <= self.mask_token_id < vocab:
-            raise ValueError(
+            raise UserError(
                 f"dllm.mask_token_id={self.mask_token_id} is outside the model vocabulary [0, {vocab})"
             )
 
