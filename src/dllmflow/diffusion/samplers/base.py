@@ -429,6 +429,8 @@ class Sampler:
     supports_infill: ClassVar[bool] = False
     supports_kv_cache: ClassVar[bool] = False
     supports_batching: ClassVar[bool] = True
+    # Why a sampler has no KV-cache path (said when a cache is asked for).
+    no_kv_cache_reason: ClassVar[str] = "it has no KV-cache path"
 
     def __init__(
         self,
@@ -441,7 +443,9 @@ class Sampler:
         training_settings: Any = None,
     ):
         if config.use_kv_cache and not self.supports_kv_cache:
-            raise UserError(f"sampler {self.name} has no KV-cache path; pass --no_kv_cache")
+            raise UserError(
+                f"sampler {self.name}: {self.no_kv_cache_reason}; drop the cache setting (--no_kv_cache)"
+            )
         self.model, self.tokenizer, self.config = model, tokenizer, config
         # The checkpoint's training Settings (settings.json), or None: given, or left on the model by
         # `dllmflow.generate.load_for_generation`.

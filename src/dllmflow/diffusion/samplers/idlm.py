@@ -24,14 +24,13 @@ class IDLMSampler(Sampler):
     supports_kv_cache = False
     supports_batching = True
 
+    no_kv_cache_reason = (
+        "it reads the logit of the preceding position (logit shift 1), which a KV cache cannot give"
+    )
+
     def __init__(
         self, model, tokenizer, config: SamplerConfig, mask_id: int | None = None, forward=None, **kw
     ):
-        if config.use_kv_cache:
-            raise UserError(
-                "sampler idlm reads the logit of the preceding position (logit shift 1), which a KV cache cannot "
-                "give; drop the cache setting (pass --no_kv_cache)"
-            )
         if config.logit_shift != 1:
             raise UserError(
                 f"sampler idlm needs logit_shift 1 (next-token prediction), got {config.logit_shift}"

@@ -105,14 +105,11 @@ class SCDDSampler(Sampler):
     supports_kv_cache = False
     supports_batching = True
 
+    no_kv_cache_reason = "it redraws every canvas position every step, so it has no KV-cache path"
+
     def __init__(
         self, model, tokenizer, config: SamplerConfig, mask_id: int | None = None, forward=None, **kw
     ):
-        if config.use_kv_cache:
-            raise UserError(
-                "sampler scdd redraws every canvas position every step, so it has no KV-cache path; drop the cache "
-                "setting (pass --no_kv_cache)"
-            )
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
         self.config, mismatches = resolve_scdd_schedule(config, self.training_settings)
         for msg in mismatches:
