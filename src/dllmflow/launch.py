@@ -127,7 +127,13 @@ def launch(
     # Scheduler settings a user edits to leave this machine (queue, namespace, partition, ...):
     # `launch.scheduler_args` win over ./.torchxconfig, which wins over infra/.torchxconfig.
     from torchx.runner.config import apply as apply_torchxconfig
+    from torchx.schedulers import get_scheduler_factories
 
+    if lc.scheduler not in get_scheduler_factories():
+        raise UserError(
+            f"launch.scheduler={lc.scheduler!r} is not a torchx scheduler; choose one of "
+            f"{', '.join(sorted(get_scheduler_factories()))}"
+        )
     apply_torchxconfig(lc.scheduler, cfg, dirs=[os.getcwd(), str(Path.cwd() / "infra")])
     log_dir = None
     if local:

@@ -454,9 +454,14 @@ async def _run_shards(cfg, prompts, todo, base_url, api_key, counters, bar, back
             try:
                 async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest of the shard
                     tasks = [tg.create_task(one(p)) for p in chunk]
-            except* RequestFailed as group:
-                counters.rows_failed += len(group.exceptions)
-                raise group.exceptions[0] from None
+            except BaseExceptionGroup as group:
+                # A plain `except` (not `except*`): re-raising one member from `except*` is wrapped
+                # in a new group on Python < 3.11.4, and callers expect the RequestFailed itself.
+                failed = [e for e in group.exceptions if isinstance(e, RequestFailed)]
+                if not failed:
+                    raise
+                counters.rows_failed += len(failed)
+                raise failed[0] from None
             write_shard(cfg.output_dir, shard, [t.result() for t in tasks], cfg.reasoning == "save")
             counters.rows_written += len(chunk)
             counters.shards_written += 1
