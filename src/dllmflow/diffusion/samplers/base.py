@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -422,7 +423,7 @@ class GenerationResult:
     row_nfe: list[int] = field(default_factory=list)
 
 
-class Sampler:
+class Sampler(ABC):
     """One generation algorithm. Subclasses set the `supports_*` flags and implement `_generate`."""
 
     name: ClassVar[str] = "base"
@@ -491,9 +492,9 @@ class Sampler:
         elapsed = time.perf_counter() - t0
         return GenerationResult(trimmed, nfe, sum(map(len, trimmed)), elapsed, row_nfe)
 
+    @abstractmethod
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         """-> (generated ids per row, untrimmed; forward calls; forwards per row)."""
-        raise NotImplementedError
 
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         raise UserError(f"sampler {self.name} does not support infill; use --sampler llada")
