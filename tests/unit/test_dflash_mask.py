@@ -65,7 +65,6 @@ def test_overlapping_anchors_each_get_their_own_slot():
 
 
 def test_flex_block_mask_matches_dense_sdpa():
-    pytest.importorskip("torch.nn.attention.flex_attention")
     from torch.nn.attention.flex_attention import flex_attention
 
     anchors, keep = (

@@ -95,9 +95,6 @@ def test_padded_keys_blocked_in_both_copies():
 
 
 def test_flex_block_mask_matches_dense_on_cpu():
-    pytest.importorskip(
-        "torch.nn.attention.flex_attention", reason="flex_attention is not in this torch build"
-    )
     from torch.nn.attention.flex_attention import flex_attention
 
     am = _batch()["attention_mask"]
