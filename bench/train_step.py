@@ -220,7 +220,7 @@ def build_mode(mode: str, args, tmp: Path, ar_runners: dict) -> dict:
 
     out: dict = {"settings": settings, "batch": batch}
     if mode == "dflash":
-        from dllmflow.diffusion.strategies.dflash import build_tiny_target
+        from dllmflow.models.dflash_target import build_tiny_target
 
         tiny = settings.model.tiny
         if tiny is not None:  # size the target like the other modes' backbone (reused once written)

@@ -183,9 +183,9 @@ def load_dflash_pair(checkpoint: str | Path, target: str | None = None, device: 
     """-> (draft, target, tokenizer, training Settings or None, draft config). Both in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dllmflow.diffusion.strategies.dflash import TINY_TARGET_PREFIX
     from dllmflow.generate import resolve_checkpoint
     from dllmflow.models.dflash_draft import load_draft
+    from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
     from dllmflow.settings import load_settings_json
 
     ckpt = resolve_checkpoint(checkpoint)

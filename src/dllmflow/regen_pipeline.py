@@ -47,7 +47,7 @@ from dllmflow.settings import Settings
 log = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
-TINY_TARGET_PREFIX = "tiny:"  # same prefix as dllmflow.diffusion.strategies.dflash (imported lazily: torch)
+TINY_TARGET_PREFIX = "tiny:"  # same prefix as dllmflow.models.dflash_target (imported lazily: torch)
 DEFAULT_LOCAL_MODEL = "dflash-target"
 # Handed to `regenerate` when every shard is already on disk: it sends no request, so nothing listens.
 NO_SERVER_URL = "http://no-server.invalid/v1"
@@ -139,7 +139,7 @@ def local_target_path(settings: Settings | dict[str, Any], source: str | None = 
     if s.dflash is None:
         raise UserError("no dflash: section: set dflash.target_model_id, or regenerate.target_server")
     target_id = s.dflash.target_model_id
-    from dllmflow.diffusion.strategies.dflash import resolve_target_path
+    from dllmflow.models.dflash_target import resolve_target_path
 
     if not target_id.startswith(TINY_TARGET_PREFIX):
         return resolve_target_path(target_id, None)

@@ -13,22 +13,24 @@ import torch.nn.functional as F
 from _dflash_common import NUM_WORDS, make_batch, make_settings, make_strategy, make_tokenizer
 from safetensors import safe_open
 
-from dllmflow.diffusion.strategies import build_strategy
-from dllmflow.diffusion.strategies.dflash import (
-    accuracy_sums,
+from dllmflow.diffusion.dflash_blocks import (
     build_block_inputs,
-    decay_ce_dense,
-    decay_ce_fused,
-    decay_weights,
-    draft_accuracy,
-    resolve_block_size,
-    resolve_gamma,
     sample_anchor_blocks,
     sample_anchors_disjoint,
     sample_anchors_overlap,
 )
+from dllmflow.diffusion.dflash_loss import (
+    accuracy_sums,
+    decay_ce_dense,
+    decay_ce_fused,
+    decay_weights,
+    draft_accuracy,
+    resolve_gamma,
+)
+from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.errors import UserError
 from dllmflow.models.dflash_draft import DFlashDraftModel, build_target_layer_ids, load_draft
+from dllmflow.models.dflash_target import resolve_block_size
 from dllmflow.settings.loader import SettingsError
 
 

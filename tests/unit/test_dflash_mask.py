@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from _dflash_common import make_batch, make_strategy
 
+from dllmflow.diffusion.dflash_blocks import build_block_inputs
 from dllmflow.diffusion.masks.dflash import dflash_block_mask, dflash_dense_mask
-from dllmflow.diffusion.strategies.dflash import build_block_inputs
 
 
 def reference_allowed(anchors, keep, ctx_len, bs):
@@ -106,7 +106,7 @@ def _block_logits(strategy, draft, batch, anchors, use_mask=True):
     loss = strategy.loss(draft, b).sums["diffusion"]
     h = strategy.target_features(b)
     bs, (bsz, seq_len) = strategy.block_size, batch["input_ids"].shape
-    from dllmflow.diffusion.strategies.dflash import block_position_ids
+    from dllmflow.diffusion.dflash_blocks import block_position_ids
 
     noise = strategy.target_embed(block_ids.clamp(max=strategy.target_embed.weight.shape[0] - 1))
     mask = dflash_dense_mask(anchors, keep, seq_len, bs, torch.float32) if use_mask else None

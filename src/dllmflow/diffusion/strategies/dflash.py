@@ -11,311 +11,46 @@ of paper Eq. 4 summed here and divided by the global number of predicted tokens 
     strategy.setup(draft, tokenizer, device)           # loads the frozen target once
     batch.update(strategy.corrupt(batch, seeds)); out = strategy.loss(draft, batch)
 
-`dflash.target_model_id: "tiny:<dir>"` builds (once, seeded) a tiny random Qwen3 target from the run
-tokenizer in <dir> (`build_tiny_target`), for tests and the CPU demo; anything else is a hub id or
-local dir loaded with `AutoModelForCausalLM`. Deliberate differences from the reference code (spec
-§7): the block mask is always built (1), the non-overlap sampler is per sample and cannot fail (3),
-draft accuracy is logged for every N (7).
+The math lives in plain-function modules: anchors and block inputs in `diffusion/dflash_blocks.py`,
+the decay CE and draft accuracy in `diffusion/dflash_loss.py`, the target (`tiny:<dir>`, hub id or
+local dir) and the resolved settings in `models/dflash_target.py`. Deliberate differences from the
+reference code (spec §7): the block mask is always built (1), the non-overlap sampler is per sample
+and cannot fail (3), draft accuracy is logged for every N (7).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from dllmflow.diffusion.dflash_blocks import block_position_ids, build_block_inputs, sample_anchor_blocks
+from dllmflow.diffusion.dflash_loss import (
+    accuracy_sums,
+    decay_ce_dense,
+    decay_ce_fused,
+    decay_weights,
+    draft_accuracy,
+    resolve_gamma,
+)
 from dllmflow.diffusion.masks.dflash import dflash_block_mask, dflash_dense_mask
 from dllmflow.diffusion.seeding import generators
 from dllmflow.errors import UserError
-from dllmflow.models.dflash_draft import build_draft_config, build_target_layer_ids, load_draft
+from dllmflow.models.dflash_draft import build_draft_config, load_draft
+from dllmflow.models.dflash_target import (
+    resolve_block_size,
+    resolve_mask_token_id,
+    resolve_target_layer_ids,
+    resolve_target_path,
+)
 
 from .base import Batch, LossOutput, Strategy
 
 BACKENDS = ("sdpa", "flex_attention")
-TINY_TARGET_PREFIX = "tiny:"
-PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-MASK_TOKEN = "<|MASK|>"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ---- configuration helpers ------------------------------------------------------------------------
-
-
-def resolve_gamma(gamma: float, block_size: int) -> float:
-    """Paper defaults when gamma <= 0: 7/5/4 for bs 16/10/8, else max(2, bs/2)."""
-    if gamma > 0:
-        return float(gamma)
-    return PAPER_GAMMA.get(block_size, max(2.0, block_size / 2))
-
-
-def decay_weights(block_size: int, gamma: float | None) -> Tensor:
-    """w_k = exp(-(k-1)/gamma) for offsets k = 1..bs-1 (all ones when gamma is None). [bs-1]"""
-    k = torch.arange(1, block_size, dtype=torch.float32)
-    return torch.ones_like(k) if gamma is None else torch.exp(-(k - 1) / gamma)
-
-
-def resolve_block_size(configured: int, draft: nn.Module) -> int:
-    """`dflash.block_size`, or (when 0) the draft's `block_size` / config; must end up >= 2."""
-    bs = configured
-    if bs <= 0:
-        cfg = getattr(draft, "config", None)
-        extra = getattr(cfg, "dflash_config", None) or {}
-        bs = getattr(draft, "block_size", None) or getattr(cfg, "block_size", None) or extra.get("block_size")
-    if bs is None:
-        raise UserError(
-            "dflash.block_size is 0 and the draft config has no block_size; set dflash.block_size >= 2"
-        )
-    if int(bs) < 2:
-        raise UserError(f"dflash block size {bs} < 2: a block needs its anchor plus >= 1 predicted token")
-    return int(bs)
-
-
-def resolve_target_layer_ids(
-    configured: list[int] | None, draft: nn.Module, num_target_layers: int
-) -> list[int]:
-    """`dflash.target_layer_ids` > the draft's own ids > evenly spaced (spec helper)."""
-    cfg = getattr(draft, "config", None)
-    extra = getattr(cfg, "dflash_config", None) or {}
-    ids = configured or getattr(cfg, "target_layer_ids", None) or extra.get("target_layer_ids")
-    if not ids:
-        ids = build_target_layer_ids(num_target_layers, getattr(cfg, "num_hidden_layers", 1))
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise UserError(
-            f"dflash.target_layer_ids {list(ids)}: {bad} outside the target's {num_target_layers} layers"
-        )
-    return [int(i) for i in ids]
-
-
-# ---- the tiny target (tests, CPU demo) ------------------------------------------------------------
-
-
-def build_tiny_target(
-    out_dir: str | Path, tokenizer, hidden_size: int = 64, num_layers: int = 4, seed: int = 0
-) -> Path:
-    """Write a tiny random Qwen3 causal LM (vocab = len(tokenizer)) + the tokenizer to `out_dir`,
-    once: an existing dir is reused. Seeded and written via a temp dir + rename, so every rank and
-    every later run (training, evaluation) sees the same target."""
-    from dllmflow.models.build import build_tiny_model
-    from dllmflow.settings.sections import TinyModelConfig
-
-    out = Path(out_dir)
-    if (out / "config.json").is_file():
-        return out
-    tiny = TinyModelConfig(
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=2 * hidden_size,
-        tie_word_embeddings=True,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = build_tiny_model(tiny, tokenizer)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-target-", dir=out.parent))
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another rank won the race: its target is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def resolve_target_path(target_model_id: str, tokenizer) -> str:
-    if target_model_id.startswith(TINY_TARGET_PREFIX):
-        return str(build_tiny_target(target_model_id[len(TINY_TARGET_PREFIX) :], tokenizer))
-    looks_local = target_model_id.startswith((".", "/", "~")) or Path(target_model_id).exists()
-    if looks_local and not Path(target_model_id).expanduser().is_dir():
-        raise UserError(f"dflash.target_model_id={target_model_id!r}: no such directory")
-    return target_model_id
-
-
-def resolve_mask_token_id(configured: int | None, tokenizer, target_path: str | None = None) -> int:
-    """settings > the run tokenizer's mask > the target tokenizer's mask > add `<|MASK|>` to the run
-    tokenizer (Qwen3: id 151669, a row the target embedding already has)."""
-    if configured is not None:
-        return int(configured)
-    if getattr(tokenizer, "mask_token_id", None) is not None:
-        return int(tokenizer.mask_token_id)
-    if target_path is not None:
-        try:
-            from transformers import AutoTokenizer
-
-            target_tok = AutoTokenizer.from_pretrained(target_path)
-            if target_tok.mask_token_id is not None:
-                return int(target_tok.mask_token_id)
-        except (OSError, ValueError):  # no tokenizer saved with the target: fall through to adding one
-            pass
-    tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
-    return int(tokenizer.mask_token_id)
-
-
-# ---- anchor sampling and block inputs (plain functions, seeded per sample) -------------------------
-
-
-def sample_anchors_overlap(valid_len: int, num_blocks: int, block_size: int, gen: torch.Generator) -> Tensor:
-    """N independent anchors, uniform in [1, max(valid-bs, 1)]; they may repeat, overlap, land in the
-    prompt (those targets are masked out later), and N may exceed L/bs. [N] long"""
-    max_anchor = max(valid_len - block_size, 1)
-    return torch.randint(1, max_anchor + 1, (num_blocks,), generator=gen)
-
-
-def sample_anchors_disjoint(
-    valid_len: int, num_blocks: int, block_size: int, gen: torch.Generator
-) -> tuple[Tensor, int]:
-    """Up to N non-overlapping blocks inside [1, valid), uniform over placements (stars and bars):
-    pick n distinct sorted c_i from [0, slack + n), start_i = 1 + (c_i - i) + i·bs. Unlike the legacy
-    `randperm(avail)[:n]` this never comes up short (spec §7 caveat 3). Pads to N by repeating the
-    last start; returns (anchors [N] long, n_valid)."""
-    n_valid = min(num_blocks, max(1, (valid_len - 1) // block_size))
-    slack = valid_len - 1 - n_valid * block_size
-    i = torch.arange(n_valid)
-    if slack < 0:  # the sample is shorter than one block: keep=False drops it anyway
-        starts = 1 + i * block_size
-    else:
-        c = torch.randperm(slack + n_valid, generator=gen)[:n_valid].sort().values
-        starts = 1 + (c - i) + i * block_size
-    pad = starts[-1:].expand(num_blocks - n_valid)
-    return torch.cat([starts, pad]), n_valid
-
-
-def sample_anchor_blocks(
-    attention_mask: Tensor, loss_mask: Tensor, block_size: int, num_blocks: int, overlap: bool, gens: list
-) -> tuple[Tensor, Tensor]:
-    """Anchors [B, N] long and keep [B, N] bool. keep = enough supervision (>= 2·bs tokens), a
-    sequence longer than one block, and (non-overlap) a real, not padded, block."""
-    effective = attention_mask * loss_mask  # [B, L]
-    valid = attention_mask.sum(1).long().tolist()
-    sup = effective.sum(1).tolist()
-    anchors, keep = [], []
-    for b, gen in enumerate(gens):
-        if overlap:
-            a, n_valid = sample_anchors_overlap(valid[b], num_blocks, block_size, gen), num_blocks
-        else:
-            a, n_valid = sample_anchors_disjoint(valid[b], num_blocks, block_size, gen)
-        ok = sup[b] >= 2 * block_size and valid[b] > block_size
-        anchors.append(a)
-        keep.append(torch.arange(num_blocks) < (n_valid if ok else 0))
-    return torch.stack(anchors).to(attention_mask.device), torch.stack(keep).to(attention_mask.device)
-
-
-def build_block_inputs(
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    loss_mask: Tensor,
-    anchors: Tensor,
-    keep: Tensor,
-    block_size: int,
-    mask_id: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Block token ids [B, N·bs] (clean anchor, then mask ids; a dropped block is all mask), targets
-    x[a+k] [B, N·(bs-1)] and their mask effective[a+k]·1[a+k < valid]·keep [B, N·(bs-1)] float."""
-    bsz, seq_len = input_ids.shape
-    num_blocks = anchors.shape[1]
-    pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # [B, N, bs]
-    flat = pos.clamp(max=seq_len - 1).reshape(bsz, -1)  # [B, N·bs]
-    tokens = input_ids.gather(1, flat).view(bsz, num_blocks, block_size)  # [B, N, bs]
-    block_ids = torch.full_like(tokens, mask_id)
-    block_ids[:, :, 0] = torch.where(keep, tokens[:, :, 0], torch.full_like(tokens[:, :, 0], mask_id))
-    effective = (attention_mask * loss_mask).float().gather(1, flat).view(bsz, num_blocks, block_size)
-    valid = attention_mask.sum(1)[:, None, None]  # [B, 1, 1]
-    tmask = effective[:, :, 1:] * (pos[:, :, 1:] < valid).float() * keep[:, :, None].float()  # [B, N, bs-1]
-    return block_ids.view(bsz, -1), tokens[:, :, 1:].reshape(bsz, -1), tmask.reshape(bsz, -1)
-
-
-def block_position_ids(anchors: Tensor, ctx_len: int, block_size: int) -> Tensor:
-    """[0..S-1] ++ [a_n + 0..bs-1 for each n]: [B, S + N·bs]."""
-    bsz = anchors.shape[0]
-    ctx = torch.arange(ctx_len, device=anchors.device).expand(bsz, ctx_len)
-    blocks = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).reshape(bsz, -1)
-    return torch.cat([ctx, blocks], dim=1)
-
-
-# ---- decay-weighted CE with draft accuracy --------------------------------------------------------
-
-
-def decay_ce_dense(
-    hidden: Tensor, head: nn.Module, targets: Tensor, mask: Tensor, weights: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Σ w·mask·CE over all positions, and `correct` = (argmax == target)·mask. hidden [B, P, d],
-    targets/mask/weights [B, P] (weights broadcastable). Returns (loss_sum, correct [B, P] float)."""
-    logits = head(hidden.to(_head_dtype(head))).float()  # [B, P, V]
-    ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [B, P]
-    correct = (logits.argmax(-1) == targets).float() * mask
-    return (weights * mask * ce).sum(), correct
-
-
-def _chunk_ce(h: Tensor, weight: Tensor, bias: Tensor | None, t: Tensor) -> tuple[Tensor, Tensor]:
-    logits = F.linear(h.to(weight.dtype), weight, bias).float()  # [c, V]
-    return F.cross_entropy(logits, t, reduction="none"), logits.argmax(-1)
-
-
-def decay_ce_fused(
-    hidden: Tensor, head: nn.Module, targets: Tensor, mask: Tensor, weights: Tensor, chunk_size: int
-) -> tuple[Tensor, Tensor]:
-    """Same result as `decay_ce_dense`, never holding more than `chunk_size` rows of logits: only
-    supervised positions are scored, chunk by chunk under activation checkpointing (the [c, V]
-    logits are recomputed in backward instead of stored)."""
-    bsz, p, d = hidden.shape
-    w_full = torch.broadcast_to(weights, mask.shape).reshape(-1)
-    sel = mask.reshape(-1).nonzero().squeeze(1)  # [M]
-    h, t = hidden.reshape(-1, d)[sel], targets.reshape(-1)[sel]  # [M, d], [M]
-    wm = (w_full * mask.reshape(-1))[sel]  # [M]
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    hit = torch.zeros(sel.shape[0], device=hidden.device)
-    for s in range(0, sel.shape[0], chunk_size):
-        ce, pred = checkpoint(
-            _chunk_ce,
-            h[s : s + chunk_size],
-            head.weight,
-            head.bias,
-            t[s : s + chunk_size],
-            use_reentrant=False,
-        )
-        loss_sum = loss_sum + (wm[s : s + chunk_size] * ce).sum()
-        hit[s : s + chunk_size] = (pred == t[s : s + chunk_size]).float()
-    correct = torch.zeros(bsz * p, device=hidden.device).index_put((sel,), hit * mask.reshape(-1)[sel])
-    return loss_sum, correct.view(bsz, p)
-
-
-def _head_dtype(head: nn.Module) -> torch.dtype:
-    return head.weight.dtype
-
-
-def accuracy_sums(correct: Tensor, mask: Tensor, block_size: int) -> dict[str, Tensor]:
-    """Per-offset `draft_correct_k{k}` / `draft_count_k{k}` (k = 1..bs-1), summed over batch and blocks."""
-    c = correct.detach().reshape(correct.shape[0], -1, block_size - 1).sum((0, 1))  # [bs-1]
-    n = mask.detach().reshape(mask.shape[0], -1, block_size - 1).sum((0, 1))  # [bs-1]
-    out = {}
-    for k in range(1, block_size):
-        out[f"draft_correct_k{k}"] = c[k - 1].float()
-        out[f"draft_count_k{k}"] = n[k - 1].float()
-    return out
-
-
-def draft_accuracy(metric_sums: dict[str, float]) -> dict[str, float]:
-    """From GLOBAL sums: draft_acc = Σcorrect/Σcount, draft_acc_k{k} = correct_k / max(count_k, 1)."""
-    ks = sorted(int(key[len("draft_count_k") :]) for key in metric_sums if key.startswith("draft_count_k"))
-    if not ks:
-        return {}
-    correct = {k: float(metric_sums.get(f"draft_correct_k{k}", 0.0)) for k in ks}
-    count = {k: float(metric_sums[f"draft_count_k{k}"]) for k in ks}
-    out = {"draft_acc": sum(correct.values()) / max(sum(count.values()), 1.0)}
-    out.update({f"draft_acc_k{k}": correct[k] / max(count[k], 1.0) for k in ks})
-    return out
-
-
-# ---- the strategy ---------------------------------------------------------------------------------
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -551,18 +286,4 @@ class DFlashStrategy(Strategy):
         tokenizer.save_pretrained(out_dir)
 
 
-__all__ = [
-    "DFlashStrategy",
-    "accuracy_sums",
-    "build_block_inputs",
-    "build_target_layer_ids",
-    "build_tiny_target",
-    "decay_ce_dense",
-    "decay_ce_fused",
-    "decay_weights",
-    "draft_accuracy",
-    "resolve_gamma",
-    "sample_anchor_blocks",
-    "sample_anchors_disjoint",
-    "sample_anchors_overlap",
-]
+__all__ = ["DFlashStrategy"]
