@@ -19,7 +19,6 @@ on those same chats (exact match is only meaningful where the model learned some
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -30,27 +29,10 @@ SPEED_KEYS = ("tokens_per_s", "nfe", "tokens_per_forward")
 
 def train_overfit_checkpoint(root: Path, steps: int) -> Path:
     from dllmflow.data.prepare import prepare
-    from dllmflow.settings import load_settings
+    from dllmflow.data.toy import overfit_settings
     from dllmflow.training.trainer import run_training
 
-    data = root / "chat.jsonl"
-    with data.open("w") as f:
-        for i in range(16):
-            a, b = 3 + 7 * i % 50, 11 + 5 * i % 40
-            chat = [{"role": "user", "content": f"Tom has {a} apples and buys {b} more. How many now?"},
-                    {"role": "assistant", "content": f"{a} + {b} = {a + b}\n#### {a + b}"}]  # fmt: skip
-            f.write(json.dumps({"messages": chat}) + "\n")
-    settings = load_settings(
-        ROOT / "params" / "tiny_mdlm.yaml",
-        run_dir=str(root / "run"),
-        dataset={"path_or_dataset_id": str(data), "prepared_dir": str(root / "prepared"), "eval_fraction": 0.0,
-                 "seq_length": 64},
-        tokenizer={"train_vocab_size": 300},
-        train={"max_steps": steps, "global_batch_size": 16, "local_batch_size": 16, "lr": 3e-3, "warmup_steps": 10,
-               "log_every": 100},
-        checkpoint={"every_steps": steps},
-        eval={"limit": 16, "batch_size": 16},
-    )  # fmt: skip
+    settings = overfit_settings(root, steps, ROOT / "params" / "tiny_mdlm.yaml")
     prepare(settings)
     run_training(settings, settings.run_dir)
     return root / "run" / "checkpoints"

@@ -3,32 +3,17 @@ outputs, pull back byte-identical files; a changed param makes the stage stale."
 
 from __future__ import annotations
 
-import hashlib
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from _dvc_repo import file_hashes, init_repo, run
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path("data/prepared/tiny")
 
 pytestmark = pytest.mark.slow
-
-
-def run(*cmd: str, cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def file_hashes(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture()
@@ -42,13 +27,7 @@ def repo(tmp_path: Path) -> Path:
     for rel in needed:
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, repo / rel)
-    run("git", "init", "-q", ".", cwd=repo)
-    run("git", "config", "user.email", "tests@dllmflow", cwd=repo)
-    run("git", "config", "user.name", "tests", cwd=repo)
-    run("dvc", "init", "-q", cwd=repo)
-    run("git", "add", "-A", cwd=repo)
-    run("git", "commit", "-qm", "init", cwd=repo)
-    return repo
+    return init_repo(repo)
 
 
 def test_repro_push_pull_restores_identical_files(repo: Path, tmp_path: Path):

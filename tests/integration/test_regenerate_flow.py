@@ -9,17 +9,15 @@ requests nothing and starts no server.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from _dvc_repo import file_hashes, init_repo, run
 
 ROOT = Path(__file__).resolve().parents[2]
 PARAMS = "params/tiny_dflash_regen.yaml"
@@ -29,26 +27,6 @@ PREPARED = Path("data/prepared/tiny_dflash_regen")
 STAGES = ("regenerate", "prepare_dflash")
 
 pytestmark = pytest.mark.slow  # DVC, Metaflow and server subprocesses
-
-
-def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith(("DLLMFLOW_", "DLLM_"))}
-    out.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
-    return out
-
-
-def run(*cmd: str, cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
-
-
-def file_hashes(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture()
@@ -68,10 +46,7 @@ def repo(tmp_path: Path) -> Path:
     recipe["regenerate"].update(split="train[:24]", shard_size=8, max_new_tokens=16)
     (repo / PARAMS).parent.mkdir(parents=True)
     (repo / PARAMS).write_text(yaml.safe_dump(recipe, sort_keys=False))
-    run("git", "init", "-q", ".", cwd=repo)
-    run("dvc", "init", "-q", cwd=repo)
-    run("git", "add", "-A", cwd=repo)
-    run("git", "commit", "-qm", "init", cwd=repo)
+    init_repo(repo)
     return repo
 
 

@@ -4,7 +4,6 @@ held-out accuracy (a CPU-sized model trained from scratch scores ~0 there)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,33 +11,16 @@ import torch
 
 from dllmflow.data.prepare import prepare
 from dllmflow.data.tokenizer import load_tokenizer
+from dllmflow.data.toy import overfit_settings
 from dllmflow.evaluate import evaluate
 from dllmflow.models.build import build_model
-from dllmflow.settings import load_settings
 from dllmflow.training.trainer import run_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def subset_settings(root: Path, steps: int):
-    data = root / "chat.jsonl"
-    with data.open("w") as f:
-        for i in range(16):
-            a, b = 3 + 7 * i % 50, 11 + 5 * i % 40
-            chat = [{"role": "user", "content": f"Tom has {a} apples and buys {b} more. How many now?"},
-                    {"role": "assistant", "content": f"{a} + {b} = {a + b}\n#### {a + b}"}]  # fmt: skip
-            f.write(json.dumps({"messages": chat}) + "\n")
-    return load_settings(
-        ROOT / "params" / "tiny_mdlm.yaml",
-        run_dir=str(root / "run"),
-        dataset={"path_or_dataset_id": str(data), "prepared_dir": str(root / "prepared"), "eval_fraction": 0.0,
-                 "seq_length": 64},
-        tokenizer={"train_vocab_size": 300},
-        train={"max_steps": steps, "global_batch_size": 16, "local_batch_size": 16, "lr": 3e-3, "warmup_steps": 10,
-               "log_every": 100},
-        checkpoint={"every_steps": steps},
-        eval={"limit": 16, "max_new_tokens": 16, "steps": 16, "batch_size": 16},
-    )  # fmt: skip
+    return overfit_settings(root, steps, ROOT / "params" / "tiny_mdlm.yaml", max_new_tokens=16, steps=16)
 
 
 @pytest.mark.slow
