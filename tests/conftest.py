@@ -29,3 +29,9 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 # Never let a developer's own overrides leak into tests.
 for _k in [k for k in os.environ if k.startswith("DLLMFLOW_")]:
     del os.environ[_k]
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden", action="store_true", help="rewrite tests/golden/*.json from the current code"
+    )
