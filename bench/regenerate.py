@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from dllmflow.data.regenerate import regenerate
-from dllmflow.serve import local_server
+from dllmflow.inference.serve import local_server
 from dllmflow.settings import RegenerateConfig
 
 MODEL = "bench-target"

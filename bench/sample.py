@@ -41,8 +41,8 @@ def train_overfit_checkpoint(root: Path, steps: int) -> Path:
 def bench_prompts(ckpt, split: str, limit: int):
     """(model, tokenizer, chat-templated prompt ids) of the checkpoint's prepared data, as evaluate builds them."""
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.evaluate import prompt_messages
-    from dllmflow.generate import load_for_generation
+    from dllmflow.evaluation.accuracy import prompt_messages
+    from dllmflow.inference.generate import load_for_generation
 
     model, tok, settings = load_for_generation(ckpt, device="cpu")
     rows = PreparedDataset(settings.dataset.prepared_dir, split).rows(limit)
@@ -144,7 +144,7 @@ def random_qwen3(tok, hidden: int, layers: int, mask_id: int):
 
 
 def main() -> None:
-    from dllmflow.evaluate import evaluate
+    from dllmflow.evaluation.accuracy import evaluate
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", help="default: train a tiny overfit checkpoint first")

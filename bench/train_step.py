@@ -53,8 +53,8 @@ DEFAULT_SET = {"model.tiny.hidden_size": 128, "model.tiny.intermediate_size": 25
 
 def mode_settings(mode: str, args, tmp: Path, **extra):
     """The tiny recipe of `mode` with the CLI overrides, data and targets under `tmp`."""
-    from dllmflow.launch import parse_overrides
     from dllmflow.settings import load_settings
+    from dllmflow.training.launch import parse_overrides
 
     overrides = {"dataset.limit": DATA_LIMIT, **DEFAULT_SET, **parse_overrides(args.set), **extra}
     if args.seq_len:

@@ -6,7 +6,7 @@
     python flows/finetune.py --config recipe params/tiny_mdlm.yaml card view end
 
 The `recipe` Config is validated by `dllmflow.settings` before any step runs (a typo fails at parse
-time, naming the field). Steps are thin: each calls one `dllmflow.pipeline` function and keeps its
+time, naming the field). Steps are thin: each calls one `dllmflow.workflow.finetune` function and keeps its
 small result as an artifact. Production: `argo-workflows create` deploys the same flow on the
 `@schedule` from `flow.schedule_cron` (needs a cloud datastore; see infra/argo.md).
 """
@@ -17,7 +17,9 @@ from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, re
 @schedule(cron=config_expr("recipe.flow.schedule_cron"))
 class FinetuneFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
-    recipe = Config("recipe", default="params/tiny_mdlm.yaml", parser="dllmflow.pipeline.parse_params_config")
+    recipe = Config(
+        "recipe", default="params/tiny_mdlm.yaml", parser="dllmflow.workflow.finetune.parse_params_config"
+    )
 
     max_steps = Parameter(
         "max-steps", type=int, default=0, help="Override train.max_steps (0 = from params)."
@@ -29,20 +31,20 @@ class FinetuneFlow(FlowSpec):
 
     @step
     def start(self):
-        from dllmflow import pipeline
+        from dllmflow.workflow import finetune as workflow
 
-        # A plain dict (JSON) artifact: every later step rehydrates it with pipeline.as_settings.
-        self.settings = pipeline.resolve_flow_settings(
+        # A plain dict (JSON) artifact: every later step rehydrates it with workflow.as_settings.
+        self.settings = workflow.resolve_flow_settings(
             dict(self.recipe), max_steps=self.max_steps, eval_limit=self.eval_limit
         )
-        self.run_dir = pipeline.flow_run_dir(self.settings, current.origin_run_id or current.run_id)
+        self.run_dir = workflow.flow_run_dir(self.settings, current.origin_run_id or current.run_id)
         self.next(self.prepare)
 
     @step
     def prepare(self):
-        from dllmflow import pipeline
+        from dllmflow.workflow import finetune as workflow
 
-        self.data = pipeline.prepare_data(self.settings, force=self.force_prepare)
+        self.data = workflow.prepare_data(self.settings, force=self.force_prepare)
         self.next(self.train)
 
     @retry(times=config_expr("recipe.flow.train_retries"))
@@ -53,19 +55,19 @@ class FinetuneFlow(FlowSpec):
     )
     @step
     def train(self):
-        from dllmflow import pipeline
+        from dllmflow.workflow import finetune as workflow
 
         # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint.
-        self.training = pipeline.train(self.settings, self.run_dir)
-        self.samplers = pipeline.eval_samplers(self.settings)
+        self.training = workflow.train(self.settings, self.run_dir)
+        self.samplers = workflow.eval_samplers(self.settings)
         self.next(self.evaluate, foreach="samplers")
 
     @step
     def evaluate(self):
-        from dllmflow import pipeline
+        from dllmflow.workflow import finetune as workflow
 
         self.sampler = self.input
-        self.eval_result = pipeline.evaluate_sampler(self.settings, self.training["run_dir"], self.sampler)
+        self.eval_result = workflow.evaluate_sampler(self.settings, self.training["run_dir"], self.sampler)
         self.next(self.join)
 
     @step
@@ -76,9 +78,9 @@ class FinetuneFlow(FlowSpec):
 
     @step
     def register(self):
-        from dllmflow import pipeline
+        from dllmflow.workflow import finetune as workflow
 
-        self.registration = pipeline.register(
+        self.registration = workflow.register(
             self.settings,
             self.training["run_dir"],
             self.evals,
@@ -91,9 +93,9 @@ class FinetuneFlow(FlowSpec):
     @card(type="blank", id="report")
     @step
     def end(self):
-        from dllmflow import pipeline
+        from dllmflow.workflow import finetune as workflow
 
-        pipeline.fill_card(
+        workflow.fill_card(
             current.card["report"],
             self.settings,
             self.training["run_dir"],
@@ -102,7 +104,7 @@ class FinetuneFlow(FlowSpec):
             self.training,
             self.registration,
         )
-        print(pipeline.next_steps_message(self.settings, self.registration, current.pathspec))
+        print(workflow.next_steps_message(self.settings, self.registration, current.pathspec))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ With `regenerate.target_server` unset the regenerate step starts `dllmflow serve
 production points `regenerate.target_server` at SGLang/vLLM and nothing starts locally. A rerun, a
 `@retry` or `resume` continues from the shards already written (their prompts are not requested again).
 The same work as a DVC stage: `dvc repro regenerate` (dvc.yaml). Steps are thin: the logic lives in
-`dllmflow.regen_pipeline`.
+`dllmflow.workflow.regenerate`.
 """
 
 from metaflow import Config, FlowSpec, current, retry, step
@@ -17,24 +17,26 @@ from metaflow import Config, FlowSpec, current, retry, step
 class RegenerateFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config(
-        "recipe", default="params/tiny_dflash_regen.yaml", parser="dllmflow.pipeline.parse_params_config"
+        "recipe",
+        default="params/tiny_dflash_regen.yaml",
+        parser="dllmflow.workflow.finetune.parse_params_config",
     )
 
     @step
     def start(self):
-        from dllmflow import regen_pipeline
+        from dllmflow.workflow import regenerate as workflow
 
         # Fail here, before a server starts, when there is no input or nothing to serve.
-        self.settings = regen_pipeline.check_settings(dict(self.recipe)).to_dict()
+        self.settings = workflow.check_settings(dict(self.recipe)).to_dict()
         self.next(self.regenerate)
 
     @retry(times=1)
     @step
     def regenerate(self):
-        from dllmflow import regen_pipeline
+        from dllmflow.workflow import regenerate as workflow
 
         # A retry resumes from the shards the failed attempt wrote.
-        self.regeneration = regen_pipeline.regenerate_data(self.settings)
+        self.regeneration = workflow.regenerate_data(self.settings)
         self.next(self.end)
 
     @step

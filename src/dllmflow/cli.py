@@ -20,15 +20,15 @@ from dllmflow.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("dllmflow.data.prepare", "Tokenise chat data into parquet shards + manifest (DVC stage)."),
-    "train": ("dllmflow.launch", "Launch training through torchx (torchrun) and wait."),
-    "generate": ("dllmflow.generate", "Generate text from a checkpoint with a sampler."),
-    "evaluate": ("dllmflow.evaluate", "GSM8K exact match and speed of a checkpoint."),
+    "train": ("dllmflow.training.launch", "Launch training through torchx (torchrun) and wait."),
+    "generate": ("dllmflow.inference.generate", "Generate text from a checkpoint with a sampler."),
+    "evaluate": ("dllmflow.evaluation.accuracy", "GSM8K exact match and speed of a checkpoint."),
     "regenerate": (
         "dllmflow.data.regenerate",
         "Regenerate assistant turns through an OpenAI-compatible server.",
     ),
-    "serve": ("dllmflow.serve", "Serve a local causal LM as an OpenAI-compatible chat endpoint."),
-    "register": ("dllmflow.registry", "Log a finished run to MLflow and register its model."),
+    "serve": ("dllmflow.inference.serve", "Serve a local causal LM as an OpenAI-compatible chat endpoint."),
+    "register": ("dllmflow.tracking.registry", "Log a finished run to MLflow and register its model."),
 }
 
 

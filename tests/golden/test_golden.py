@@ -40,8 +40,8 @@ def _data(prepared: Path) -> dict:
 
 
 def _trajectory(mode: str, prepared: Path, tmp: Path) -> dict[str, list[float]]:
-    from dllmflow.training.trainer import run_training
     from dllmflow.training.metrics import read_metrics
+    from dllmflow.training.trainer import run_training
 
     overrides = {
         **_data(prepared),
@@ -73,4 +73,6 @@ def test_golden_losses(mode, prepared, tmp_path, request):
     want = json.loads(path.read_text())
     assert len(got["loss"]) == STEPS == len(want["loss"])
     for key in ("loss", "grad_norm"):
-        assert got[key] == pytest.approx(want[key], rel=REL), f"{mode} {key} moved from tests/golden/{path.name}"
+        assert got[key] == pytest.approx(want[key], rel=REL), (
+            f"{mode} {key} moved from tests/golden/{path.name}"
+        )

@@ -21,7 +21,7 @@ def test_tiny_dflash_trains_exports_the_draft_and_decodes_losslessly(tmp_path):
     from safetensors import safe_open
 
     from dllmflow.data.prepare import prepare
-    from dllmflow.evaluate_dflash import evaluate_dflash
+    from dllmflow.evaluation.acceptance import evaluate_dflash
     from dllmflow.training.trainer import run_training
 
     prep, target = tmp_path / "prepared", tmp_path / "target"

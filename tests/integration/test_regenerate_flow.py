@@ -52,7 +52,7 @@ def repo(tmp_path: Path) -> Path:
 
 def test_regenerate_stage_push_pull_flow_resume(repo: Path, tmp_path: Path, monkeypatch):
     from dllmflow.data.chat import load_chat_rows
-    from dllmflow.regen_pipeline import content_hash, shards_sha256
+    from dllmflow.workflow.regenerate import content_hash, shards_sha256
 
     # 1) the DVC stage: bootstrap the tiny target, serve it, regenerate 24 prompts into 3 shards
     stdout = run("dvc", "repro", "regenerate", cwd=repo)
@@ -114,8 +114,8 @@ def test_regenerate_stage_push_pull_flow_resume(repo: Path, tmp_path: Path, monk
     assert len(pq.read_table(out / "shard-000002.parquet")) == 8
 
     # 5) a rerun: every shard is there, nothing is requested and no server starts
-    from dllmflow.regen_pipeline import regenerate_data
     from dllmflow.settings import load_settings
+    from dllmflow.workflow.regenerate import regenerate_data
 
     monkeypatch.chdir(repo)
     again = regenerate_data(load_settings(PARAMS))

@@ -17,7 +17,7 @@ import pytest
 
 from dllmflow.cli import main
 from dllmflow.data.regenerate import scan_shards
-from dllmflow.serve import free_port, local_server
+from dllmflow.inference.serve import free_port, local_server
 
 pytestmark = pytest.mark.slow  # servers in subprocesses
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dllmflow import registry
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
+from dllmflow.tracking import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import torch
 from dllmflow.data.prepare import prepare
 from dllmflow.data.tokenizer import load_tokenizer
 from dllmflow.data.toy import overfit_settings
-from dllmflow.evaluate import evaluate
+from dllmflow.evaluation.accuracy import evaluate
 from dllmflow.models.build import build_model
 from dllmflow.training.trainer import run_training
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_draft_trains_on_smollm2_and_decodes_losslessly(tmp_path):
     from dllmflow.data.prepare import prepare
-    from dllmflow.evaluate_dflash import evaluate_dflash
+    from dllmflow.evaluation.acceptance import evaluate_dflash
     from dllmflow.models.offline import export_smollm2
     from dllmflow.training.trainer import run_training
 

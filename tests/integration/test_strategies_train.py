@@ -112,7 +112,7 @@ def test_tiny_idlm_trains_and_exports_the_plain_model(idlm_reference):
     ids=["hybrid-fsdp2", "idlm-ddp", "scdd-ddp"],
 )
 def test_two_processes_match_one(recipe, strategy, prep, tmp_path, request):
-    from dllmflow.launch import launch
+    from dllmflow.training.launch import launch
 
     reference = request.getfixturevalue(f"{recipe.stem.removeprefix('tiny_')}_reference")
     s = load_settings(

@@ -140,7 +140,7 @@ print(json.dumps(out))
 
 
 def test_ddp_two_processes_match_single_process(reference, prep, tmp_path):
-    from dllmflow.launch import launch
+    from dllmflow.training.launch import launch
 
     s = load_settings(
         RECIPE, **overrides(prep, distributed={"strategy": "ddp"}, launch={"nproc_per_node": 2})
@@ -177,7 +177,7 @@ def test_fsdp2_failing_rank_then_resume_matches_uninterrupted(reference, prep, t
 
 
 def test_two_nodes_on_one_machine(reference, prep, tmp_path):
-    from dllmflow.launch import launch
+    from dllmflow.training.launch import launch
 
     s = load_settings(
         RECIPE,
@@ -191,7 +191,7 @@ def test_two_nodes_on_one_machine(reference, prep, tmp_path):
 
 
 def test_bad_launch_settings_are_user_errors(prep, tmp_path):
-    from dllmflow.launch import launch, parse_overrides
+    from dllmflow.training.launch import launch, parse_overrides
 
     assert parse_overrides(["train.lr=1e-4", "launch.nnodes=2"]) == {"train.lr": 1e-4, "launch.nnodes": 2}
     with pytest.raises(UserError, match="KEY=VALUE"):

@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dllmflow.cli import main
 from dllmflow.data.tokenizer import load_tokenizer
-from dllmflow.evaluate import (
+from dllmflow.evaluation.accuracy import (
     evaluate,
     gold_answer,
     gsm8k_extract_flexible,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from _dflash_common import NUM_WORDS, make_strategy
 
-from dllmflow.evaluate_dflash import acceptance_metrics, speculative_generate, target_greedy
+from dllmflow.evaluation.acceptance import acceptance_metrics, speculative_generate, target_greedy
 
 
 @pytest.fixture(scope="module")

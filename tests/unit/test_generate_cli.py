@@ -12,7 +12,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dllmflow.cli import main
 from dllmflow.data.tokenizer import train_bpe_tokenizer
 from dllmflow.errors import UserError
-from dllmflow.generate import check_sampler_fits, encode_prompt, load_for_generation, resolve_checkpoint
+from dllmflow.inference.generate import (
+    check_sampler_fits,
+    encode_prompt,
+    load_for_generation,
+    resolve_checkpoint,
+)
 from dllmflow.settings import load_settings
 
 

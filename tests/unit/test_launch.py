@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dllmflow.launch import build_app, describe_failure, parse_overrides
 from dllmflow.settings import load_settings
+from dllmflow.training.launch import build_app, describe_failure, parse_overrides
 from dllmflow.training.trainer import lr_factor
 
 
@@ -29,7 +29,13 @@ def test_single_node_app_runs_the_entry_point_under_torchrun(tmp_path):
     cmd = _cmd(app)
     assert cmd[0] == "torchrun" and _flag(cmd, "--nnodes") == "1" and _flag(cmd, "--nproc_per_node") == "2"
     assert _flag(cmd, "--rdzv_endpoint") == "localhost:0"
-    assert cmd[-5:] == ["-m", "dllmflow.train", "--settings", str(tmp_path / "settings.json"), "--resume"]
+    assert cmd[-5:] == [
+        "-m",
+        "dllmflow.training.main",
+        "--settings",
+        str(tmp_path / "settings.json"),
+        "--resume",
+    ]
     role = app.roles[0]
     assert role.num_replicas == 1 and role.env["FOO"] == "bar" and role.resource.cpu == 3
 
@@ -52,9 +58,9 @@ def test_failure_message_names_the_root_cause_rank_first(tmp_path):
     for replica, line in (
         (
             0,
-            "[default0]:[rank 0] dllmflow.train failed: RuntimeError: [pair.cc:553] Connection closed by peer",
+            "[default0]:[rank 0] dllmflow.training.main failed: RuntimeError: [pair.cc:553] Connection closed by peer",
         ),
-        (1, "[default0]:[rank 1] dllmflow.train failed: ValueError: bad batch in row 7"),
+        (1, "[default0]:[rank 1] dllmflow.training.main failed: ValueError: bad batch in row 7"),
     ):
         (logs / str(replica)).mkdir(parents=True)
         (logs / str(replica) / "stderr.log").write_text(f"Traceback ...\n{line}\n")

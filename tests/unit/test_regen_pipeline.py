@@ -1,4 +1,4 @@
-"""`dllmflow.regen_pipeline` without a server: source export, settings checks, the external-server path,
+"""`dllmflow.workflow.regenerate` without a server: source export, settings checks, the external-server path,
 hashes against the chat loader's own hash, and the resume rules (no model runs here)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dllmflow.data.chat import load_chat_rows
 from dllmflow.data.gsm8k import load_gsm8k_rows
 from dllmflow.data.regenerate import build_manifest, prepare_output_dir, write_shard
 from dllmflow.errors import UserError
-from dllmflow.regen_pipeline import (
+from dllmflow.settings import Settings
+from dllmflow.workflow.regenerate import (
     _bootstrap_settings,
     check_settings,
     content_hash,
@@ -22,7 +23,6 @@ from dllmflow.regen_pipeline import (
     serve_target,
     shards_sha256,
 )
-from dllmflow.settings import Settings
 
 
 def settings(tmp_path: Path, **regen) -> Settings:

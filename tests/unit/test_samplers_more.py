@@ -29,7 +29,7 @@ from dllmflow.diffusion.samplers.nemotron import NemotronSampler, build_left_pad
 from dllmflow.diffusion.samplers.scdd import SCDDSampler, scdd_step_probs
 from dllmflow.diffusion.schedules import scdd_schedule
 from dllmflow.errors import UserError
-from dllmflow.generate import add_cli_args, check_sampler_fits, cli_main, validate_sampler_request
+from dllmflow.inference.generate import add_cli_args, check_sampler_fits, cli_main, validate_sampler_request
 from dllmflow.settings import load_settings
 
 TEXTS = ["Natalia sold 48 clips in April and half as many in May. #### 72", "What is 2 + 3? The answer is 5."]
@@ -577,7 +577,7 @@ def test_cli_reads_the_training_schedule_from_the_checkpoint(model, tok, tmp_pat
 
 
 def test_llada2_editing_flags_reach_the_config():
-    from dllmflow.generate import sampler_overrides
+    from dllmflow.inference.generate import sampler_overrides
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

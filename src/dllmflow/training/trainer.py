@@ -2,7 +2,7 @@
 
     from dllmflow.training.trainer import run_training
     result = run_training(settings, "runs/tiny", resume=False)   # in-process: one rank
-    # or, one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.train --settings runs/tiny/settings.json
+    # or, one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.training.main --settings runs/tiny/settings.json
 
 One optimizer step (spec §1.3):
   1) every micro-batch of the step is collated and corrupted first (noise seeded per sample by its

@@ -449,7 +449,7 @@ class Sampler(ABC):
             )
         self.model, self.tokenizer, self.config = model, tokenizer, config
         # The checkpoint's training Settings (settings.json), or None: given, or left on the model by
-        # `dllmflow.generate.load_for_generation`.
+        # `dllmflow.inference.generate.load_for_generation`.
         if training_settings is None:
             training_settings = getattr(model, TRAINING_SETTINGS_ATTR, None)
         self.training_settings = training_settings

@@ -9,7 +9,7 @@ target forward in the decode phase = accepted + 1), per-position acceptance (sha
 k-th proposal was accepted), target forwards vs plain greedy (the speed-up) and whether the text is
 identical to plain greedy (`lossless`).
 
-    from dllmflow.evaluate_dflash import evaluate_dflash
+    from dllmflow.evaluation.acceptance import evaluate_dflash
     report = evaluate_dflash("runs/tiny_dflash/checkpoints", limit=8)   # uses the checkpoint's settings.json
     report["metrics"]["tau"], report["metrics"]["speedup_target_forwards"]
 
@@ -183,7 +183,7 @@ def load_dflash_pair(checkpoint: str | Path, target: str | None = None, device: 
     """-> (draft, target, tokenizer, training Settings or None, draft config). Both in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dllmflow.generate import resolve_checkpoint
+    from dllmflow.inference.generate import resolve_checkpoint
     from dllmflow.models.dflash_draft import load_draft
     from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
     from dllmflow.settings import load_settings_json
@@ -219,7 +219,7 @@ def evaluate_dflash(
     """Speculative decoding on the prompts of the prepared `split` vs plain greedy decoding of the
     target. -> {"metrics", "protocol", "predictions"} (metrics as `acceptance_metrics`)."""
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.evaluate import prompt_messages
+    from dllmflow.evaluation.accuracy import prompt_messages
 
     draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target)
     settings = settings or trained

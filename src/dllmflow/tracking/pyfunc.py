@@ -5,7 +5,7 @@
     m.predict(["What is 2 + 3?"], params={"steps": 32, "threshold": 0.9})
 
 Artifacts: `checkpoint` (the consolidated HF dir) and `generation` (sampler name + settings recorded at
-training/evaluation time). Logged by `dllmflow.registry.register_model`.
+training/evaluation time). Logged by `dllmflow.tracking.registry.register_model`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import mlflow
 from mlflow.pyfunc import PythonModel
 
-from dllmflow.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
+from dllmflow.tracking.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
 
 
 class DllmGenerator(PythonModel):
@@ -25,17 +25,22 @@ class DllmGenerator(PythonModel):
     def load_context(self, context):
         self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
         if self.generation["sampler"] == SPECULATIVE:  # a DFlash draft + its frozen target
-            from dllmflow.evaluate_dflash import load_dflash_pair
+            from dllmflow.evaluation.acceptance import load_dflash_pair
 
             target = context.artifacts.get("target") or self.generation.get("target")
             self.pair = load_dflash_pair(context.artifacts["checkpoint"], target=target)
         else:
-            from dllmflow.generate import load_for_generation
+            from dllmflow.inference.generate import load_for_generation
 
             self.model, self.tokenizer, _ = load_for_generation(context.artifacts["checkpoint"])
 
     def predict(self, context, model_input, params=None):
-        from dllmflow.registry import from_param_sentinels, generate_texts, prompts_of, speculative_texts
+        from dllmflow.tracking.registry import (
+            from_param_sentinels,
+            generate_texts,
+            prompts_of,
+            speculative_texts,
+        )
 
         options = {**self.generation.get("sampler_settings", {}), **from_param_sentinels(params or {})}
         sampler = options.pop("sampler", None) or self.generation["sampler"]

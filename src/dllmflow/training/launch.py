@@ -1,8 +1,8 @@
-"""`dllmflow train`: write settings.json, launch `python -m dllmflow.train` under torchrun via torchx, wait.
+"""`dllmflow train`: write settings.json, launch `python -m dllmflow.training.main` under torchrun via torchx, wait.
 
     dllmflow train --params params/tiny_mdlm.yaml [more.yaml ...] [--resume] [--set train.lr=1e-4 ...]
 
-    from dllmflow.launch import launch
+    from dllmflow.training.launch import launch
     result = launch(settings, run_dir="runs/x")      # raises UserError naming the failing rank
 
 `build_app` is our own torchx component in the style of `torchx.components.dist.ddp`: one role with
@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from dllmflow.errors import UserError
+from dllmflow.training.main import FAIL_MARKER
 
 ROLE = "trainer"
 CLUSTER_RDZV_PORT = 29500
@@ -84,7 +85,9 @@ def build_app(settings, run_dir: str | os.PathLike, resume: bool = False):
     ]  # fmt: skip
     if lc.rdzv_backend == "static":
         cmd += ["--node_rank", specs.macros.replica_id]
-    cmd += ["-m", "dllmflow.train", "--settings", str(settings_json)] + (["--resume"] if resume else [])
+    cmd += ["-m", "dllmflow.training.main", "--settings", str(settings_json)] + (
+        ["--resume"] if resume else []
+    )
     # shlex-quote everything but the endpoint, which may hold a ${RANK0_HOST} for bash to expand
     script = " ".join(arg if isinstance(arg, _Raw) else shlex.quote(arg) for arg in cmd)
     env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"), "PYTHONUNBUFFERED": "1", **lc.env}
@@ -178,7 +181,7 @@ def wait_and_stream(runner, handle: str, log_dir: Path | None, poll_s: float = 1
         time.sleep(poll_s)
 
 
-_FAIL_RE = re.compile(r"\[rank (\d+)\] dllmflow\.train failed: (.*)")
+_FAIL_RE = re.compile(r"\[rank (\d+)\] " + re.escape(FAIL_MARKER) + r" (.*)")
 # A rank that dies takes its peers' collectives down with it: those errors are consequences, not causes.
 _COLLATERAL = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|timed out|NCCL communicator was aborted", re.I

@@ -2,7 +2,7 @@
 
 Everything here also runs without Metaflow (tests call it directly):
 
-    from dllmflow import pipeline
+    from dllmflow.workflow import finetune as pipeline
     settings = pipeline.resolve_flow_settings(yaml.safe_load(open("params/tiny_mdlm.yaml")))
     data = pipeline.prepare_data(settings)
     training = pipeline.train(settings, "runs/tiny_mdlm/manual")
@@ -128,8 +128,8 @@ def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
     in its run dir resumes from it (a Metaflow `@retry` or `resume` lands here again with the same
     run dir); a finished stage is not retrained."""
     from dllmflow.diffusion.strategies import STRATEGIES
-    from dllmflow.launch import launch
     from dllmflow.training.checkpoint import latest_checkpoint
+    from dllmflow.training.launch import launch
 
     s = as_settings({**as_settings(settings).to_dict(), "run_dir": run_dir})
     stages = STRATEGIES[s.dllm.mode].training_stages(s)
@@ -167,7 +167,7 @@ def _finished(run_dir: Path, max_steps: int) -> bool:
 
 def find_consolidated(run_dir: str | os.PathLike) -> Path:
     """The consolidated HF dir of a finished run (checkpoints/LATEST/model/consolidated)."""
-    from dllmflow.generate import resolve_checkpoint
+    from dllmflow.inference.generate import resolve_checkpoint
 
     return Path(resolve_checkpoint(Path(run_dir) / "checkpoints"))
 
@@ -204,11 +204,11 @@ def _sampler_available(registry, name: str) -> bool:
 
 
 def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict[str, Any]:
-    from dllmflow.evaluate import evaluate
+    from dllmflow.evaluation.accuracy import evaluate
 
     s = as_settings(settings)
     if sampler == "acceptance":
-        from dllmflow.evaluate_dflash import evaluate_dflash
+        from dllmflow.evaluation.acceptance import evaluate_dflash
 
         result = evaluate_dflash(find_consolidated(run_dir), settings=s, limit=s.eval.limit)
     else:
@@ -231,7 +231,7 @@ def register(
     training: dict[str, Any],
     pathspec: str | None = None,
 ) -> dict[str, Any]:
-    from dllmflow import registry
+    from dllmflow.tracking import registry
 
     s = as_settings(settings)
     lineage = {
@@ -277,7 +277,7 @@ def _gated_sampler(s: Settings, evals: dict[str, dict[str, Any]]) -> str:
 
 
 def fill_card(card, settings, run_dir, evals, data, training, registration) -> None:
-    from dllmflow.report import build_card_components
+    from dllmflow.workflow.card import build_card_components
 
     for component in build_card_components(
         as_settings(settings), run_dir, evals, data, training, registration

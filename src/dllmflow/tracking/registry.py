@@ -1,7 +1,7 @@
 """MLflow side of a run: one MLflow run per flow run, a pyfunc model that generates, registration with
 `candidate` / `champion` aliases and a gate that decides whether `champion` moves.
 
-    from dllmflow.registry import log_run, register_model, apply_gate
+    from dllmflow.tracking.registry import log_run, register_model, apply_gate
     run_id = log_run(settings, run_dir, evals=..., lineage={...})
     version = register_model(settings, run_id, consolidated_dir, sampler="llada")
     decision = apply_gate(settings, version, evals)
@@ -159,7 +159,7 @@ def generate_texts(
 
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.base import build_sampler_config
-    from dllmflow.generate import decode_response, encode_prompt, validate_sampler_request
+    from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
 
     validate_sampler_request(sampler)
     config = build_sampler_config(sampler, options, tokenizer)
@@ -172,8 +172,8 @@ def generate_texts(
 def speculative_texts(pair: tuple, prompts: list[str], max_new_tokens: int) -> list[str]:
     """DFlash: greedy speculative decoding with the draft against its frozen target (same text as the
     target's own greedy decoding, fewer target forwards)."""
-    from dllmflow.evaluate_dflash import speculative_generate
-    from dllmflow.generate import decode_response, encode_prompt
+    from dllmflow.evaluation.acceptance import speculative_generate
+    from dllmflow.inference.generate import decode_response, encode_prompt
 
     draft, target, tokenizer, _, cfg = pair
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
@@ -281,7 +281,7 @@ def register_model(
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pyfunc.log_model(
                 name="model",
-                python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                python_model=str(Path(__file__).with_name("pyfunc.py")),
                 artifacts={**artifacts, "generation": str(gen_path)},
                 code_paths=[str(Path(__file__).parent)],
                 signature=_signature(sampler, sampler_settings),
@@ -406,8 +406,8 @@ def add_cli_args(parser) -> None:
 
 
 def cli_main(args) -> int:
-    from dllmflow.pipeline import find_consolidated
     from dllmflow.settings import load_settings_json
+    from dllmflow.workflow.finetune import find_consolidated
 
     run_dir = Path(args.run_dir)
     settings = load_settings_json(run_dir / "settings.json")

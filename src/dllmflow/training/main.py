@@ -1,11 +1,11 @@
 """The training entry point: one process per rank, started by torchrun (or plain python for one rank).
 
-    torchrun --nproc_per_node 2 -m dllmflow.train --settings runs/tiny/settings.json [--resume]
-    python -m dllmflow.train --settings runs/tiny/settings.json          # a single in-process rank
+    torchrun --nproc_per_node 2 -m dllmflow.training.main --settings runs/tiny/settings.json [--resume]
+    python -m dllmflow.training.main --settings runs/tiny/settings.json          # a single in-process rank
 
 It knows nothing of Metaflow or torchx: the settings come only from the JSON file (written by
 `dllmflow train` / the flow), and the run dir is that file's directory. A failure prints one line
-`[rank N] dllmflow.train failed: ...` (plus the traceback for non-user errors) and exits 1, which
+`[rank N] dllmflow.training.main failed: ...` (plus the traceback for non-user errors) and exits 1, which
 the launcher quotes. After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) it resumes from LATEST.
 """
 
@@ -19,11 +19,13 @@ from pathlib import Path
 
 from dllmflow.errors import UserError
 
-FAIL_MARKER = "dllmflow.train failed:"
+FAIL_MARKER = "dllmflow.training.main failed:"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dllmflow.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dllmflow.training.main", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--settings", required=True, help="RUN/settings.json written by `dllmflow train`")
     parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
     args = parser.parse_args(argv)

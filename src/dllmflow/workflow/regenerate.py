@@ -1,10 +1,10 @@
 """The library side of `flows/regenerate.py` and of the `regenerate` DVC stage: DFlash data regenerated
 by the target itself, with a local target server started (and stopped) when no external one is set.
 
-    python -m dllmflow.regen_pipeline --params params/tiny_dflash_regen.yaml      # the dvc.yaml stage
+    python -m dllmflow.workflow.regenerate --params params/tiny_dflash_regen.yaml      # the dvc.yaml stage
     python flows/regenerate.py --config recipe params/tiny_dflash_regen.yaml run  # the same, as a flow
 
-    from dllmflow import regen_pipeline
+    from dllmflow.workflow import regenerate as regen_pipeline
     summary = regen_pipeline.regenerate_data(load_settings("params/tiny_dflash_regen.yaml"))
     summary["content_hash"], summary["shards_sha256"]
 
@@ -167,7 +167,7 @@ def serve_target(settings: Settings | dict[str, Any], source: str | None = None)
     if s.regenerate.target_server:
         yield s.regenerate.target_server.rstrip("/")
         return
-    from dllmflow.serve import local_server
+    from dllmflow.inference.serve import local_server
 
     target = local_target_path(s, source)
     log.info("starting a local server for %s", target)
@@ -259,13 +259,15 @@ def regenerate_data(
     }
 
 
-# ---- `python -m dllmflow.regen_pipeline` (the dvc.yaml stage) --------------------------------------
+# ---- `python -m dllmflow.workflow.regenerate` (the dvc.yaml stage) --------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     from dllmflow.settings import load_settings
 
-    p = argparse.ArgumentParser(prog="python -m dllmflow.regen_pipeline", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m dllmflow.workflow.regenerate", description=__doc__.split("\n")[0]
+    )
     p.add_argument(
         "--params", nargs="+", required=True, metavar="YAML", help="Recipe YAML(s), later override earlier."
     )

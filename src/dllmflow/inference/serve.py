@@ -38,7 +38,7 @@ from typing import Any
 
 from dllmflow.errors import UserError
 
-log = logging.getLogger("dllmflow.serve")
+log = logging.getLogger("dllmflow.inference.serve")
 
 
 # ---- generation ---------------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def local_server(
     cmd = [
         sys.executable,
         "-m",
-        "dllmflow.serve",
+        "dllmflow.inference.serve",
         "--model-path",
         str(model_path),
         "--host",
@@ -508,7 +508,7 @@ def local_server(
             log_file.unlink(missing_ok=True)
 
 
-if __name__ == "__main__":  # `python -m dllmflow.serve ...` (what local_server runs)
+if __name__ == "__main__":  # `python -m dllmflow.inference.serve ...` (what local_server runs)
     from dllmflow.cli import main
 
     sys.exit(main(["serve", *sys.argv[1:]]))

@@ -109,7 +109,7 @@ def evaluate(
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.base import build_sampler_config
-    from dllmflow.generate import (
+    from dllmflow.inference.generate import (
         check_sampler_fits,
         decode_response,
         load_for_generation,
@@ -201,7 +201,7 @@ def evaluate(
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from dllmflow.generate import add_sampler_args
+    from dllmflow.inference.generate import add_sampler_args
 
     parser.add_argument(
         "--checkpoint", required=True, help="consolidated dir, step dir, checkpoint root or run dir"
@@ -238,7 +238,7 @@ def print_results(results: dict[str, Any]) -> None:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    from dllmflow.generate import sampler_overrides
+    from dllmflow.inference.generate import sampler_overrides
     from dllmflow.settings import load_settings
 
     if args.limit is not None and args.limit < 1:

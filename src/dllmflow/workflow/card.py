@@ -1,7 +1,7 @@
 """The Metaflow card of a finetune run: loss curve, eval table (accuracy and speed per sampler) with a
 plot, sample generations, lineage. Built from plain run artifacts, so it can be rendered for any run:
 
-    from dllmflow.report import build_card_components
+    from dllmflow.workflow.card import build_card_components
     for c in build_card_components(settings, run_dir, evals, data, training, registration):
         current.card["report"].append(c)
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllmflow.registry import read_metrics
 from dllmflow.settings import Settings
+from dllmflow.tracking.registry import read_metrics
 
 EVAL_COLUMNS = ("exact_match_strict", "exact_match_flexible", "tokens_per_s", "nfe", "tokens_per_forward")
 

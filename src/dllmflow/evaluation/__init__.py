@@ -1,0 +1,1 @@
+"""Evaluation: accuracy and decoding speed per sampler, DFlash acceptance."""

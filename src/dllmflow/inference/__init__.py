@@ -1,0 +1,1 @@
+"""Inference: text generation from a checkpoint and an OpenAI-compatible server."""

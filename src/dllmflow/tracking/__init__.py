@@ -1,0 +1,1 @@
+"""Tracking: the MLflow run, the registered pyfunc model, the registry gate and lineage."""

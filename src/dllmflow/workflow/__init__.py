@@ -1,0 +1,1 @@
+"""Workflow: what the Metaflow steps call (finetune, regenerate) and the run card."""
