@@ -26,6 +26,7 @@ from .gsm8k import EMBEDDED_PREFIX, GSM8K_SHA256, load_gsm8k_rows, sha256_file
 ROLES = ("system", "user", "assistant")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 EMBEDDED = {"gsm8k": (load_gsm8k_rows, GSM8K_SHA256)}
+NOT_UTF8 = "malformed: line is not UTF-8 text"
 
 
 @dataclass
@@ -126,9 +127,15 @@ def _load_files(path: Path, messages_column: str) -> ChatSource:
 
 
 def _read_jsonl(path: Path):
-    with open(path, encoding="utf-8") as f:
+    # surrogateescape: a stray non-UTF-8 byte spoils its line only (counted as malformed), not the file
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             if not line.strip():
+                continue
+            try:
+                line.encode("utf-8")  # fails on a lone surrogate, i.e. a byte that was not UTF-8
+            except UnicodeEncodeError:
+                yield NOT_UTF8
                 continue
             try:
                 rec = json.loads(line)
@@ -166,10 +173,10 @@ def _load_hf(source: str, split: str, dataset_name: str | None, messages_column:
     return out
 
 
-def _add(out: ChatSource, rec: dict | None, default_id: str, messages_column: str) -> None:
+def _add(out: ChatSource, rec: dict | str | None, default_id: str, messages_column: str) -> None:
     out.num_read += 1
-    if rec is None:
-        out.dropped["malformed: line is not a JSON object"] += 1
+    if rec is None or isinstance(rec, str):
+        out.dropped[rec or "malformed: line is not a JSON object"] += 1
         return
     messages, reason = check_messages(rec.get(messages_column))
     if reason:

@@ -115,6 +115,7 @@ def evaluate(
         load_for_generation,
         validate_sampler_request,
     )
+    from dllmflow.models.limits import check_generation_fits
 
     # 1) what to run
     validate_sampler_request(sampler)
@@ -148,6 +149,7 @@ def evaluate(
         for r in rows
     ]  # fmt: skip
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
+    check_generation_fits(model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
 
     # 3) generate in batches
     outputs: dict[int, list[int]] = {}

@@ -238,6 +238,11 @@ def cli_main(args: argparse.Namespace) -> int:
     config = build_sampler_config(args.sampler, sampler_overrides(args), tokenizer)
     sampler = SAMPLERS[args.sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
     ids = [encode_prompt(tokenizer, p, raw=args.raw, infill=args.infill) for p in args.prompt]
+    from dllmflow.models.limits import check_generation_fits
+
+    check_generation_fits(
+        model, max(map(len, ids)), 0 if args.infill else config.max_new_tokens, sampler.mask_id
+    )
     if args.infill:
         result = sampler.infill(ids)
         texts = [tokenizer.decode(s, skip_special_tokens=True).strip() for s in result.sequences]

@@ -37,6 +37,7 @@ from .sections import (
     ModelConfig,
     RegenerateConfig,
     RegistryConfig,
+    SafeName,
     TinyModelConfig,
     TokenizerConfig,
     TrainConfig,
@@ -72,9 +73,7 @@ class Settings(BaseSettings):
         nested_model_default_partial_update=True,
     )
 
-    name: str = Field(
-        "tiny", pattern=r"^[A-Za-z0-9_.-]+$", description="Run/recipe name (dir and MLflow names)."
-    )
+    name: SafeName = Field("tiny", description="Run/recipe name (dir and MLflow names).")
     run_dir: str | None = Field(
         None, description="Where checkpoints, logs and settings.json go; None = runs/<name>."
     )
@@ -245,6 +244,8 @@ def format_validation_error(err: ValidationError, origins: dict[str, str]) -> st
             msg = "unknown field (check the spelling; see dllmflow.settings for the fields)"
         elif item["type"] == "union_tag_invalid":
             msg = f"unknown mode; choose one of {', '.join(MODES)}"
+        elif item["type"] == "finite_number":
+            msg = f"must be a finite number, got {item['input']!r}"
         lines.append(f"{path or '<root>'}: {msg} [from {origin}]")
     head = "invalid settings:" if len(lines) > 1 else "invalid setting"
     return head + ("\n  " + "\n  ".join(lines) if len(lines) > 1 else ": " + lines[0])

@@ -1,13 +1,16 @@
 """Settings sections other than `dllm:`: model, tokenizer, dataset, train, checkpoint, launch, eval,
-registry, flow, regenerate. Each is a frozen pydantic `BaseModel` with `extra="forbid"`; defaults live
-here, YAML under `params/` only overrides them. Imports no torch.
+registry, flow, regenerate. Each is a frozen pydantic `BaseModel` with `extra="forbid"` and
+`allow_inf_nan=False` (an `inf` learning rate would pass `gt=0` and train to NaN); defaults live here,
+YAML under `params/` only overrides them. Imports no torch.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -19,7 +22,26 @@ from pydantic import (
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_safe_name(value: str) -> str:
+    """A name that becomes a directory (`runs/<name>`) and an MLflow name: no path separator and no
+    leading '.' (so never '.' or '..'), none of what MLflow rejects in registered model names ('/',
+    ':', '%', whitespace-only) and no '@' (it splits `models:/<name>@<alias>` URIs)."""
+    if not _SAFE_NAME.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a safe name: use letters, digits, '_', '.' and '-', not starting "
+            "with '.' (it becomes a directory and an MLflow name), e.g. 'tiny-mdlm_v2'"
+        )
+    return value
+
+
+# Run names and registered model names.
+SafeName = Annotated[str, AfterValidator(check_safe_name)]
 
 
 class TinyModelConfig(Section):
@@ -131,6 +153,9 @@ class TrainConfig(Section):
     log_every: PositiveInt = 1
     peak_tflops: float | None = Field(None, gt=0.0, description="Per-device peak; enables the mfu metric.")
     num_workers: NonNegativeInt = 0
+    max_nonfinite_skips: NonNegativeInt = Field(
+        0, description="Steps with a NaN/inf loss or grad norm to skip (no update) before the run fails."
+    )
 
 
 class CheckpointConfig(Section):
@@ -195,8 +220,8 @@ class RegistryConfig(Section):
     tracking_uri: str | None = Field(
         None, description="None = MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db"
     )
-    experiment_name: str = "dllmflow"
-    model_name: str = "dllmflow-tiny"
+    experiment_name: str = Field("dllmflow", min_length=1, max_length=500, description="MLflow's limits.")
+    model_name: SafeName = "dllmflow-tiny"
     gate: GateConfig = Field(default_factory=GateConfig)
 
 

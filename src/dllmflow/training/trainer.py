@@ -10,7 +10,9 @@ One optimizer step (spec §1.3):
   2) per-term token counts are summed over micro-batches and all-reduced over ranks;
   3) each micro-batch: total = sum_k w_k * sums_k / max(G_k, 1); backward of total * world_size
      (DDP/FSDP2 average gradients over ranks; this turns the average back into global sum / global count);
-  4) clip, AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`.
+  4) clip; a NaN/inf loss or grad norm stops the run (`NonFiniteError`) before the AdamW step, so no
+     checkpoint or export ever holds such weights (`train.max_nonfinite_skips` lets that many steps be
+     skipped instead); AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`.
 The loss therefore does not depend on world size or gradient accumulation.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dllmflow.errors import UserError
 from dllmflow.training import checkpoint as ckpt
 from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallel import (
@@ -40,6 +43,10 @@ from dllmflow.training.parallel import (
 # Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
 FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"
 FAIL_RANK_ENV = "DLLM_FAIL_RANK"
+
+
+class NonFiniteError(UserError):
+    """A step's global loss or grad norm is NaN/inf (the message names the step and the fixes)."""
 
 
 @dataclass
@@ -124,11 +131,21 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
     fail_rank = os.environ.get(FAIL_RANK_ENV)
     tick = time.perf_counter()
+    skips = 0
     for step in range(start, t.max_steps):
         record = train_step(model, strategy, batches, step, settings, info, autocast)
         record["grad_norm"] = _clip(model, t.max_grad_norm)
         record["lr"] = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        # Every rank sees the same global loss and norm, so every rank decides the same way.
+        if check_finite(record, step + 1, skips, settings):
+            skips += 1
+            record["skipped"] = True
+            _print(
+                info,
+                f"step {step + 1}: non-finite loss/grad_norm, update skipped ({skips}/{t.max_nonfinite_skips})",
+            )
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
 
@@ -170,6 +187,25 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
         if fail_at == done and fail_rank in (None, "", str(info.rank)):
             raise RuntimeError(f"injected failure after step {done} ({FAIL_AT_STEP_ENV}={fail_at})")
     return result
+
+
+def check_finite(record: dict[str, Any], step: int, skips: int, settings) -> bool:
+    """False for a finite step; True when this non-finite step may be skipped (fewer than
+    `train.max_nonfinite_skips` skipped so far); else NonFiniteError naming the step."""
+    loss, norm = record["loss"], record["grad_norm"]
+    if math.isfinite(loss) and math.isfinite(norm):
+        return False
+    t = settings.train
+    if skips < t.max_nonfinite_skips:
+        return True
+    skipped = (
+        f" after {skips} skipped step(s) (train.max_nonfinite_skips={t.max_nonfinite_skips})" if skips else ""
+    )
+    raise NonFiniteError(
+        f"step {step}: non-finite loss {loss} / grad_norm {norm}{skipped}; stopped before the optimizer "
+        f"step, so no checkpoint holds these weights. Lower train.lr (now {t.lr:g}) or allow "
+        "skipped steps with train.max_nonfinite_skips"
+    )
 
 
 def train_step(model, strategy, batches, step: int, settings, info: DistInfo, autocast) -> dict[str, Any]:

@@ -1,0 +1,52 @@
+"""What a loaded model can take at generation time: its vocabulary and position range.
+
+    from dllmflow.models.limits import check_generation_fits
+    check_generation_fits(model, prompt_length=max(map(len, ids)), max_new_tokens=128, mask_id=M)
+
+Called by `dllmflow generate` and `dllmflow evaluate` before the first forward, so that a mask id
+outside the embedding (an IndexError deep in the model) or a canvas far beyond the trained
+positions (`--max_new_tokens 100000` allocates tens of GB of attention) becomes one clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dllmflow.errors import UserError
+
+
+def vocab_rows(model: Any) -> int | None:
+    """Rows of the input embedding (the ids the model can look up); None if the model hides them."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError):
+        return getattr(_text_config(model), "vocab_size", None)
+
+
+def max_positions(model: Any) -> int | None:
+    """The model's `max_position_embeddings` (text config of composite models); None if it has none."""
+    return getattr(_text_config(model), "max_position_embeddings", None)
+
+
+def check_generation_fits(model: Any, prompt_length: int, max_new_tokens: int, mask_id: int) -> None:
+    """UserError naming the flag when the mask id is not a row of the embedding, or the longest
+    prompt plus `max_new_tokens` exceeds the model's positions."""
+    rows = vocab_rows(model)
+    if rows is not None and not 0 <= mask_id < rows:
+        raise UserError(
+            f"--mask_id {mask_id} (or dllm.mask_token_id) is outside the model's vocabulary "
+            f"(0..{rows - 1}); pass the mask token id the model was trained with"
+        )
+    limit = max_positions(model)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        raise UserError(
+            f"--max_new_tokens {max_new_tokens} (or eval.max_new_tokens) plus the longest prompt "
+            f"({prompt_length} tokens) exceeds the model's max_position_embeddings ({limit}); "
+            f"use --max_new_tokens {max(limit - prompt_length, 0)} or less"
+        )
+
+
+def _text_config(model: Any) -> Any:
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
