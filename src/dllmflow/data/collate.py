@@ -21,8 +21,6 @@ import torch
 
 from dllmflow.errors import UserError
 
-RESPONSE_WINDOW_MODES = frozenset({"block_diffusion"})  # DiffusionGemma aligns blocks to the response
-
 
 def supervised_runs(loss_mask: Sequence[int]) -> int:
     """Number of contiguous runs of supervised (non-zero) positions."""
@@ -65,7 +63,7 @@ class DLLMCollator:
             pad_seq_len_divisible=dllm.pad_seq_len_divisible,
             max_seq_len=settings.dataset.seq_length,
             supervise_padding=dllm.supervise_padding,
-            response_window=dllm.mode in RESPONSE_WINDOW_MODES,
+            response_window=dllm.response_window,  # a fact of the mode config (block_diffusion)
         )
 
     # 1) stage-1 fill end of one row

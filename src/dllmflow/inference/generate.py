@@ -127,7 +127,7 @@ def _model_type(ckpt: Path) -> str | None:
 
 def check_sampler_fits(sampler: str, settings: Any) -> str | None:
     """A warning (also emitted) when the checkpoint's training mode is not one `sampler` decodes."""
-    from dllmflow.diffusion.samplers import SAMPLERS_FOR_MODE
+    from dllmflow.diffusion.modes import SAMPLERS_FOR_MODE
 
     mode = getattr(getattr(settings, "dllm", None), "mode", None)
     if mode is None or sampler in SAMPLERS_FOR_MODE.get(mode, ()):

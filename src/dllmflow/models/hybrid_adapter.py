@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,11 @@ from transformers.utils import ModelOutput
 
 from dllmflow.errors import UserError
 from dllmflow.models.attention import forward_bidirectional
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dllmflow.settings import Settings
 
 
 @dataclass
@@ -90,6 +96,17 @@ def apply_hybrid_adapter(model: nn.Module, mask_token_id: int | None) -> nn.Modu
     if mask_token_id is None:
         raise UserError("dllm.mode=hybrid: set dllm.mask_token_id or give the tokenizer a mask token")
     return HybridAdapter(model, mask_token_id)
+
+
+def build_hybrid_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+    """The configured model (`models.build.build_model`) with the hybrid interface; the adapter's mask
+    id is `dllm.mask_token_id`, else the tokenizer's (the hybrid mode's `ModeSpec.model_builder`)."""
+    from dllmflow.models.build import build_model
+
+    mask_id = settings.dllm.mask_token_id
+    if mask_id is None:
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+    return apply_hybrid_adapter(build_model(settings, tokenizer), mask_id)
 
 
 def inner_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -1,15 +1,18 @@
 """Validated, frozen run settings (pydantic-settings). See `loader.py` for precedence and errors."""
 
 from .dllm import (
+    MODE_CONFIGS,
     MODES,
     BlockDiffusionConfig,
     DFlashConfig,
     DFlashSection,
+    DLLMBaseConfig,
     DLLMConfig,
     HybridConfig,
     IDLMConfig,
     MDLMConfig,
     SCDDConfig,
+    register_mode_config,
 )
 from .loader import (
     Settings,
@@ -37,10 +40,12 @@ from .sections import (
 
 __all__ = [
     "MODES",
+    "MODE_CONFIGS",
     "BlockDiffusionConfig",
     "CheckpointConfig",
     "DFlashConfig",
     "DFlashSection",
+    "DLLMBaseConfig",
     "DLLMConfig",
     "DatasetConfig",
     "DistributedConfig",
@@ -64,4 +69,5 @@ __all__ = [
     "load_settings_json",
     "load_settings_text",
     "read_yaml",
+    "register_mode_config",
 ]

@@ -1,4 +1,4 @@
-"""The `dllm:` section: one pydantic model per training mode, a discriminated union on `mode`.
+"""The `dllm:` section: one pydantic model per training mode, picked by its `mode` field.
 
 Every field the guide's "Key dLLM Configuration Fields" table names lives here with its default;
 the rules of each mode are validators, so a wrong combination fails at load time with the dotted
@@ -6,21 +6,40 @@ path of the field (see `dllmflow.settings.loader`). Imports no torch.
 
     from dllmflow.settings import load_settings
     s = load_settings("params/tiny_scdd.yaml"); s.dllm.uniform_ratio
+
+`MODE_CONFIGS` (mode name -> config class) is open: `dllmflow.diffusion.modes.register_mode` adds the
+config class of a mode defined outside this package, and the `dllm` field dispatches on `mode` through
+it (a discriminated union that grows at run time). The built-in classes register themselves here so
+settings load without importing the (torch-side) mode registry.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    SerializeAsAny,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class _DLLMBase(_Section):
-    """Fields shared by every mode (collator padding, corruption floor, mask id)."""
+class DLLMBaseConfig(_Section):
+    """Fields shared by every mode (collator padding, corruption floor, mask id). A mode's config
+    subclasses it and adds `mode: Literal["<name>"]` plus its own fields."""
+
+    # DiffusionGemma-style modes align the collator's blocks to the response (see data/collate.py).
+    response_window: ClassVar[bool] = False
 
     mask_token_id: int | None = Field(
         None, ge=0, description="Mask token id; None = resolve from the tokenizer (then the strategy)."
@@ -33,13 +52,42 @@ class _DLLMBase(_Section):
     supervise_padding: bool = Field(False, description="loss_mask=1 on the global padding tail.")
 
 
-class MDLMConfig(_DLLMBase):
+# mode name -> its `dllm:` config class, in registration order (the order error messages list them).
+MODE_CONFIGS: dict[str, type[DLLMBaseConfig]] = {}
+
+
+def mode_name(config_cls: type[DLLMBaseConfig]) -> str:
+    """The name in a config class's `mode: Literal["<name>"]` annotation."""
+    field = config_cls.model_fields.get("mode")
+    names = get_args(field.annotation) if field is not None else ()
+    if len(names) != 1 or not isinstance(names[0], str):
+        raise TypeError(f'{config_cls.__name__} needs a field `mode: Literal["<name>"]`')
+    return names[0]
+
+
+def register_mode_config(config_cls: type[DLLMBaseConfig]) -> type[DLLMBaseConfig]:
+    """Make `dllm: {mode: <name>}` validate as `config_cls` (a decorator; the same class again is a no-op)."""
+    if not (isinstance(config_cls, type) and issubclass(config_cls, DLLMBaseConfig)):
+        raise TypeError(f"a mode config must subclass DLLMBaseConfig, got {config_cls!r}")
+    name = mode_name(config_cls)
+    known = MODE_CONFIGS.get(name)
+    if known is not None and known is not config_cls:
+        raise ValueError(
+            f"dllm.mode {name!r} is already registered to {known.__module__}.{known.__qualname__}"
+        )
+    MODE_CONFIGS[name] = config_cls
+    return config_cls
+
+
+@register_mode_config
+class MDLMConfig(DLLMBaseConfig):
     """LLaDA-style masked diffusion (spec §2.1)."""
 
     mode: Literal["mdlm"] = "mdlm"
 
 
-class SCDDConfig(_DLLMBase):
+@register_mode_config
+class SCDDConfig(DLLMBaseConfig):
     """Self-correcting discrete diffusion (spec §2.2)."""
 
     mode: Literal["scdd"]
@@ -55,7 +103,8 @@ class SCDDConfig(_DLLMBase):
     )
 
 
-class HybridConfig(_DLLMBase):
+@register_mode_config
+class HybridConfig(DLLMBaseConfig):
     """Nemotron-Labs-Diffusion: diffusion + AR (spec §2.3)."""
 
     mode: Literal["hybrid"]
@@ -68,10 +117,12 @@ class HybridConfig(_DLLMBase):
     )
 
 
-class BlockDiffusionConfig(_DLLMBase):
+@register_mode_config
+class BlockDiffusionConfig(DLLMBaseConfig):
     """DiffusionGemma-style block diffusion (spec §2.4)."""
 
     mode: Literal["block_diffusion"]
+    response_window: ClassVar[bool] = True
     vocab_size: PositiveInt = Field(..., description="Vocabulary the uniform corruption draws from.")
     block_size: PositiveInt = Field(256, description="Response-block size for one-canvas-per-step selection.")
     encoder_loss_weight: float = Field(1.0, ge=0.0, description="Weight on the co-trained encoder AR loss.")
@@ -80,13 +131,15 @@ class BlockDiffusionConfig(_DLLMBase):
     )
 
 
-class DFlashConfig(_DLLMBase):
+@register_mode_config
+class DFlashConfig(DLLMBaseConfig):
     """DFlash speculative draft on a frozen target (spec §2.5). Its knobs live in the top-level `dflash:`."""
 
     mode: Literal["dflash"]
 
 
-class IDLMConfig(_DLLMBase):
+@register_mode_config
+class IDLMConfig(DLLMBaseConfig):
     """Introspective diffusion: AR LM -> dLLM (spec §2.6)."""
 
     mode: Literal["idlm"]
@@ -98,12 +151,35 @@ class IDLMConfig(_DLLMBase):
     auto_balance_clean_loss: bool = Field(False, description="alpha = stopgrad(CE_noisy / CE_clean).")
 
 
-DLLMConfig = Annotated[
-    MDLMConfig | SCDDConfig | HybridConfig | BlockDiffusionConfig | DFlashConfig | IDLMConfig,
-    Field(discriminator="mode"),
-]
+def _validate_dllm(value: Any, handler: ValidatorFunctionWrapHandler) -> DLLMBaseConfig:
+    """Dispatch on `mode` to the registered config class; its errors keep their `dllm.<field>` path."""
+    if isinstance(value, DLLMBaseConfig) or not isinstance(value, dict):
+        return handler(value)  # an instance passes as is; anything else fails as "not a mapping"
+    if "mode" not in value:
+        raise PydanticCustomError(
+            "union_tag_not_found", "`mode` is missing; choose one of {choices}", {"choices": _choices()}
+        )
+    mode = value["mode"]
+    if not isinstance(mode, str) or mode not in MODE_CONFIGS:
+        raise PydanticCustomError(
+            "union_tag_invalid",
+            "unknown mode {mode}; choose one of {choices} (a mode defined outside dllmflow: name the "
+            "module that registers it in `plugins`)",
+            {"mode": repr(mode), "choices": _choices()},
+        )
+    return MODE_CONFIGS[mode].model_validate(value)
 
-MODES = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm")
+
+def _choices() -> str:
+    return ", ".join(MODE_CONFIGS)
+
+
+# The `dllm:` field type: validated by `mode`, serialised as the concrete subclass (all its fields).
+DLLMConfig = Annotated[SerializeAsAny[DLLMBaseConfig], WrapValidator(_validate_dllm)]
+
+
+# The registered mode names, a live view: a mode registered at run time shows up here too.
+MODES = MODE_CONFIGS.keys()
 
 
 class DFlashSection(_Section):

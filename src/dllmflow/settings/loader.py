@@ -14,19 +14,20 @@ Imports no torch.
 from __future__ import annotations
 
 import contextvars
+import importlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from dllmflow.errors import UserError
 
-from .dllm import MODES, DFlashSection, DLLMConfig, MDLMConfig
+from .dllm import DFlashSection, DLLMConfig, MDLMConfig
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
@@ -77,6 +78,13 @@ class Settings(BaseSettings):
     run_dir: str | None = Field(
         None, description="Where checkpoints, logs and settings.json go; None = runs/<name>."
     )
+    # Validated before `dllm` (pydantic validates fields in definition order), so a mode a plugin
+    # registers is known when `dllm.mode` is checked; recorded in settings.json, so torchrun's
+    # children and the registered model import the same plugins. See docs/adding_a_mode.md.
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Modules imported before validation, e.g. ones registering a mode (`register_mode`).",
+    )
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
@@ -101,6 +109,18 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    @field_validator("plugins")
+    @classmethod
+    def _import_plugins(cls, plugins: list[str]) -> list[str]:
+        for name in plugins:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise ValueError(
+                    f"cannot import plugin {name!r} ({e}); put its directory on PYTHONPATH or install its package"
+                ) from None
+        return plugins
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> Settings:
@@ -242,8 +262,6 @@ def format_validation_error(err: ValidationError, origins: dict[str, str]) -> st
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see dllmflow.settings for the fields)"
-        elif item["type"] == "union_tag_invalid":
-            msg = f"unknown mode; choose one of {', '.join(MODES)}"
         elif item["type"] == "finite_number":
             msg = f"must be a finite number, got {item['input']!r}"
         lines.append(f"{path or '<root>'}: {msg} [from {origin}]")
@@ -255,13 +273,7 @@ def format_validation_error(err: ValidationError, origins: dict[str, str]) -> st
 
 
 def _dotted_loc(loc: tuple[Any, ...]) -> str:
-    parts = []
-    for i, part in enumerate(loc):
-        # Discriminated unions insert the tag ('dllm', 'scdd', 'vocab_size'): drop it.
-        if i == 1 and loc[0] == "dllm" and part in MODES:
-            continue
-        parts.append(str(part))
-    return ".".join(parts)
+    return ".".join(str(part) for part in loc)
 
 
 def _origin_of(path: str, origins: dict[str, str]) -> str:

@@ -175,24 +175,22 @@ def find_consolidated(run_dir: str | os.PathLike) -> Path:
 # ---- evaluate --------------------------------------------------------------------------------------------
 
 
-# Evaluations that are not a sampler decoding the checkpoint: a DFlash export is a draft, measured by
-# speculative decoding against its frozen target (acceptance length tau, speed-up in target forwards).
-EXTRA_EVALUATIONS: dict[str, tuple[str, ...]] = {"dflash": ("acceptance",)}
-
-
 def eval_samplers(settings: SettingsLike) -> list[str]:
-    """The samplers valid for the trained mode (or `eval.samplers` when set), plus mode-specific
-    evaluations such as DFlash acceptance."""
-    from dllmflow.diffusion.samplers import SAMPLERS, SAMPLERS_FOR_MODE
+    """The samplers valid for the trained mode (or `eval.samplers` when set), plus the mode's extra
+    evaluations such as DFlash acceptance (a DFlash export is a draft, measured by speculative decoding
+    against its frozen target). Both come from the mode's `ModeSpec`."""
+    from dllmflow.diffusion.modes import MODES
+    from dllmflow.diffusion.samplers import SAMPLERS
 
     s = as_settings(settings)
-    extra = list(EXTRA_EVALUATIONS.get(s.dllm.mode, ()))
+    spec = MODES[s.dllm.mode]
+    extra = list(spec.extra_evaluations)
     if s.eval.samplers:
         unknown = [n for n in s.eval.samplers if n not in SAMPLERS and n not in extra]
         if unknown:
             raise UserError(f"eval.samplers: unknown sampler(s) {unknown}; choose from {sorted(SAMPLERS)}")
         return list(s.eval.samplers)
-    return [n for n in SAMPLERS_FOR_MODE[s.dllm.mode] if _sampler_available(SAMPLERS, n)] + extra
+    return [n for n in spec.samplers if _sampler_available(SAMPLERS, n)] + extra
 
 
 def _sampler_available(registry, name: str) -> bool:
@@ -263,9 +261,9 @@ def register(
 
 
 def _gated_sampler(s: Settings, evals: dict[str, dict[str, Any]]) -> str:
-    from dllmflow.diffusion.samplers import SAMPLERS_FOR_MODE
+    from dllmflow.diffusion.modes import MODES
 
-    for name in SAMPLERS_FOR_MODE[s.dllm.mode]:
+    for name in MODES[s.dllm.mode].samplers:
         if name in evals:
             return name
     if not evals:

@@ -6,7 +6,7 @@ sampler = SAMPLERS["llada"](model, tokenizer, config)
 
 from __future__ import annotations
 
-from dllmflow.diffusion.registry import LazyRegistry
+from dllmflow.diffusion.modes import LazyRegistry
 
 _P = "dllmflow.diffusion.samplers"
 SAMPLERS = LazyRegistry(
@@ -21,14 +21,4 @@ SAMPLERS = LazyRegistry(
     },
 )
 
-# Which samplers decode a checkpoint trained with each mode (evaluation matrix, sampler checks).
-SAMPLERS_FOR_MODE: dict[str, tuple[str, ...]] = {
-    "mdlm": ("llada", "llada2"),
-    "scdd": ("scdd", "llada"),
-    "hybrid": ("nemotron", "llada"),
-    "block_diffusion": ("gemma",),
-    "idlm": ("idlm",),
-    "dflash": (),
-}
-
-__all__ = ["SAMPLERS", "SAMPLERS_FOR_MODE"]
+__all__ = ["SAMPLERS"]

@@ -1,4 +1,5 @@
-"""Training strategies, one file per `dllm.mode`, in an explicit registry.
+"""Training strategies, one file per `dllm.mode`; which class serves which mode is declared in
+`dllmflow.diffusion.modes` (its `ModeSpec.strategy`), and `STRATEGIES` is a view of that registry.
 
 from dllmflow.diffusion.strategies import STRATEGIES, build_strategy
 strategy = build_strategy(settings)          # STRATEGIES[settings.dllm.mode](settings)
@@ -8,25 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dllmflow.diffusion.registry import LazyRegistry
+from dllmflow.diffusion.modes import MODES
 
 from .base import Batch, LossOutput, Strategy
 
 if TYPE_CHECKING:
     from dllmflow.settings import Settings
 
-_P = "dllmflow.diffusion.strategies"
-STRATEGIES = LazyRegistry(
-    "dllm.mode",
-    {
-        "mdlm": f"{_P}.mdlm:MDLMStrategy",
-        "scdd": f"{_P}.scdd:SCDDStrategy",
-        "hybrid": f"{_P}.hybrid:HybridStrategy",
-        "block_diffusion": f"{_P}.block_diffusion:BlockDiffusionStrategy",
-        "dflash": f"{_P}.dflash:DFlashStrategy",
-        "idlm": f"{_P}.idlm:IDLMStrategy",
-    },
-)
+# mode -> Strategy class, imported on first use; an unknown mode raises a KeyError listing the choices.
+STRATEGIES = MODES.derive(lambda spec: spec.strategy_class())
 
 
 def build_strategy(settings: Settings) -> Strategy:

@@ -54,7 +54,7 @@ class LossOutput:
 
 
 class Strategy(ABC):
-    """One training objective. Subclasses live one per file and register in `STRATEGIES`."""
+    """One training objective. Subclasses live one per file; a `ModeSpec` in `diffusion.modes` names each."""
 
     name: ClassVar[str]
 
@@ -71,10 +71,11 @@ class Strategy(ABC):
 
     # ---- model --------------------------------------------------------------------------------
     def build_model(self, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
-        """The trainable module (wrapped by DDP/FSDP2 and optimised). Default: the configured model."""
-        from dllmflow.models.build import build_model
+        """The trainable module (wrapped by DDP/FSDP2 and optimised): the mode's `ModeSpec.model_builder`
+        (default: the configured model). Override only when building needs the strategy's own state."""
+        from dllmflow.diffusion.modes import MODES
 
-        return build_model(self.settings, tokenizer)
+        return MODES[self.settings.dllm.mode].build_model(self.settings, tokenizer)
 
     def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         """Validate the model/tokenizer against the settings, load auxiliary models, resolve the mask

@@ -161,11 +161,6 @@ class BlockDiffusionStrategy(Strategy):
         self.sliding_window: int | None = None
 
     # ---- model --------------------------------------------------------------------------------
-    def build_model(self, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
-        from dllmflow.models.diffusion_gemma import build_diffusion_gemma
-
-        return build_diffusion_gemma(self.settings, tokenizer)
-
     def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         from dllmflow.models.diffusion_gemma import sliding_window_of
 

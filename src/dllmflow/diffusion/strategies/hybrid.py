@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from dllmflow.diffusion.corruption import corrupt_blockwise, corrupt_uniform, per_sample
 from dllmflow.diffusion.losses import mdlm_loss_sum, per_token_ce
 from dllmflow.errors import UserError
-from dllmflow.models.hybrid_adapter import HybridAdapter, accepts_masked_indices, apply_hybrid_adapter
+from dllmflow.models.hybrid_adapter import HybridAdapter, accepts_masked_indices
 
 from .base import Batch, LossOutput, Strategy
 
@@ -31,22 +31,13 @@ from .base import Batch, LossOutput, Strategy
 class HybridStrategy(Strategy):
     name = "hybrid"
 
-    def build_model(self, tokenizer) -> nn.Module:
-        model = super().build_model(tokenizer)
-        mask_id = (
-            self.mask_token_id
-            if self.mask_token_id is not None
-            else getattr(tokenizer, "mask_token_id", None)
-        )
-        return apply_hybrid_adapter(model, mask_id)
-
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         super().setup(model, tokenizer, device)
         inner = _unwrap(model)
         if not (isinstance(inner, HybridAdapter) or accepts_masked_indices(inner)):
             raise UserError(
                 f"dllm.mode=hybrid: {type(inner).__name__} does not accept `masked_indices`; build it with "
-                "HybridStrategy.build_model (or dllmflow.models.hybrid_adapter.apply_hybrid_adapter)"
+                "HybridStrategy.build_model (or dllmflow.models.hybrid_adapter.build_hybrid_model)"
             )
 
     def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:

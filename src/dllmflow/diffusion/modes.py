@@ -1,0 +1,230 @@
+"""One registration per `dllm.mode`: `MODES[name]` is the `ModeSpec` holding everything true of a mode.
+
+A spec names the mode's `dllm:` config class, its strategy, the model builder, the samplers that decode
+its checkpoints (default first) and its extra evaluations. Every other table is derived from `MODES`:
+`STRATEGIES` (diffusion.strategies), `SAMPLERS_FOR_MODE` (here), `eval_samplers` (workflow.finetune),
+the settings' mode list (`register_mode` adds the config class to `settings.MODE_CONFIGS`).
+
+    from dllmflow.diffusion.modes import MODES, ModeSpec, register_mode
+    MODES["mdlm"].samplers                          # ("llada", "llada2"); MODES["x"] -> KeyError listing choices
+    register_mode(ModeSpec("toy", ToyConfig, "my_pkg.toy:ToyStrategy", samplers=("llada",)))
+
+Strategies and builders are "module:attr" strings imported on first use, so importing this module
+stays cheap (no torch) and a mode's heavy imports (a frozen target, flex attention) happen only when
+that mode runs. A mode defined outside dllmflow registers from its own module, listed in the settings'
+`plugins` so every process (torchrun ranks, the registered model) imports it: docs/adding_a_mode.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dllmflow.settings.dllm import (
+    BlockDiffusionConfig,
+    DFlashConfig,
+    DLLMBaseConfig,
+    HybridConfig,
+    IDLMConfig,
+    MDLMConfig,
+    SCDDConfig,
+    mode_name,
+    register_mode_config,
+)
+
+if TYPE_CHECKING:
+    from dllmflow.diffusion.strategies.base import Strategy
+
+DEFAULT_MODEL_BUILDER = "dllmflow.models.build:build_model"
+
+
+def load_object(path: str) -> Any:
+    """Import "package.module:attr" and return the attribute."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """Everything true of one `dllm.mode`.
+
+    name:              the `dllm.mode` value; must equal `config`'s `mode: Literal[...]`.
+    config:            its `dllm:` settings section (a `DLLMBaseConfig` subclass, no torch).
+    strategy:          "module:Class" of its `Strategy` (the training math).
+    samplers:          samplers that decode its checkpoints, default (gated, registered) first.
+    extra_evaluations: evaluations that are not a sampler (dflash: "acceptance" of the draft).
+    model_builder:     "module:function" `(settings, tokenizer) -> nn.Module` building the trainable
+                       model; None = the strategy overrides `build_model` (it needs its own state).
+    """
+
+    name: str
+    config: type[DLLMBaseConfig]
+    strategy: str
+    samplers: tuple[str, ...] = ()
+    extra_evaluations: tuple[str, ...] = ()
+    model_builder: str | None = DEFAULT_MODEL_BUILDER
+
+    @property
+    def default_sampler(self) -> str | None:
+        return self.samplers[0] if self.samplers else None
+
+    @property
+    def evaluations(self) -> tuple[str, ...]:
+        """What the flow's evaluate step runs by default: the fitting samplers, then the extras."""
+        return self.samplers + self.extra_evaluations
+
+    def strategy_class(self) -> type[Strategy]:
+        return load_object(self.strategy)
+
+    def build_model(self, settings: Any, tokenizer: Any) -> Any:
+        if self.model_builder is None:
+            raise TypeError(
+                f"mode {self.name!r} has no model_builder: its strategy must override build_model"
+            )
+        return load_object(self.model_builder)(settings, tokenizer)
+
+
+class UnknownModeError(KeyError):
+    def __str__(self) -> str:  # KeyError would print the repr (quoted) of the message
+        return str(self.args[0])
+
+
+class ModeRegistry(Mapping[str, ModeSpec]):
+    """name -> ModeSpec in registration order; an unknown name raises a KeyError listing the choices."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, ModeSpec] = {}
+
+    def __getitem__(self, name: str) -> ModeSpec:
+        if name not in self._specs:
+            raise UnknownModeError(
+                f"unknown dllm.mode {name!r}; choose one of: {', '.join(self._specs)} "
+                "(a mode defined outside dllmflow registers with register_mode, see docs/adding_a_mode.md)"
+            )
+        return self._specs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def derive(self, get: Callable[[ModeSpec], Any]) -> DerivedTable:
+        """A live read-only table name -> get(spec): it follows later registrations."""
+        return DerivedTable(self, get)
+
+
+class DerivedTable(Mapping[str, Any]):
+    """A view of `MODES` through one fact of each spec (e.g. its strategy class, its samplers)."""
+
+    def __init__(self, modes: ModeRegistry, get: Callable[[ModeSpec], Any]):
+        self._modes, self._get = modes, get
+
+    def __getitem__(self, name: str) -> Any:
+        return self._get(self._modes[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modes)
+
+    def __len__(self) -> int:
+        return len(self._modes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._modes
+
+
+class LazyRegistry(Mapping[str, Any]):
+    """A small explicit registry name -> "module:attr", imported on first use (the samplers use it)."""
+
+    def __init__(self, kind: str, entries: dict[str, str]):
+        self.kind = kind
+        self._entries = dict(entries)
+        self._loaded: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._entries:
+            raise KeyError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(sorted(self._entries))}")
+        if name not in self._loaded:
+            self._loaded[name] = load_object(self._entries[name])
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+
+MODES = ModeRegistry()
+
+
+def register_mode(spec: ModeSpec) -> ModeSpec:
+    """Add a mode: to `MODES` and (its config class) to the settings' `MODE_CONFIGS`. Registering the
+    same spec again is a no-op (a plugin imported twice); a different spec under a taken name fails."""
+    if mode_name(spec.config) != spec.name:
+        raise ValueError(
+            f"ModeSpec {spec.name!r}: its config {spec.config.__name__} declares mode {mode_name(spec.config)!r}"
+        )
+    known = MODES._specs.get(spec.name)
+    if known is not None and known != spec:
+        raise ValueError(f"dllm.mode {spec.name!r} is already registered: {known}")
+    register_mode_config(spec.config)  # refuses a different class already registered under the name
+    MODES._specs[spec.name] = spec
+    return spec
+
+
+# Which samplers decode a checkpoint trained with each mode (evaluation matrix, sampler checks).
+SAMPLERS_FOR_MODE = MODES.derive(lambda spec: spec.samplers)
+
+
+# ---- the built-in modes ------------------------------------------------------------------------------
+
+_S = "dllmflow.diffusion.strategies"
+for _spec in (
+    ModeSpec("mdlm", MDLMConfig, f"{_S}.mdlm:MDLMStrategy", samplers=("llada", "llada2")),
+    ModeSpec("scdd", SCDDConfig, f"{_S}.scdd:SCDDStrategy", samplers=("scdd", "llada")),
+    ModeSpec(
+        "hybrid",
+        HybridConfig,
+        f"{_S}.hybrid:HybridStrategy",
+        samplers=("nemotron", "llada"),
+        # any causal LM gets the masked_indices / causal_logits interface from the adapter
+        model_builder="dllmflow.models.hybrid_adapter:build_hybrid_model",
+    ),
+    ModeSpec(
+        "block_diffusion",
+        BlockDiffusionConfig,
+        f"{_S}.block_diffusion:BlockDiffusionStrategy",
+        samplers=("gemma",),
+        model_builder="dllmflow.models.diffusion_gemma:build_diffusion_gemma",
+    ),
+    # A DFlash export is a draft: no sampler decodes it alone; speculative decoding against its frozen
+    # target measures it. The strategy builds the draft (shaped like the target it resolves).
+    ModeSpec(
+        "dflash",
+        DFlashConfig,
+        f"{_S}.dflash:DFlashStrategy",
+        extra_evaluations=("acceptance",),
+        model_builder=None,
+    ),
+    ModeSpec("idlm", IDLMConfig, f"{_S}.idlm:IDLMStrategy", samplers=("idlm",)),
+):
+    register_mode(_spec)
+del _spec
+
+__all__ = [
+    "MODES",
+    "SAMPLERS_FOR_MODE",
+    "LazyRegistry",
+    "ModeSpec",
+    "load_object",
+    "register_mode",
+]

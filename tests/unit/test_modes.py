@@ -1,0 +1,170 @@
+"""`dllmflow.diffusion.modes`: every per-mode table is derived from `MODES`, unknown modes list the
+choices, and a seventh mode defined only in the test tree (`_toy_mode.py`) validates, trains under
+torchrun (the `plugins` setting imports it in the child) and evaluates through the workflow functions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from dllmflow.diffusion.modes import MODES, SAMPLERS_FOR_MODE, ModeSpec, load_object, register_mode
+from dllmflow.diffusion.samplers import SAMPLERS
+from dllmflow.diffusion.strategies import STRATEGIES, build_strategy
+from dllmflow.settings import (
+    MODE_CONFIGS,
+    MDLMConfig,
+    SettingsError,
+    load_settings,
+    load_settings_json,
+)
+from dllmflow.settings import MODES as SETTINGS_MODES
+from dllmflow.workflow import finetune
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TINY_RECIPES = sorted((ROOT / "params").glob("tiny_*.yaml"))
+BUILT_IN = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm")
+
+
+# ---- every table is derived from MODES --------------------------------------------------------------
+
+
+def test_built_in_modes_are_registered_in_order():
+    assert tuple(MODES)[: len(BUILT_IN)] == BUILT_IN
+
+
+def test_strategies_samplers_and_settings_follow_the_specs():
+    assert list(STRATEGIES) == list(MODES) == list(SAMPLERS_FOR_MODE)
+    assert set(SETTINGS_MODES) == set(MODES)
+    for name, spec in MODES.items():
+        assert spec.name == name
+        assert STRATEGIES[name] is load_object(spec.strategy) and STRATEGIES[name].name == name
+        assert SAMPLERS_FOR_MODE[name] == spec.samplers
+        assert MODE_CONFIGS[name] is spec.config
+        assert all(s in SAMPLERS for s in spec.samplers), spec
+        if spec.model_builder is not None:
+            assert callable(load_object(spec.model_builder)), spec
+        else:  # the strategy must then build the model itself
+            assert "build_model" in vars(spec.strategy_class()), spec
+
+
+@pytest.mark.parametrize("path", TINY_RECIPES, ids=[p.name for p in TINY_RECIPES])
+def test_eval_samplers_and_build_strategy_come_from_the_spec(path):
+    s = load_settings(path)
+    spec = MODES[s.dllm.mode]
+    assert finetune.eval_samplers(s) == list(spec.samplers + spec.extra_evaluations)
+    assert type(build_strategy(s)) is spec.strategy_class()
+    assert type(s.dllm) is spec.config
+
+
+def test_every_built_in_mode_has_a_tiny_recipe():
+    recipes = {load_settings(p).dllm.mode for p in TINY_RECIPES}
+    assert set(BUILT_IN) <= recipes
+
+
+def test_unknown_mode_lists_the_choices():
+    for table in (MODES, STRATEGIES, SAMPLERS_FOR_MODE):
+        with pytest.raises(KeyError) as e:
+            table["diffusion"]
+        assert "'diffusion'" in str(e.value) and "choose one of: mdlm, scdd, hybrid" in str(e.value)
+    with pytest.raises(SettingsError) as e:
+        load_settings(dllm={"mode": "diffusion"})
+    msg = str(e.value)
+    assert msg.startswith("invalid setting: dllm: unknown mode 'diffusion'")
+    assert all(name in msg for name in BUILT_IN) and "plugins" in msg
+
+
+def test_register_mode_refuses_a_conflict():
+    assert register_mode(MODES["mdlm"]) is MODES["mdlm"]  # the same spec again: a no-op
+    other = ModeSpec("mdlm", MDLMConfig, "somewhere:Else", samplers=("llada",))
+    with pytest.raises(ValueError, match="already registered"):
+        register_mode(other)
+    with pytest.raises(ValueError, match="declares mode 'mdlm'"):
+        register_mode(ModeSpec("mdlm2", MDLMConfig, "somewhere:Else"))
+    assert MODES["mdlm"].strategy.endswith("mdlm:MDLMStrategy") and "mdlm2" not in MODES
+
+
+def test_a_plugin_that_does_not_import_names_the_field():
+    with pytest.raises(SettingsError, match=r"plugins: cannot import plugin 'no_such_plugin_x'"):
+        load_settings(plugins=["no_such_plugin_x"])
+
+
+# ---- a seventh mode from the test tree, end to end --------------------------------------------------
+
+
+def _toy_settings(tmp_path: Path, **dllm):
+    return load_settings(
+        ROOT / "params" / "tiny_mdlm.yaml",
+        name="tiny_toy",
+        plugins=["_toy_mode"],  # imported before `dllm` is validated, here and in torchrun's ranks
+        dllm={"mode": "toy", "loss_weight": 0.5, **dllm},
+        dataset={"limit": 16, "seq_length": 128, "prepared_dir": str(tmp_path / "prepared")},
+        train={"max_steps": 3, "global_batch_size": 4, "local_batch_size": 2, "warmup_steps": 1},
+        checkpoint={"every_steps": 3},
+        eval={"limit": 2, "max_new_tokens": 8, "steps": 8, "block_size": 8, "batch_size": 2},
+    )
+
+
+def test_toy_mode_validates_and_round_trips(tmp_path):
+    s = _toy_settings(tmp_path)
+    import _toy_mode
+
+    assert type(s.dllm) is _toy_mode.ToyConfig and s.dllm.loss_weight == 0.5 and "toy" in SETTINGS_MODES
+    assert s.dllm.eps == 1e-3 and s.dllm.supervise_padding is False  # shared fields from the recipe
+    back = load_settings_json(s.write_json(tmp_path / "settings.json"))
+    assert back == s and type(back.dllm) is _toy_mode.ToyConfig
+    assert json.loads((tmp_path / "settings.json").read_text())["dllm"]["loss_weight"] == 0.5
+    with pytest.raises(SettingsError, match=r"dllm\.loss_weight"):
+        _toy_settings(tmp_path, loss_weight=0)
+    with pytest.raises(SettingsError, match=r"dllm\.vocab_size: unknown field"):
+        _toy_settings(tmp_path, vocab_size=5)
+    assert type(build_strategy(s)) is _toy_mode.ToyStrategy
+    assert MODES["toy"] is _toy_mode.SPEC and finetune.eval_samplers(s) == ["llada"]
+
+
+def _check_run_and_evaluate(s, run_dir: Path) -> None:
+    """metrics.jsonl says the toy mode ran 3 steps; the workflow's evaluate step decodes with llada."""
+    recorded = json.loads((run_dir / "settings.json").read_text())
+    assert recorded["plugins"] == ["_toy_mode"] and recorded["dllm"]["mode"] == "toy"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["mode"] == "toy" and math.isfinite(m["loss"]) for m in metrics)
+
+    samplers = finetune.eval_samplers(s)
+    assert samplers == ["llada"]
+    result = finetune.evaluate_sampler(s, str(run_dir), samplers[0])
+    assert set(result) == {"metrics", "protocol", "predictions"}
+    assert result["protocol"]["sampler"] == "llada" and len(result["predictions"]) == 2
+    assert result["metrics"]["num_examples"] == 2
+    assert json.loads((run_dir / "eval" / "llada.json").read_text())["protocol"]["sampler"] == "llada"
+
+
+def test_toy_mode_trains_in_process_and_evaluates(tmp_path):
+    from dllmflow.data.prepare import prepare
+    from dllmflow.training.parallel import shutdown
+    from dllmflow.training.trainer import run_training
+
+    s = _toy_settings(tmp_path)
+    prepare(s)
+    try:
+        result = run_training(s, tmp_path / "run")
+    finally:
+        shutdown()
+    assert result.final_step == 3 and len(result.losses) == 3
+    _check_run_and_evaluate(s, tmp_path / "run")
+
+
+@pytest.mark.slow  # ~40 s: torchx + torchrun start a fresh interpreter that must import the plugin
+def test_toy_mode_trains_under_torchrun_and_evaluates(tmp_path, monkeypatch):
+    from dllmflow.data.prepare import prepare
+
+    # The child processes find the plugin where this test does (tests/unit is not a package).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    s = _toy_settings(tmp_path)
+    prepare(s)
+    training = finetune.train(s, str(tmp_path / "run"))
+    _check_run_and_evaluate(s, Path(training["run_dir"]))
