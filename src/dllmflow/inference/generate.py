@@ -6,8 +6,9 @@
 
 `--checkpoint` takes a consolidated HF dir, a step dir, the checkpoint root (through `LATEST`) or a
 run dir (`checkpoints/LATEST/...`). Each sampler's preset is its config class (`LLaDAConfig` in
-`samplers/llada.py`, ...); flags override it, and a flag the sampler does not take is an error. In Python: `model, tok, settings = load_for_generation(path)` then
-`SAMPLERS[name](model, tok, config, mask_id=model.config.mask_token_id)`.
+`samplers/llada.py`, ...); flags override it, and a flag the sampler does not take is an error. In
+Python: `model, tok, settings = load_for_generation(path)` then
+`SAMPLERS[name](model, tok, build_sampler_config(name, overrides), mask_id=model.config.mask_token_id)`.
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def build_sampler_config(
 
 def _unknown_options_message(sampler: type[Sampler], unknown: list[str]) -> str:
     if "use_kv_cache" in unknown and not sampler.supports_kv_cache:
-        reason = sampler.no_kv_cache_reason
-        return f"sampler {sampler.name} does not take use_kv_cache: {reason}; drop the cache setting (--no_kv_cache)"
+        why = sampler.no_kv_cache_reason
+        return f"sampler {sampler.name} does not take use_kv_cache: {why}; drop it (--no_kv_cache)"
     takes = ", ".join(sampler.config_cls.model_fields)
     return f"sampler {sampler.name} does not take {', '.join(unknown)}; its options: {takes}"
 

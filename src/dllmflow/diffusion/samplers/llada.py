@@ -6,7 +6,7 @@ threshold (top-1 always committed, the block's last step commits the rest), per-
 `eos_token_id` is set, and infill of [MASK] spans. The model attends bidirectionally: a plain HF
 decoder is run through `dllmflow.models.attention.forward_bidirectional`.
 
-    sampler = LLaDASampler(model, tokenizer, LLaDAConfig(threshold=0.9))   # or build_sampler_config("llada", ..)
+    sampler = LLaDASampler(model, tokenizer, LLaDAConfig(threshold=0.9))  # = build_sampler_config("llada", ..)
     result = sampler.generate([ids_a, ids_b])     # prompts of different lengths in one batch
 """
 

@@ -244,8 +244,8 @@ def run_infill(
     logit_shift: int = 0,
 ) -> tuple[Tensor, Tensor, int]:
     """Fill every [MASK] of `seqs` in place (spec §3.0 "Infill"): blocks of `block_size` over the whole
-    sequence, the transfer schedule per block, full forwards (logit shift applied), no threshold. Returns (x [B, T],
-    lengths [B], nfe)."""
+    sequence, the transfer schedule per block, full forwards (logit shift applied), no threshold.
+    Returns (x [B, T], lengths [B], nfe)."""
     lengths = torch.tensor([len(s) for s in seqs], device=device)  # [B]
     total = int(lengths.max())
     x = torch.full((len(seqs), total), fill_id, dtype=torch.long, device=device)  # [B, T]
