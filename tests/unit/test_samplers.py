@@ -13,19 +13,21 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dllmflow.data.tokenizer import train_bpe_tokenizer
 from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.samplers.base import (
-    CAPABILITIES,
-    PRESETS,
+    SamplerConfig,
+    build_sampler_config,
+    sampler_supports,
+    trim_at_stop,
+)
+from dllmflow.diffusion.samplers.llada import LLaDASampler
+from dllmflow.diffusion.samplers.loop import (
     block_geometry,
     build_canvas,
-    build_sampler_config,
     get_num_transfer_tokens,
     get_transfer_index,
     gumbel_argmax,
     run_block_sampler,
     shift_logits,
-    trim_at_stop,
 )
-from dllmflow.diffusion.samplers.llada import LLaDASampler
 from dllmflow.errors import UserError
 
 TEXTS = ["Natalia sold 48 clips in April and half as many in May. #### 72", "What is 2 + 3? The answer is 5."]
@@ -174,12 +176,17 @@ def test_trim_and_presets():
     assert trim_at_stop([5, 6], {1}) == [5, 6]
     cfg = build_sampler_config("llada", {"threshold": 0.9, "steps": None})
     assert (cfg.steps, cfg.block_size, cfg.threshold) == (128, 128, 0.9)
-    assert set(PRESETS) == set(SAMPLERS) == set(CAPABILITIES)
+    # every sampler owns its config class (its preset as defaults)
+    assert all(
+        SAMPLERS[n].config_cls not in (SamplerConfig, SAMPLERS["llada"].config_cls)
+        for n in SAMPLERS
+        if n != "llada"
+    )
     with pytest.raises(UserError, match="choose one of"):
         build_sampler_config("nope")
-    # the table read before a model loads agrees with the class
+    # what is read before a model loads agrees with the class
     for feature in ("infill", "kv_cache", "batching"):
-        assert CAPABILITIES["llada"][feature] == getattr(LLaDASampler, f"supports_{feature}")
+        assert sampler_supports("llada", feature) == getattr(LLaDASampler, f"supports_{feature}")
 
 
 # ---- llada on a tiny real model --------------------------------------------------------------------

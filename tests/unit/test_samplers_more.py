@@ -17,12 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dllmflow.data.tokenizer import train_bpe_tokenizer
 from dllmflow.diffusion.masks.block_causal import block_causal_keep, block_causal_mask
 from dllmflow.diffusion.samplers import SAMPLERS
-from dllmflow.diffusion.samplers.base import (
-    CAPABILITIES,
-    TRAINING_SETTINGS_ATTR,
-    build_sampler_config,
-    sampler_supports,
-)
+from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR, build_sampler_config, sampler_supports
 from dllmflow.diffusion.samplers.idlm import IDLMSampler
 from dllmflow.diffusion.samplers.llada2 import LLaDA2Sampler
 from dllmflow.diffusion.samplers.nemotron import NemotronSampler, build_left_padded_canvas
@@ -503,7 +498,18 @@ def test_native_generate_is_used_when_the_checkpoint_has_one(model, tok):
 # ---- bad input -------------------------------------------------------------------------------------
 
 
+CAPABILITIES = {  # spec §3.1-3.6
+    "llada": dict(infill=True, kv_cache=False, batching=True),
+    "scdd": dict(infill=False, kv_cache=False, batching=True),
+    "llada2": dict(infill=False, kv_cache=False, batching=False),
+    "nemotron": dict(infill=False, kv_cache=True, batching=True),
+    "gemma": dict(infill=False, kv_cache=False, batching=False),
+    "idlm": dict(infill=False, kv_cache=False, batching=True),
+}
+
+
 def test_capability_table_agrees_with_every_sampler_class():
+    assert set(CAPABILITIES) == set(SAMPLERS)
     for name in SAMPLERS:
         for feature in ("infill", "kv_cache", "batching"):
             assert CAPABILITIES[name][feature] == getattr(SAMPLERS[name], f"supports_{feature}")

@@ -104,7 +104,8 @@ def evaluate(
 
     settings: the run's Settings (eval section, dataset.prepared_dir); None = the checkpoint's own
     settings.json. limit: None = settings.eval.limit (None there = the whole split). overrides: sampler
-    settings that win over the preset and settings.eval. -> {"metrics", "protocol", "predictions"}.
+    settings that win over the preset and settings.eval (one the sampler does not take is an error).
+    -> {"metrics", "protocol", "predictions"}.
     """
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.diffusion.samplers import SAMPLERS
@@ -132,9 +133,11 @@ def evaluate(
         prepared_dir = settings.dataset.prepared_dir
     prepared_dir = Path(prepared_dir)
     limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
+    # The eval section is shared by every sampler of the mode: a knob this one does not take is dropped.
     values = {k: getattr(eval_cfg, k) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
-    config = build_sampler_config(sampler, {**values, **overrides}, tokenizer)
+    config = build_sampler_config(sampler, overrides, tokenizer, defaults=values)
     runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    config = runner.config  # as it ran (scdd: the schedule read from the checkpoint)
     n_shot = eval_cfg.n_shot if eval_cfg is not None else 0
     batch_size = eval_cfg.batch_size if eval_cfg is not None else 8
 
@@ -230,10 +233,10 @@ def print_results(results: dict[str, Any]) -> None:
     for key, value in results["metrics"].items():
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     Console().print(table)
-    s = proto["sampler_settings"]
+    s = proto["sampler_settings"]  # only the knobs this sampler takes
     print(
-        f"protocol: steps={s['steps']} max_new_tokens={s['max_new_tokens']} block_size={s['block_size']} "
-        f"threshold={s['threshold']} temperature={s['temperature']} n_shot={proto['n_shot']} "
+        f"protocol: steps={s['steps']} max_new_tokens={s['max_new_tokens']} block_size={s.get('block_size')} "
+        f"threshold={s.get('threshold')} temperature={s.get('temperature')} n_shot={proto['n_shot']} "
         f"limit={proto['limit']} seed={proto['seed']} template={proto['chat_template_sha256']}\n"
         f"checkpoint: {proto['checkpoint']}"
     )

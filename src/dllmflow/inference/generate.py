@@ -5,9 +5,10 @@
     dllmflow generate --checkpoint CKPT --infill --prompt "2 + 3 = [MASK]."
 
 `--checkpoint` takes a consolidated HF dir, a step dir, the checkpoint root (through `LATEST`) or a
-run dir (`checkpoints/LATEST/...`). Presets per sampler come from `samplers/base.py: PRESETS`; flags
-override them. In Python: `model, tok, settings = load_for_generation(path)` then
-`SAMPLERS[name](model, tok, config, mask_id=model.config.mask_token_id)`.
+run dir (`checkpoints/LATEST/...`). Each sampler's preset is its config class (`LLaDAConfig` in
+`samplers/llada.py`, ...); flags override it, and a flag the sampler does not take is an error. In
+Python: `model, tok, settings = load_for_generation(path)` then
+`SAMPLERS[name](model, tok, build_sampler_config(name, overrides), mask_id=model.config.mask_token_id)`.
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def decode_response(tokenizer, ids: list[int]) -> str:
 
 
 def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None = 42) -> None:
-    """Sampler overrides shared by `generate` and `evaluate` (None = keep the preset)."""
+    """Sampler overrides shared by `generate` and `evaluate` (None = keep the preset; a flag set for a
+    sampler that does not take it is an error)."""
     g = parser.add_argument_group("sampler settings (override the preset)")
     g.add_argument("--steps", type=int)
     g.add_argument("--max_new_tokens", type=int)
@@ -230,12 +232,11 @@ def cli_main(args: argparse.Namespace) -> int:
 
     # every check that needs no model first (the load is the slow part)
     validate_sampler_request(args.sampler, args.infill)
-    build_sampler_config(args.sampler, sampler_overrides(args))
+    config = build_sampler_config(args.sampler, sampler_overrides(args))  # EOS "tokenizer": the sampler's
     resolve_checkpoint(args.checkpoint)
     torch.manual_seed(args.seed)
     model, tokenizer, settings = load_for_generation(args.checkpoint, mask_id=args.mask_id)
     check_sampler_fits(args.sampler, settings)
-    config = build_sampler_config(args.sampler, sampler_overrides(args), tokenizer)
     sampler = SAMPLERS[args.sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
     ids = [encode_prompt(tokenizer, p, raw=args.raw, infill=args.infill) for p in args.prompt]
     from dllmflow.models.limits import check_generation_fits

@@ -20,7 +20,8 @@ from dllmflow.tracking.registry import SPECULATIVE  # DFlash: greedy speculative
 
 
 class DllmGenerator(PythonModel):
-    """`predict(prompts)` generates text; `params` may override any sampler setting."""
+    """`predict(prompts)` generates text; `params` may override any setting the sampler takes (another
+    one is an error naming it)."""
 
     def load_context(self, context):
         self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
@@ -35,18 +36,20 @@ class DllmGenerator(PythonModel):
             self.model, self.tokenizer, _ = load_for_generation(context.artifacts["checkpoint"])
 
     def predict(self, context, model_input, params=None):
-        from dllmflow.tracking.registry import (
-            from_param_sentinels,
-            generate_texts,
-            prompts_of,
-            speculative_texts,
-        )
+        from dllmflow.tracking.registry import generate_texts, prompts_of, speculative_texts, split_params
 
-        options = {**self.generation.get("sampler_settings", {}), **from_param_sentinels(params or {})}
-        sampler = options.pop("sampler", None) or self.generation["sampler"]
+        sampler, settings, overrides = split_params(self.generation, params)
         if sampler == SPECULATIVE:
+            options = {**settings, **overrides}
             return speculative_texts(self.pair, prompts_of(model_input), options.get("max_new_tokens", 128))
-        return generate_texts(self.model, self.tokenizer, prompts_of(model_input), sampler=sampler, **options)
+        return generate_texts(
+            self.model,
+            self.tokenizer,
+            prompts_of(model_input),
+            sampler=sampler,
+            overrides=overrides,
+            **settings,
+        )
 
 
 mlflow.models.set_model(DllmGenerator())

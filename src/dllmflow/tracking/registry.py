@@ -152,9 +152,18 @@ def _param_value(v: Any) -> str:
 
 
 def generate_texts(
-    model: Any, tokenizer: Any, prompts: list[str], *, sampler: str = "llada", **options: Any
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    sampler: str = "llada",
+    overrides: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> list[str]:
-    """Chat-templated prompts -> generated texts with `sampler` (preset, then `options`)."""
+    """Chat-templated prompts -> generated texts with `sampler`: its preset, then the recorded
+    `settings` (knobs it does not take are dropped: models registered before the per-sampler configs
+    recorded every knob of every sampler), then the caller's `overrides` (one it does not take is an
+    error naming it)."""
     import torch
 
     from dllmflow.diffusion.samplers import SAMPLERS
@@ -162,11 +171,35 @@ def generate_texts(
     from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
 
     validate_sampler_request(sampler)
-    config = build_sampler_config(sampler, options, tokenizer)
+    config = build_sampler_config(sampler, overrides, tokenizer, defaults=settings)
     torch.manual_seed(config.seed)
     runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
     result = runner.generate([encode_prompt(tokenizer, p) for p in prompts])
     return [decode_response(tokenizer, ids) for ids in result.sequences]
+
+
+def recorded_params(sampler: str, sampler_settings: dict[str, Any]) -> dict[str, Any]:
+    """What a registered model generates with (its signature's param defaults): the sampler and its
+    preset under the recorded settings."""
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+
+    if sampler == SPECULATIVE:
+        return {"sampler": sampler, **sampler_settings}
+    preset = build_sampler_config(sampler, defaults=sampler_settings).model_dump()
+    return {"sampler": sampler, **sampler_settings, **preset}
+
+
+def split_params(generation: dict[str, Any], params: dict[str, Any] | None) -> tuple[str, dict, dict]:
+    """One `predict` call's (sampler, recorded settings, the caller's overrides). MLflow fills each param
+    the caller left out with its signature default (the recorded value), so only a value that differs
+    from the record is the caller's own, checked strictly against the sampler's options."""
+    recorded = generation.get("sampler_settings", {})
+    params = from_param_sentinels(params or {})
+    base = recorded_params(generation["sampler"], recorded)
+    overrides = {k: v for k, v in params.items() if base.get(k) != v}
+    sampler = overrides.pop("sampler", None) or generation["sampler"]
+    params.pop("sampler", None)
+    return sampler, {**recorded, **params}, overrides
 
 
 def speculative_texts(pair: tuple, prompts: list[str], max_new_tokens: int) -> list[str]:
@@ -224,10 +257,7 @@ def _signature(sampler: str, sampler_settings: dict[str, Any]):
     from mlflow.models import ModelSignature
     from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
-    from dllmflow.diffusion.samplers.base import build_sampler_config
-
-    preset = {} if sampler == SPECULATIVE else build_sampler_config(sampler, sampler_settings).model_dump()
-    recorded = {"sampler": sampler, **preset, **sampler_settings}
+    recorded = recorded_params(sampler, sampler_settings)
     params = []
     for name, dtype in _PARAM_TYPES.items():
         value = recorded.get(name)

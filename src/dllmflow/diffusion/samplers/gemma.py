@@ -7,20 +7,29 @@ forwarded; prompts run one at a time; infill and a KV-cache switch do not apply.
 (a full export, or the base with the trained decoder tensors overlaid).
 
     model = load_diffusion_gemma("runs/x/checkpoints/LATEST/model/consolidated")
-    result = GemmaSampler(model, tokenizer, build_sampler_config("gemma")).generate([prompt_ids])
+    result = GemmaSampler(model, tokenizer, GemmaConfig()).generate([prompt_ids])
 """
 
 from __future__ import annotations
 
 import torch
+from pydantic import Field, PositiveInt
 
 from dllmflow.errors import UserError
 
-from .base import Sampler
+from .base import Sampler, SamplerConfig
+
+
+class GemmaConfig(SamplerConfig):
+    """Preset (spec §3.5): 48 denoising steps, 256 new tokens; every other knob is upstream's."""
+
+    steps: PositiveInt = Field(48, description="Passed as `max_denoising_steps`.")
+    max_new_tokens: PositiveInt = 256
 
 
 class GemmaSampler(Sampler):
     name = "gemma"
+    config_cls = GemmaConfig
     supports_infill = False
     supports_kv_cache = False
     supports_batching = False

@@ -6,7 +6,7 @@ threshold (top-1 always committed, the block's last step commits the rest), per-
 `eos_token_id` is set, and infill of [MASK] spans. The model attends bidirectionally: a plain HF
 decoder is run through `dllmflow.models.attention.forward_bidirectional`.
 
-    sampler = LLaDASampler(model, tokenizer, build_sampler_config("llada", {"threshold": 0.9}))
+    sampler = LLaDASampler(model, tokenizer, LLaDAConfig(threshold=0.9))  # = build_sampler_config("llada", ..)
     result = sampler.generate([ids_a, ids_b])     # prompts of different lengths in one batch
 """
 
@@ -15,13 +15,23 @@ from __future__ import annotations
 import time
 
 import torch
+from pydantic import PositiveInt
 from torch import Tensor
 
-from .base import GenerationResult, Sampler, block_geometry, build_canvas, run_block_sampler, run_infill
+from .base import GenerationResult, Sampler
+from .loop import BlockConfig, block_geometry, build_canvas, run_block_sampler, run_infill
+
+
+class LLaDAConfig(BlockConfig):
+    """Preset (spec §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
+    remasking, no threshold, no EOS stop (the output is trimmed afterwards); the rest as `BlockConfig`."""
+
+    block_size: PositiveInt | None = 128
 
 
 class LLaDASampler(Sampler):
     name = "llada"
+    config_cls = LLaDAConfig
     supports_infill = True
     supports_kv_cache = False
     supports_batching = True

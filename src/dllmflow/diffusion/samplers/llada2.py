@@ -16,7 +16,7 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
   the first one that edits nothing;
 * decoding stops at an EOS with no mask before it (the EOS id: `eos_token_id`, else the tokenizer's).
 
-    sampler = LLaDA2Sampler(model, tok, build_sampler_config("llada2", {"editing_threshold": 0.9}))
+    sampler = LLaDA2Sampler(model, tok, LLaDA2Config(editing_threshold=0.9))
     result = sampler.generate([ids])
 """
 
@@ -24,20 +24,30 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Literal
 
 import torch
+from pydantic import Field, NonNegativeFloat, PositiveInt
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 
-from .base import (
-    Sampler,
-    block_geometry,
-    first_eos_done,
-    get_num_transfer_tokens,
-    gumbel_argmax,
-    native_generate,
-)
+from .base import Sampler, SamplerConfig, native_generate
+from .loop import block_geometry, first_eos_done, get_num_transfer_tokens, gumbel_argmax
+
+
+class LLaDA2Config(SamplerConfig):
+    """Preset (spec §3.3): blocks of 32, 32 steps EACH, greedy, threshold 0.5, editing off."""
+
+    steps: PositiveInt = Field(32, description="Step budget of each block (not a total).")
+    block_size: PositiveInt | None = 32
+    temperature: NonNegativeFloat = 0.0
+    threshold: float | None = Field(0.5, gt=0.0, le=1.0)
+    eos_token_id: int | Literal["tokenizer"] | None = Field(None, description="None = the tokenizer's EOS.")
+    # LLaDA2.1 editing: a committed token of the current block is replaced when the model's confidence
+    # in a different token exceeds this; 0 = off.
+    editing_threshold: float = Field(0.0, ge=0.0, le=1.0)
+    max_post_steps: int = Field(16, ge=0, description="Editing-only forwards after a block is full.")
 
 
 def refine_transfer(conf: Tensor, masked: Tensor, k: Tensor, threshold: float | None) -> Tensor:
@@ -66,6 +76,7 @@ def edit_index(
 
 class LLaDA2Sampler(Sampler):
     name = "llada2"
+    config_cls = LLaDA2Config
     supports_infill = False
     supports_kv_cache = False
     supports_batching = False  # LLaDA2's generate takes one prompt; the base class loops

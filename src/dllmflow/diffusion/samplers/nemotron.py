@@ -21,7 +21,7 @@ whole canvas with the same 4D mask, so both paths compute the same logits and gr
 the same tokens. `--no_kv_cache` also turns `causal_context` off (spec §3.7); set `causal_context`
 yourself to compare the two paths.
 
-    sampler = NemotronSampler(model, tok, build_sampler_config("nemotron", {"max_new_tokens": 256}, tok))
+    sampler = NemotronSampler(model, tok, NemotronConfig(max_new_tokens=256))
     result = sampler.generate([ids_a, ids_b])
 """
 
@@ -30,24 +30,37 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field, PositiveInt
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.errors import UserError
 
-from .base import (
+from .base import Sampler, native_generate
+from .loop import (
+    BlockConfig,
     BlockGeometry,
-    Sampler,
-    SamplerConfig,
     block_geometry,
     first_eos_done,
     get_num_transfer_tokens,
     get_transfer_index,
     gumbel_argmax,
-    native_generate,
 )
+
+
+class NemotronConfig(BlockConfig):
+    """Preset (spec §3.4): 1024 steps for 1024 new tokens in blocks of 32, KV cache on, causal prompt
+    context with the AR seed, threshold 0.9, EOS stop at the tokenizer's EOS."""
+
+    steps: PositiveInt = 1024
+    max_new_tokens: PositiveInt = 1024
+    threshold: float | None = Field(0.9, gt=0.0, le=1.0)
+    eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
+    use_kv_cache: bool = True
+    causal_context: bool = Field(True, description="Prompt attends causally; each block gets an AR seed.")
 
 
 @dataclass
@@ -135,7 +148,7 @@ class _BlockCausalForward:
 def decode_block_causal(
     model,
     canvas: LeftPaddedCanvas,
-    cfg: SamplerConfig,
+    cfg: NemotronConfig,
     geometry: BlockGeometry,
     mask_id: int,
     fill_id: int,
@@ -196,6 +209,7 @@ def decode_block_causal(
 
 class NemotronSampler(Sampler):
     name = "nemotron"
+    config_cls = NemotronConfig
     supports_infill = False
     supports_kv_cache = True
     supports_batching = True

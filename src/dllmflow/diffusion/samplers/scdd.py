@@ -14,7 +14,7 @@ canvas position ("noise removal": leftover masks and wrong visible tokens alike)
 The schedule (`uniform_ratio`, `schedule_shape`, `schedule_peak`) must be the training one: unset
 flags take the checkpoint's settings.json values, an explicit flag that differs warns.
 
-    sampler = SCDDSampler(model, tok, build_sampler_config("scdd", {"steps": 64}), training_settings=s)
+    sampler = SCDDSampler(model, tok, SCDDConfig(steps=64), training_settings=s)
     result = sampler.generate([ids_a, ids_b])
 """
 
@@ -25,17 +25,30 @@ import warnings
 from typing import Any
 
 import torch
+from pydantic import Field, NonNegativeFloat
 from torch import Tensor
 
 from dllmflow.diffusion.schedules import TINY, scdd_schedule
 from dllmflow.errors import UserError
 
-from .base import GenerationResult, Sampler, SamplerConfig, build_canvas
+from .base import GenerationResult, Sampler, SamplerConfig
+from .loop import build_canvas
 
 SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
 
 
-def resolve_scdd_schedule(config: SamplerConfig, training_settings: Any) -> tuple[SamplerConfig, list[str]]:
+class SCDDConfig(SamplerConfig):
+    """Preset (spec §3.2): 128 steps for 128 new tokens at temperature 1. The schedule must be the
+    training one (unset = the checkpoint's); `eps` is the last time of the walk from t = 1."""
+
+    temperature: NonNegativeFloat = 1.0
+    uniform_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    schedule_shape: float = Field(1.0, gt=0.0)
+    schedule_peak: float = Field(0.5, gt=0.0, lt=1.0)
+    eps: float = Field(1e-3, gt=0.0, le=1.0)
+
+
+def resolve_scdd_schedule(config: SCDDConfig, training_settings: Any) -> tuple[SCDDConfig, list[str]]:
     """Fill the schedule fields the caller left unset from the training settings (scdd mode only);
     -> (config, one message per explicitly set field that disagrees with training)."""
     dllm = getattr(training_settings, "dllm", None)
@@ -54,7 +67,7 @@ def resolve_scdd_schedule(config: SamplerConfig, training_settings: Any) -> tupl
 
 
 def scdd_step_probs(
-    log_p: Tensor, current: Tensor, mask_id: int, t: float, s: float, config: SamplerConfig
+    log_p: Tensor, current: Tensor, mask_id: int, t: float, s: float, config: SCDDConfig
 ) -> Tensor:
     """Reverse-posterior probabilities [N, V] for N canvas positions.
 
@@ -101,15 +114,14 @@ def scdd_step_probs(
 
 class SCDDSampler(Sampler):
     name = "scdd"
+    config_cls = SCDDConfig
     supports_infill = False
     supports_kv_cache = False
     supports_batching = True
 
     no_kv_cache_reason = "it redraws every canvas position every step, so it has no KV-cache path"
 
-    def __init__(
-        self, model, tokenizer, config: SamplerConfig, mask_id: int | None = None, forward=None, **kw
-    ):
+    def __init__(self, model, tokenizer, config: SCDDConfig, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
         self.config, mismatches = resolve_scdd_schedule(config, self.training_settings)
         for msg in mismatches:

@@ -1,0 +1,275 @@
+"""The shared denoising loop of the [MASK]-filling samplers (spec §3.0): transfer schedule, token
+selection with the Gumbel trick, logit shift, block geometry and canvas, the standalone
+semi-autoregressive block sampler (`llada`, `idlm`) and infill (`llada`). Plain functions over
+tensors; the sampler files call them.
+
+    geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
+    canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
+    x, nfe, row_nfe = run_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator)
+
+Departures from the reference, on purpose (spec §7 caveat 6): with a threshold the last step of a
+block commits every remaining [MASK] of that block (never a stranded mask), and the EOS stop is per
+row (a finished row stops changing; the batch stops when every row is done). The [MASK] column is
+never a candidate token, so a committed position can never hold [MASK].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field, NonNegativeFloat, PositiveInt
+from torch import Tensor
+
+from .base import SamplerConfig
+
+# logits = forward(input_ids [B, T], attention_mask [B, T]) -> [B, T, V]
+ForwardFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class BlockConfig(SamplerConfig):
+    """Knobs of block-wise [MASK] filling with this loop (llada, nemotron, idlm; spec §3.0 defaults)."""
+
+    block_size: PositiveInt | None = 32
+    temperature: NonNegativeFloat = 0.0
+    remasking: Literal["low_confidence", "random"] = "low_confidence"
+    threshold: float | None = Field(None, gt=0.0, le=1.0)
+    eos_token_id: int | Literal["tokenizer"] | None = Field(
+        None, description="Set = stop a row once it has an EOS with no [MASK] before it."
+    )
+
+
+# ---- schedule and token selection ---------------------------------------------------------------
+
+
+def get_num_transfer_tokens(mask_index: Tensor, steps: int) -> Tensor:
+    """Tokens to commit per step: n masked in a row -> base = n // steps; the first n % steps steps
+    get base + 1, the rest base. mask_index [B, L] bool -> [B, steps] long (rows sum to n)."""
+    n = mask_index.sum(dim=1, keepdim=True)  # [B, 1]
+    base, rem = n // steps, n % steps
+    step = torch.arange(steps, device=mask_index.device)[None, :]  # [1, steps]
+    return base + (step < rem).long()  # [B, steps]
+
+
+def gumbel_argmax(
+    logits: Tensor, temperature: float, uniform: Tensor | None = None, generator=None
+) -> Tensor:
+    """LLaDA's sampling trick: argmax of exp(logits) / (-log U)^temperature, which samples from
+    softmax(logits / temperature). Computed as logits - temperature * log(-log U) in float64 (same
+    argmax, no overflow of exp). temperature 0 = argmax. logits [..., V] -> [...] long."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if uniform is None:
+        uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+    uniform = uniform.clamp_min(torch.finfo(torch.float64).tiny)  # U = 0 would give log(inf)
+    scores = logits.double() - temperature * torch.log(-torch.log(uniform))
+    return scores.argmax(dim=-1)
+
+
+def get_transfer_index(
+    logits: Tensor,
+    temperature: float,
+    remasking: str,
+    mask_index: Tensor,
+    x: Tensor,
+    k: Tensor,
+    threshold: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Pick the tokens to commit this step (spec §3.0 "Token selection").
+
+    logits [B, L, V], mask_index [B, L] bool (the candidates), x [B, L], k [B] (tokens to commit per
+    row). Returns (x0 [B, L]: proposals on candidates, x elsewhere; transfer [B, L] bool). With a
+    threshold every candidate at or above it is committed, and the top-1 of each row always is.
+    """
+    # 1) proposals and confidences, only where a candidate sits (the rest is never committed)
+    rows, cols = mask_index.nonzero(as_tuple=True)
+    cand_logits = logits[rows, cols].float()  # [N, V]
+    x0_c = gumbel_argmax(cand_logits, temperature, generator=generator)  # [N]
+    if remasking == "low_confidence":
+        conf_c = torch.softmax(cand_logits, dim=-1).gather(-1, x0_c[:, None]).squeeze(-1)  # [N]
+    elif remasking == "random":
+        conf_c = torch.rand(x0_c.shape, generator=generator, device=x0_c.device)
+    else:
+        raise ValueError(f"remasking must be low_confidence or random, got {remasking!r}")
+    x0 = x.clone()
+    x0[rows, cols] = x0_c.to(x.dtype)
+    conf = torch.full(x.shape, -math.inf, device=x.device)  # [B, L]
+    conf[rows, cols] = conf_c.float()
+
+    # 2) per-row top-k by confidence (rank 0 = most confident)
+    num_cand = mask_index.sum(dim=1)  # [B]
+    k = num_cand if threshold is not None else torch.minimum(k.to(num_cand.device), num_cand)
+    order = conf.argsort(dim=1, descending=True, stable=True)  # [B, L]
+    ranks = torch.empty_like(order).scatter_(
+        1, order, torch.arange(x.shape[1], device=x.device).expand_as(order)
+    )
+    transfer = (ranks < k[:, None]) & mask_index  # [B, L]
+    if threshold is not None:
+        transfer &= (conf >= threshold) | (ranks == 0)
+    return x0, transfer
+
+
+def shift_logits(logits: Tensor, shift: int) -> Tensor:
+    """Position p reads logits[p - shift]; the first `shift` positions get zeros. [B, L, V] -> same."""
+    if shift == 0:
+        return logits
+    out = torch.zeros_like(logits)
+    out[:, shift:] = logits[:, :-shift]
+    return out
+
+
+# ---- geometry, canvas and the standalone block sampler ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    gen_length: int  # G: new tokens per row
+    num_blocks: int  # nb
+    steps_per_block: int  # spb
+    block_size: int
+
+
+def block_geometry(
+    max_new_tokens: int, block_size: int | None, steps: int, use_kv_cache: bool
+) -> BlockGeometry:
+    """Spec §3.0 step 1. With the cache G is a whole number of blocks and steps a multiple of nb."""
+    bs = block_size or max_new_tokens
+    if use_kv_cache:
+        g = (max_new_tokens // bs) * bs or bs
+        nb = g // bs
+        total = (steps // nb) * nb or nb
+        return BlockGeometry(g, nb, total // nb, bs)
+    nb = math.ceil(max_new_tokens / bs)
+    return BlockGeometry(max_new_tokens, nb, math.ceil(steps / nb), bs)
+
+
+@dataclass
+class Canvas:
+    """Prompts left-aligned, [MASK] over each row's own window [P_b, P_b + G), eos filler after."""
+
+    x: Tensor  # [B, T]
+    attention_mask: Tensor  # [B, T] 1 on [0, P_b + G)
+    gen_start: Tensor  # [B] = P_b
+
+
+def build_canvas(prompts: list[list[int]], gen_length: int, mask_id: int, fill_id: int, device) -> Canvas:
+    lengths = torch.tensor([len(p) for p in prompts], device=device)  # [B]
+    total = int(lengths.max()) + gen_length
+    x = torch.full((len(prompts), total), fill_id, dtype=torch.long, device=device)  # [B, T]
+    for b, p in enumerate(prompts):
+        x[b, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
+        x[b, len(p) : len(p) + gen_length] = mask_id
+    pos = torch.arange(total, device=device)[None, :]  # [1, T]
+    attention_mask = (pos < (lengths + gen_length)[:, None]).long()  # [B, T]
+    return Canvas(x, attention_mask, lengths)
+
+
+def first_eos_done(x: Tensor, gen_start: Tensor, gen_length: int, eos_id: int, mask_id: int) -> Tensor:
+    """Rows whose generation window holds an EOS with no [MASK] before it. -> [B] bool."""
+    pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
+    window = (pos >= gen_start[:, None]) & (pos < (gen_start + gen_length)[:, None])  # [B, T]
+    masked_before = (window & (x == mask_id)).long().cumsum(dim=1)  # [B, T] masks up to and incl. p
+    return (window & (x == eos_id) & (masked_before == 0)).any(dim=1)
+
+
+def run_block_sampler(
+    forward: ForwardFn,
+    canvas: Canvas,
+    cfg: BlockConfig,
+    geometry: BlockGeometry,
+    mask_id: int,
+    fill_id: int,
+    generator: torch.Generator | None = None,
+    logit_shift: int = 0,
+) -> tuple[Tensor, int, Tensor]:
+    """Semi-autoregressive block decoding without a KV cache (spec §3.0 step 4, no-cache path), in place
+    on `canvas.x`. Block j of row b covers [P_b + j*bs, P_b + min((j+1)*bs, G)). Returns (x [B, T],
+    nfe = forward calls, row_nfe [B] = forwards made while the row still had masks to fill).
+    logit_shift: position p reads logits[p - shift] (I-DLM's next-token checkpoints: 1)."""
+    x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start
+    bsz, total = x.shape
+    pos = torch.arange(total, device=x.device)[None, :]  # [1, T]
+    gen_end = start + geometry.gen_length  # [B]
+    done = torch.zeros(bsz, dtype=torch.bool, device=x.device)  # [B]
+    nfe, row_nfe = 0, torch.zeros(bsz, dtype=torch.long, device=x.device)
+    for j in range(geometry.num_blocks):
+        lo = start + j * geometry.block_size  # [B]
+        hi = torch.minimum(lo + geometry.block_size, gen_end)  # [B]
+        in_block = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, T]
+        schedule = get_num_transfer_tokens(in_block & (x == mask_id), geometry.steps_per_block)  # [B, spb]
+        for i in range(geometry.steps_per_block):
+            candidates = in_block & (x == mask_id) & ~done[:, None]  # [B, T]
+            if not candidates.any():
+                break
+            logits = shift_logits(forward(x, attn), logit_shift)  # [B, T, V]
+            logits[..., mask_id] = -math.inf  # a committed position must never hold [MASK]
+            nfe += 1
+            row_nfe += candidates.any(dim=1).long()  # forwards a row needed, not the batch's
+            # Last step of the block: commit everything left (caveat 6: never strand masks).
+            last = i == geometry.steps_per_block - 1
+            k = candidates.sum(dim=1) if last else schedule[:, i]
+            x0, transfer = get_transfer_index(
+                logits,
+                cfg.temperature,
+                cfg.remasking,
+                candidates,
+                x,
+                k,
+                None if last else cfg.threshold,
+                generator,
+            )
+            x[transfer] = x0[transfer]
+            if cfg.eos_token_id is not None:
+                done |= first_eos_done(x, start, geometry.gen_length, cfg.eos_token_id, mask_id)
+        if cfg.eos_token_id is not None and bool(done.all()):
+            break
+    # Finished rows stop early: their leftover masks become filler (trimmed away after the EOS).
+    leftover = (x == mask_id) & (pos >= start[:, None]) & (pos < gen_end[:, None])  # [B, T]
+    x[leftover] = fill_id
+    return x, nfe, row_nfe
+
+
+def run_infill(
+    forward: ForwardFn,
+    seqs: list[list[int]],
+    cfg: BlockConfig,
+    mask_id: int,
+    fill_id: int,
+    device,
+    generator: torch.Generator | None = None,
+    logit_shift: int = 0,
+) -> tuple[Tensor, Tensor, int]:
+    """Fill every [MASK] of `seqs` in place (spec §3.0 "Infill"): blocks of `block_size` over the whole
+    sequence, the transfer schedule per block, full forwards (logit shift applied), no threshold.
+    Returns (x [B, T], lengths [B], nfe)."""
+    lengths = torch.tensor([len(s) for s in seqs], device=device)  # [B]
+    total = int(lengths.max())
+    x = torch.full((len(seqs), total), fill_id, dtype=torch.long, device=device)  # [B, T]
+    for b, s in enumerate(seqs):
+        x[b, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
+    pos = torch.arange(total, device=device)[None, :]  # [1, T]
+    attn = (pos < lengths[:, None]).long()  # [B, T]
+    bs = cfg.block_size or total
+    nb = math.ceil(total / bs)
+    spb = math.ceil(cfg.steps / nb)
+    nfe = 0
+    for j in range(nb):
+        in_block = (pos >= j * bs) & (pos < (j + 1) * bs) & attn.bool()  # [B, T]
+        schedule = get_num_transfer_tokens(in_block & (x == mask_id), spb)  # [B, spb]
+        for i in range(spb):
+            candidates = in_block & (x == mask_id)
+            if not candidates.any():
+                break
+            logits = shift_logits(forward(x, attn), logit_shift)  # [B, T, V]
+            logits[..., mask_id] = -math.inf
+            nfe += 1
+            k = candidates.sum(dim=1) if i == spb - 1 else schedule[:, i]
+            x0, transfer = get_transfer_index(
+                logits, cfg.temperature, cfg.remasking, candidates, x, k, None, generator
+            )
+            x[transfer] = x0[transfer]
+    return x, lengths, nfe
