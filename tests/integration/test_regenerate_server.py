@@ -55,8 +55,9 @@ def server(model_dir):
         yield url
 
 
-def stats(url: str) -> dict:
-    return httpx.get(url.removesuffix("/v1") + "/stats").json()
+def stats(url: str, api_key: str | None = None) -> dict:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}  # /stats is behind the key too
+    return httpx.get(url.removesuffix("/v1") + "/stats", headers=headers).json()
 
 
 def chat_rows(n: int, invalid_at: tuple[int, ...] = ()) -> list[dict]:
@@ -215,13 +216,13 @@ def test_injected_failures_abort_without_partial_shard_then_retries_succeed(
         assert summary["aborted"] and summary["rows_failed"] == 1 and summary["rows_written"] == 0
         assert scan_shards(out) == set() and not list(out.glob("*.tmp"))  # nothing partial written
         assert API_KEY not in err
-        assert stats(url)["injected_failures"] == 2
+        assert stats(url, API_KEY)["injected_failures"] == 2
 
         rc, summary, err = run(
             capsys, args(inp, out, url, "--shard-size", "2", "--concurrency", "1", "--resume")
         )
         assert rc == 0 and summary["retries"] == 2 and summary["rows_written"] == 4
-        assert stats(url)["injected_failures"] == 4
+        assert stats(url, API_KEY)["injected_failures"] == 4
         assert [len(s) for s in read_shards(out)] == [2, 2]
         assert API_KEY not in err
 

@@ -3,16 +3,25 @@
     dllmflow serve --model-path runs/target --port 30000 --served-model-name target
     curl -s localhost:30000/v1/chat/completions -d '{"model": "target", "messages": [{"role": "user", "content": "hi"}]}'
 
-Endpoints: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (200 once the model is loaded) and
-`GET /stats` (request counters, for tests and benchmarks). Production users point `dllmflow regenerate
---target-server` at SGLang or vLLM instead; this server exists so the pipeline runs without them.
+Endpoints: `POST /v1/chat/completions` (also `"stream": true`: server-sent `chat.completion.chunk` events
+ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (200 once the model is loaded) and `GET /stats`
+(counters, for tests and benchmarks). Production users point `dllmflow regenerate --target-server` at
+SGLang or vLLM instead; this server exists so the pipeline runs without them.
 
-Requests that arrive together are batched: a single worker takes every queued request with the same
-sampling settings (up to `--max-batch-size`), left-pads them and runs one `generate` in a worker thread,
-so concurrent clients overlap instead of queueing one by one. Fault injection for tests: `--fail-first N
---fail-status 500|429` answers the first N chat requests with that status (a list such as `500,429` is
-cycled); `--delay-s` adds latency. `--api-key` (or $DLLMFLOW_SERVE_API_KEY) requires that Bearer token on
-`/v1/*`.
+Requests are validated strictly (pydantic, strict types): the honoured fields are `model`, `messages`
+(`role`, `content`, optional `name` and `reasoning_content`, all passed to the chat template),
+`max_tokens` / `max_completion_tokens` (at most `--max-tokens-cap`), `temperature` in [0, 2], `top_p` in
+(0, 1], `n` (1 only), `stream`, `stream_options.include_usage` and `chat_template_kwargs`; any other field
+is refused with HTTP 400 naming it, never silently ignored (a `null` value counts as absent).
+
+Scheduling: one worker owns the model. Requests that arrive together with the same sampling settings are
+batched (up to `--max-batch-size`, left-padded); active batches then take turns, `--chunk-tokens` new
+tokens per turn, so a long request delays a short one by a few turns instead of holding the model until
+it is done. A request still unanswered after `--request-timeout-s` gets HTTP 504 and its row is dropped
+from its batch at the next turn. `--api-key` (or $DLLMFLOW_SERVE_API_KEY) requires that Bearer token on
+every route except `/health`. Hidden fault-injection flags for tests: `--fail-first N --fail-status
+500|429` answers the first N chat requests with that status (a list such as `500,429` is cycled);
+`--delay-s` adds latency per request; `--turn-delay-s` slows every scheduling turn.
 
 From Python, `local_server(model_path)` starts it in a subprocess, waits for `/health`, yields the base
 URL (`http://127.0.0.1:PORT/v1`) and stops it on exit.
@@ -22,7 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
+import functools
+import hmac
+import inspect
 import json
 import logging
 import os
@@ -36,36 +49,154 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from dllmflow.errors import UserError
 
 log = logging.getLogger("dllmflow.inference.serve")
+
+DEFAULT_MAX_TOKENS = 256  # when a request gives neither max_tokens nor max_completion_tokens
+
+
+# ---- request schema -----------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # strict: a bool is not an int, "1" is not a number; extra keys are refused, never dropped.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Message(_Strict):
+    role: str
+    content: str
+    name: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatBody(_Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+HONOURED = tuple(ChatBody.model_fields)
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400); `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _explain(err: dict[str, Any]) -> RequestError:
+    """One pydantic error -> a message naming the field, what is wrong and what is accepted."""
+    param = _param(err["loc"])
+    if err["type"] == "extra_forbidden":
+        where = f"this server honours {', '.join(HONOURED)}"
+        if len(err["loc"]) > 1 and err["loc"][0] == "messages":
+            where = "a message may hold role, content, name and reasoning_content"
+        return RequestError(f"'{param}' is not supported: {where}", param)
+    if param == "n":
+        return RequestError(f"'n' must be 1 (got {err['input']!r}): this server returns one choice", param)
+    got = repr(err["input"])
+    return RequestError(f"'{param}': {err['msg']} (got {got[:80]}{'...' if len(got) > 80 else ''})", param)
+
+
+def parse_body(body: Any, max_tokens_cap: int) -> ChatBody:
+    """Validate an OpenAI chat body; raises RequestError with the message the client sees (HTTP 400)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        chat = ChatBody.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:
+        raise _explain(e.errors()[0]) from None
+    if (
+        None not in (chat.max_tokens, chat.max_completion_tokens)
+        and chat.max_tokens != chat.max_completion_tokens
+    ):
+        raise RequestError(
+            "give 'max_tokens' or 'max_completion_tokens', not two different values", "max_tokens"
+        )
+    name = "max_tokens" if chat.max_tokens is not None else "max_completion_tokens"
+    asked = chat.max_tokens or chat.max_completion_tokens
+    if asked is not None and asked > max_tokens_cap:
+        raise RequestError(
+            f"'{name}' is {asked}, above this server's cap of {max_tokens_cap} (--max-tokens-cap)", name
+        )
+    if chat.stream_options is not None and not chat.stream:
+        raise RequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
+    return chat.model_copy(update={"max_tokens": asked or min(DEFAULT_MAX_TOKENS, max_tokens_cap)})
 
 
 # ---- generation ---------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class ChatRequest:
-    messages: list[dict[str, Any]]
+    """One accepted request as the scheduler sees it; `events` carries ("tokens" | "done" | "error", x)."""
+
+    prompt_ids: list[int]
     max_tokens: int
     temperature: float
     top_p: float
-    template_kwargs: dict[str, Any]
-    prompt_ids: list[int] = field(default_factory=list)
-    future: asyncio.Future = field(repr=False, default=None)  # type: ignore[assignment]
+    stream: bool = False
+    tokens: list[int] = field(default_factory=list)  # new tokens, the stop token included
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    cancelled: bool = False  # timed out or disconnected: dropped at the next turn
+    events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
 
     def batch_key(self) -> tuple:
-        """Requests are batched only with others that sample the same way."""
-        return (
-            self.max_tokens,
-            self.temperature,
-            self.top_p,
-            json.dumps(self.template_kwargs, sort_keys=True),
-        )
+        """Rows of one batch sample the same way (max_tokens may differ: rows finish on their own)."""
+        return (self.temperature, self.top_p)
+
+
+@dataclass(eq=False)
+class Decode:
+    """A batch being generated: its live rows, their attention mask and KV cache."""
+
+    reqs: list[ChatRequest]
+    mask: Any  # [B, L] 1 = real token, 0 = left padding
+    cache: Any  # transformers Cache over the same B rows
+
+
+def sample(logits, temperature: float, top_p: float):
+    """Next token per row from `logits` [B, V]: argmax at temperature 0, else temperature + nucleus."""
+    import torch
+
+    if temperature == 0:
+        return logits.argmax(-1)  # [B]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    if top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
+        sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0
+        return order.gather(-1, torch.multinomial(sorted_p, 1)).squeeze(-1)  # [B]
+    return torch.multinomial(probs, 1).squeeze(-1)  # [B]
 
 
 class ChatEngine:
-    """A causal LM + tokenizer with a chat template; `generate(batch)` answers a list of requests."""
+    """A causal LM + tokenizer with a chat template, generating a batch a few tokens at a time:
+    `prefill(reqs)` starts a `Decode`, `step(decode, n)` adds up to n tokens per live row."""
 
     def __init__(self, model_path: str | os.PathLike, dtype: str = "float32"):
         import torch
@@ -81,12 +212,18 @@ class ChatEngine:
             raise UserError(
                 f"--model-path {path}: the tokenizer has no chat_template; save one with the tokenizer"
             )
-        self.tokenizer.padding_side = "left"  # generated tokens start at the same column for every row
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_ids = self._eos_ids()
+        # transformers 5 renamed `past_key_values` to `cache`; remote-code models may still use the old name
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.extra_args = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # last position only
+        # chat_template_kwargs are template variables (enable_thinking, ...), never apply_chat_template's own
+        # options: a client must not swap the template (`chat_template`) or change tokenization.
+        self.reserved_template_args = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
 
     def _eos_ids(self) -> list[int]:
         ids = self.model.generation_config.eos_token_id
@@ -95,70 +232,137 @@ class ChatEngine:
             ids.append(self.tokenizer.eos_token_id)
         return ids
 
-    def encode(self, req: ChatRequest) -> list[int]:
+    def encode(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
         out = self.tokenizer.apply_chat_template(
-            req.messages, add_generation_prompt=True, tokenize=True, **req.template_kwargs
+            messages, add_generation_prompt=True, tokenize=True, **template_kwargs
         )
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-    def generate(self, batch: list[ChatRequest]) -> list[dict[str, Any]]:
-        """One left-padded `generate` call for requests sharing a batch key."""
+    def prefill(self, reqs: list[ChatRequest]) -> Decode:
+        """Run the left-padded prompts of requests sharing a batch key; sample each row's first token."""
+        import torch
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt_ids) for r in reqs)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs])  # [B, L]
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs]
+        )  # [B, L]
+        decode = Decode(reqs, mask, DynamicCache())
+        self._forward(decode, input_ids, (mask.cumsum(-1) - 1).clamp(min=0))
+        return decode
+
+    def step(self, decode: Decode, num_tokens: int) -> Decode:
+        """Up to `num_tokens` more tokens for every live row; finished rows leave the batch as they stop."""
         import torch
 
-        prompts = [r.prompt_ids or self.encode(r) for r in batch]
-        width = max(map(len, prompts))
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, L]
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, L]
-        first = batch[0]
-        sampling = (
-            {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
-            if first.temperature > 0
-            else {"do_sample": False}
-        )
+        for _ in range(num_tokens):
+            if not decode.reqs:
+                break
+            last = torch.tensor([[r.tokens[-1]] for r in decode.reqs])  # [B, 1]
+            decode.mask = torch.cat([decode.mask, torch.ones_like(last)], dim=1)  # [B, L + 1]
+            self._forward(decode, last, decode.mask.sum(-1, keepdim=True) - 1)  # positions skip the padding
+        return decode
+
+    def _forward(self, decode: Decode, input_ids, position_ids) -> None:
+        import torch
+
         with torch.inference_mode():
-            out = self.model.generate(
+            out = self.model(
                 input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=first.max_tokens,
-                pad_token_id=pad,
-                eos_token_id=self.eos_ids or None,
-                **sampling,
-            )  # [B, L + new]
-        results = []
-        for row, prompt in zip(out[:, width:].tolist(), prompts):
-            stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
-            new = row if stop is None else row[:stop]
-            results.append(
-                {
-                    "text": self.tokenizer.decode(new, skip_special_tokens=True),
-                    "finish_reason": "length" if stop is None else "stop",
-                    "prompt_tokens": len(prompt),
-                    "completion_tokens": len(new) + (stop is not None),
-                }
+                attention_mask=decode.mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self.cache_arg: decode.cache},
+                **self.extra_args,
             )
-        return results
+            first = decode.reqs[0]
+            next_ids = sample(out.logits[:, -1], first.temperature, first.top_p).tolist()  # [B]
+        for req, tok in zip(decode.reqs, next_ids):
+            req.tokens.append(tok)
+            if tok in self.eos_ids:
+                req.finish_reason = "stop"
+            elif len(req.tokens) >= req.max_tokens:
+                req.finish_reason = "length"
+        self.keep(decode, [i for i, r in enumerate(decode.reqs) if r.finish_reason is None])
+
+    def keep(self, decode: Decode, rows: list[int]) -> None:
+        """Drop every other row from the batch (its cache too): finished or cancelled rows cost nothing."""
+        import torch
+
+        if len(rows) == len(decode.reqs):
+            return
+        decode.reqs = [decode.reqs[i] for i in rows]
+        if rows:
+            index = torch.tensor(rows)
+            decode.mask = decode.mask[index]
+            decode.cache.batch_select_indices(index)
+
+    def text(self, req: ChatRequest) -> str:
+        new = req.tokens[:-1] if req.finish_reason == "stop" else req.tokens
+        return self.tokenizer.decode(new, skip_special_tokens=True)
+
+    def result(self, req: ChatRequest) -> dict[str, Any]:
+        return {
+            "text": self.text(req),
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.tokens),  # the stop token counts, as in OpenAI usage
+        }
 
 
-class Batcher:
-    """Queue of pending requests drained by one worker: the model only ever runs in one thread."""
+class Scheduler:
+    """One worker owns the model: it batches queued requests and gives every active batch a turn of
+    `chunk_tokens` tokens in round-robin, so no request waits for another to finish."""
 
-    def __init__(self, engine: ChatEngine, max_batch_size: int, batch_wait_s: float = 0.005):
+    def __init__(
+        self,
+        engine: ChatEngine,
+        max_batch_size: int,
+        chunk_tokens: int = 8,
+        *,
+        batch_wait_s: float = 0.005,
+        turn_delay_s: float = 0.0,
+    ):
         self.engine = engine
         self.max_batch_size = max_batch_size
+        self.chunk_tokens = chunk_tokens
         self.batch_wait_s = batch_wait_s
+        self.turn_delay_s = turn_delay_s
         self.queue: asyncio.Queue[ChatRequest] = asyncio.Queue()
-        self.batches = 0
-        self.max_batch_seen = 0
+        self.active: collections.deque[Decode] = collections.deque()
+        self.running: list[ChatRequest] = []  # rows of the batch taking its turn now
+        self.counters = {"batches": 0, "max_batch_size_seen": 0, "turns": 0, "dropped": 0}
 
-    async def submit(self, req: ChatRequest) -> dict[str, Any]:
-        req.future = asyncio.get_running_loop().create_future()
-        await self.queue.put(req)
-        return await req.future
+    def submit(self, req: ChatRequest) -> None:
+        self.queue.put_nowait(req)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.counters,
+            "active_rows": len(self.running) + sum(len(d.reqs) for d in self.active),
+            "queued": self.queue.qsize(),
+        }
 
     async def run(self) -> None:
         while True:
-            pending = [await self.queue.get()]
+            await self._admit(wait=not self.active)
+            if self.active:
+                decode = self.active.popleft()
+                live = [i for i, r in enumerate(decode.reqs) if not r.cancelled]
+                self.counters["dropped"] += len(decode.reqs) - len(live)
+                self.engine.keep(decode, live)
+                if decode.reqs:
+                    await self._turn(
+                        decode.reqs, functools.partial(self.engine.step, decode, self.chunk_tokens)
+                    )
+
+    async def _admit(self, wait: bool) -> None:
+        """Start a batch per sampling setting from what is queued; when idle, wait for requests first."""
+        pending = []
+        if wait:
+            pending.append(await self.queue.get())
             # Requests a client sends together arrive a few ms apart: collect while more keep coming.
             while len(pending) < self.max_batch_size:
                 await asyncio.sleep(self.batch_wait_s)
@@ -166,72 +370,62 @@ class Batcher:
                     break
                 while not self.queue.empty():
                     pending.append(self.queue.get_nowait())
-            # Group by sampling settings; everything taken off the queue is answered in this round.
-            groups: dict[tuple, list[ChatRequest]] = {}
-            for req in pending:
-                groups.setdefault(req.batch_key(), []).append(req)
-            for group in groups.values():
-                for start in range(0, len(group), self.max_batch_size):
-                    await self._run_batch(group[start : start + self.max_batch_size])
+        while not self.queue.empty():
+            pending.append(self.queue.get_nowait())
+        groups: dict[tuple, list[ChatRequest]] = {}
+        for req in pending:
+            groups.setdefault(req.batch_key(), []).append(req)
+        for group in groups.values():
+            for start in range(0, len(group), self.max_batch_size):
+                batch = [r for r in group[start : start + self.max_batch_size] if not r.cancelled]
+                self.counters["dropped"] += min(self.max_batch_size, len(group) - start) - len(batch)
+                if batch:
+                    self.counters["batches"] += 1
+                    self.counters["max_batch_size_seen"] = max(
+                        self.counters["max_batch_size_seen"], len(batch)
+                    )
+                    await self._turn(batch, functools.partial(self.engine.prefill, batch))
 
-    async def _run_batch(self, batch: list[ChatRequest]) -> None:
-        self.batches += 1
-        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+    async def _turn(self, reqs: list[ChatRequest], work) -> None:
+        """Run one turn (`work` returns the batch's Decode) in a thread, answer the rows it finished and
+        requeue the batch while rows are live."""
+        self.counters["turns"] += 1
+        self.running = reqs
         try:
-            results = await asyncio.to_thread(self.engine.generate, batch)
+            decode = await asyncio.to_thread(work)
         except Exception as e:  # answer every waiter; the server keeps running
             log.exception("generation failed")
-            for req in batch:
-                if not req.future.done():
-                    req.future.set_exception(e)
+            for req in reqs:
+                req.events.put_nowait(("error", e))
             return
-        for req, res in zip(batch, results):
-            if not req.future.done():
-                req.future.set_result(res)
+        finally:
+            self.running = []
+        for req in reqs:
+            if req.finish_reason is not None:
+                req.events.put_nowait(("done", self.engine.result(req)))
+            elif req.stream:
+                req.events.put_nowait(("tokens", list(req.tokens)))
+        if decode.reqs:
+            self.active.append(decode)
+        if self.turn_delay_s:
+            await asyncio.sleep(self.turn_delay_s)
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error"):
+def _error_body(status: int, message: str, kind: str, param: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse(_error_body(status, message, kind, param), status_code=status)
 
 
-def _parse_request(body: Any, max_length: int) -> ChatRequest:
-    """Validate an OpenAI chat body; raises ValueError with the message the client sees (400)."""
-    if not isinstance(body, dict):
-        raise ValueError("request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list of {role, content}")
-    for m in messages:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise ValueError("each message needs a string 'role' and a string 'content'")
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 256))
-    temperature = body.get("temperature", 1.0)
-    top_p = body.get("top_p", 1.0)
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_length:
-        raise ValueError(f"'max_tokens' must be an integer in [1, {max_length}]")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError("'temperature' must be a number >= 0")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError("'top_p' must be in (0, 1]")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ValueError("'chat_template_kwargs' must be an object")
-    return ChatRequest(
-        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        template_kwargs=kwargs,
-    )
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 def build_app(
@@ -239,39 +433,49 @@ def build_app(
     served_model_name: str,
     *,
     max_batch_size: int = 16,
+    max_tokens_cap: int = 1024,
+    request_timeout_s: float = 300.0,
+    chunk_tokens: int = 8,
     fail_first: int = 0,
     fail_status: int | Sequence[int] = 500,
     delay_s: float = 0.0,
+    turn_delay_s: float = 0.0,
     api_key: str | None = None,
 ):
     """The Starlette app; `engine` is loaded before the app starts, so `/health` means ready."""
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    batcher = Batcher(engine, max_batch_size)
+    scheduler = Scheduler(engine, max_batch_size, chunk_tokens, turn_delay_s=turn_delay_s)
     statuses = [fail_status] if isinstance(fail_status, int) else list(fail_status)
     stats = {"requests": 0, "injected_failures": 0, "completed": 0, "in_flight": 0, "max_in_flight": 0}
+    stats |= {"timed_out": 0, "rejected": 0}
+    timeout_message = f"the request took longer than this server's --request-timeout-s {request_timeout_s:g}"
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        worker = asyncio.create_task(batcher.run())
+        worker = asyncio.create_task(scheduler.run())
         yield
         worker.cancel()
+
+    def guarded(endpoint):
+        """The API key applies to every route but /health (a load balancer probes it without one)."""
+
+        async def check(request):
+            given = request.headers.get("authorization", "")
+            if api_key and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(
+                    401, "missing or wrong API key (expected an Authorization: Bearer header)", "auth_error"
+                )
+            return await endpoint(request)
+
+        return check
 
     async def health(request):
         return JSONResponse({"status": "ok"})
 
-    def unauthorized(request):
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-            return _error(
-                401, "missing or wrong API key (expected an Authorization: Bearer header)", "auth_error"
-            )
-        return None
-
     async def models(request):
-        if denied := unauthorized(request):
-            return denied
         card = {
             "id": served_model_name,
             "object": "model",
@@ -281,13 +485,13 @@ def build_app(
         return JSONResponse({"object": "list", "data": [card]})
 
     async def get_stats(request):
-        return JSONResponse(
-            {**stats, "batches": batcher.batches, "max_batch_size_seen": batcher.max_batch_seen}
-        )
+        return JSONResponse({**stats, **scheduler.stats()})
+
+    def reject(status: int, message: str, param: str | None = None):
+        stats["rejected"] += 1
+        return _error(status, message, param=param)
 
     async def chat_completions(request):
-        if denied := unauthorized(request):
-            return denied
         stats["requests"] += 1
         if (n := stats["injected_failures"]) < fail_first:
             stats["injected_failures"] += 1
@@ -297,42 +501,61 @@ def build_app(
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON")
+            return reject(400, "the request body is not valid JSON")
         try:
-            req = _parse_request(body, engine.max_length)
-        except ValueError as e:
-            return _error(400, str(e))
-        if body.get("model") != served_model_name:
+            chat = parse_body(body, max_tokens_cap)
+        except RequestError as e:
+            return reject(400, str(e), e.param)
+        if chat.model != served_model_name:
             return _error(
-                404, f"model {body.get('model')!r} does not exist; this server serves {served_model_name!r}"
+                404,
+                f"model {chat.model!r} does not exist; this server serves {served_model_name!r}",
+                param="model",
             )
+        if bad := sorted(set(chat.chat_template_kwargs) & engine.reserved_template_args):
+            param = f"chat_template_kwargs.{bad[0]}"
+            return reject(
+                400, f"'{param}' is not allowed: only template variables (e.g. enable_thinking)", param
+            )
+        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
         try:
-            req.prompt_ids = engine.encode(req)
+            prompt_ids = engine.encode(messages, chat.chat_template_kwargs)
         except Exception as e:  # the chat template rejected the conversation
-            return _error(400, f"cannot apply the chat template: {type(e).__name__}: {e}")
-        if len(req.prompt_ids) + req.max_tokens > engine.max_length:
-            return _error(
+            return reject(400, f"cannot apply the chat template: {type(e).__name__}: {e}", "messages")
+        if len(prompt_ids) + chat.max_tokens > engine.max_length:
+            return reject(
                 400,
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({chat.max_tokens}) exceeds the model's "
                 f"max_model_len ({engine.max_length})",
+                "max_tokens",
             )
+        req = ChatRequest(prompt_ids, chat.max_tokens, chat.temperature, chat.top_p, stream=chat.stream)
+        deadline = asyncio.get_running_loop().time() + request_timeout_s
+        head = {
+            "id": f"chatcmpl-{stats['requests']}",
+            "created": int(time.time()),
+            "model": served_model_name,
+        }
+        if chat.stream:
+            usage = chat.stream_options is not None and chat.stream_options.include_usage
+            return StreamingResponse(stream(req, deadline, head, usage), media_type="text/event-stream")
         stats["in_flight"] += 1
         stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
         try:
-            if delay_s:
-                await asyncio.sleep(delay_s)
-            res = await batcher.submit(req)
-        except Exception as e:
-            return _error(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
+            kind, res = await asyncio.wait_for(answer(req), deadline - asyncio.get_running_loop().time())
+        except TimeoutError:
+            stats["timed_out"] += 1
+            return _error(504, timeout_message, "timeout")
         finally:
+            req.cancelled = True  # a no-op once finished; otherwise the scheduler drops the row
             stats["in_flight"] -= 1
+        if kind == "error":
+            return _error(500, f"generation failed: {type(res).__name__}: {res}", "server_error")
         stats["completed"] += 1
         return JSONResponse(
             {
-                "id": f"chatcmpl-{stats['requests']}",
+                **head,
                 "object": "chat.completion",
-                "created": int(time.time()),
-                "model": served_model_name,
                 "choices": [
                     {
                         "index": 0,
@@ -340,19 +563,88 @@ def build_app(
                         "finish_reason": res["finish_reason"],
                     }
                 ],
-                "usage": {
-                    "prompt_tokens": res["prompt_tokens"],
-                    "completion_tokens": res["completion_tokens"],
-                    "total_tokens": res["prompt_tokens"] + res["completion_tokens"],
-                },
+                "usage": usage_of(res),
             }
         )
 
+    async def answer(req: ChatRequest) -> tuple[str, Any]:
+        """Submit after the injected delay (inside the timeout); wait for "done" or "error"."""
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        scheduler.submit(req)
+        while (event := await req.events.get())[0] == "tokens":
+            pass
+        return event
+
+    def usage_of(res: dict[str, Any]) -> dict[str, int]:
+        total = res["prompt_tokens"] + res["completion_tokens"]
+        return {
+            "prompt_tokens": res["prompt_tokens"],
+            "completion_tokens": res["completion_tokens"],
+            "total_tokens": total,
+        }
+
+    async def stream(req: ChatRequest, deadline: float, head: dict[str, Any], include_usage: bool):
+        """Server-sent `chat.completion.chunk` events: the role, text deltas as turns finish, the finish
+        reason, usage if asked, then `[DONE]`. Errors after the 200 go out as an `error` event."""
+        loop = asyncio.get_running_loop()
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            return _sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
+
+        stats["in_flight"] += 1
+        stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+        sent = ""  # the text streamed so far; every delta extends it
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            scheduler.submit(req)
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(req.events.get(), deadline - loop.time())
+                except TimeoutError:
+                    stats["timed_out"] += 1
+                    yield _sse(_error_body(504, timeout_message, "timeout", None))
+                    return
+                if kind == "error":
+                    message = f"generation failed: {type(payload).__name__}: {payload}"
+                    yield _sse(_error_body(500, message, "server_error", None))
+                    return
+                text = (
+                    engine.text(req)
+                    if kind == "done"
+                    else engine.tokenizer.decode(payload, skip_special_tokens=True)
+                )
+                # A token may end inside a multi-byte character (decoded as U+FFFD): wait for the rest.
+                if text.startswith(sent) and (kind == "done" or not text.endswith("\ufffd")):
+                    if delta := text[len(sent) :]:
+                        yield chunk({"content": delta})
+                    sent = text
+                if kind == "done":
+                    yield chunk({}, payload["finish_reason"])
+                    if include_usage:
+                        yield _sse(
+                            {
+                                **head,
+                                "object": "chat.completion.chunk",
+                                "choices": [],
+                                "usage": usage_of(payload),
+                            }
+                        )
+                    yield "data: [DONE]\n\n"
+                    stats["completed"] += 1
+                    return
+        finally:  # also on a client disconnect: the scheduler drops the row at its next turn
+            req.cancelled = True
+            stats["in_flight"] -= 1
+
     routes = [
         Route("/health", health, methods=["GET"]),
-        Route("/stats", get_stats, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/stats", guarded(get_stats), methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 
@@ -374,28 +666,47 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=16, help="Most requests generated together.")
     p.add_argument(
-        "--fail-first", type=int, default=0, help="Answer the first N chat requests with --fail-status."
+        "--max-tokens-cap",
+        type=int,
+        default=1024,
+        help="Largest max_tokens a request may ask for (400 above).",
     )
     p.add_argument(
-        "--fail-status",
-        default="500",
-        help="Status of injected failures: 500, 502, 503 or 429, or a list (500,429).",
+        "--request-timeout-s",
+        type=float,
+        default=300.0,
+        help="A request unanswered after this long gets HTTP 504 and leaves its batch (default 300).",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=8,
+        help="New tokens per batch per scheduling turn: smaller lets short requests past long ones sooner.",
     )
     p.add_argument(
         "--api-key",
         default=None,
-        help="Require this Bearer token on /v1/* (default $DLLMFLOW_SERVE_API_KEY).",
+        help="Require this Bearer token on every route but /health (default $DLLMFLOW_SERVE_API_KEY).",
     )
-    p.add_argument("--delay-s", type=float, default=0.0, help="Extra latency per chat request (tests).")
     p.add_argument("--log-level", default="INFO")
+    # Fault injection for tests, hidden from --help: the first N chat requests fail with --fail-status
+    # (500, 502, 503 or 429, or a list such as 500,429), --delay-s per request, --turn-delay-s per turn.
+    p.add_argument("--fail-first", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--fail-status", default="500", help=argparse.SUPPRESS)
+    p.add_argument("--delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--turn-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
 def cli_main(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.max_batch_size < 1 or args.fail_first < 0 or args.delay_s < 0:
-        raise UserError("--max-batch-size must be >= 1, --fail-first and --delay-s >= 0")
+    if min(args.max_batch_size, args.max_tokens_cap, args.chunk_tokens) < 1 or args.request_timeout_s <= 0:
+        raise UserError(
+            "--max-batch-size, --max-tokens-cap and --chunk-tokens must be >= 1, --request-timeout-s > 0"
+        )
+    if min(args.fail_first, args.delay_s, args.turn_delay_s) < 0:
+        raise UserError("--fail-first, --delay-s and --turn-delay-s must be >= 0")
     try:
         statuses = [int(s) for s in str(args.fail_status).split(",")]
     except ValueError:
@@ -410,9 +721,13 @@ def cli_main(args: argparse.Namespace) -> int:
         engine,
         name,
         max_batch_size=args.max_batch_size,
+        max_tokens_cap=args.max_tokens_cap,
+        request_timeout_s=args.request_timeout_s,
+        chunk_tokens=args.chunk_tokens,
         fail_first=args.fail_first,
         fail_status=statuses,
         delay_s=args.delay_s,
+        turn_delay_s=args.turn_delay_s,
         api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
     )
     log.info("serving %s as %r on http://%s:%d/v1", args.model_path, name, args.host, args.port)
@@ -436,19 +751,24 @@ def local_server(
     host: str = "127.0.0.1",
     port: int | None = None,
     served_model_name: str | None = None,
+    max_batch_size: int = 16,
+    max_tokens_cap: int | None = None,
+    request_timeout_s: float | None = None,
+    chunk_tokens: int | None = None,
+    api_key: str | None = None,
     fail_first: int = 0,
     fail_status: int | Sequence[int] = 500,
     delay_s: float = 0.0,
-    max_batch_size: int = 16,
-    api_key: str | None = None,
+    turn_delay_s: float = 0.0,
     startup_timeout_s: float = 300.0,
     log_path: str | os.PathLike | None = None,
 ) -> Iterator[str]:
     """Run `dllmflow serve` in a subprocess; yield its base URL (`http://host:port/v1`) once `/health` is 200.
 
     `port=None` picks a free one (give a fixed port when the URL must stay the same across runs, e.g. a
-    resumed regeneration, whose manifest records the server URL). The server's log goes to `log_path`
-    (default: a temp file) and its tail is shown if it fails to start.
+    resumed regeneration, whose manifest records the server URL). Options left `None` keep the CLI
+    defaults. The server's log goes to `log_path` (default: a temp file) and its tail is shown if it fails
+    to start.
     """
     import httpx
 
@@ -456,7 +776,8 @@ def local_server(
     cmd = [
         sys.executable,
         "-m",
-        "dllmflow.inference.serve",
+        "dllmflow.cli",
+        "serve",
         "--model-path",
         str(model_path),
         "--host",
@@ -466,9 +787,21 @@ def local_server(
     ]
     statuses = ",".join(map(str, [fail_status] if isinstance(fail_status, int) else fail_status))
     cmd += ["--fail-first", str(fail_first), "--fail-status", statuses, "--delay-s", str(delay_s)]
-    cmd += ["--max-batch-size", str(max_batch_size), "--log-level", "WARNING"]
-    if served_model_name:
-        cmd += ["--served-model-name", served_model_name]
+    cmd += [
+        "--turn-delay-s",
+        str(turn_delay_s),
+        "--max-batch-size",
+        str(max_batch_size),
+        "--log-level",
+        "WARNING",
+    ]
+    optional = {
+        "--served-model-name": served_model_name,
+        "--max-tokens-cap": max_tokens_cap,
+        "--request-timeout-s": request_timeout_s,
+        "--chunk-tokens": chunk_tokens,
+    }
+    cmd += [str(a) for flag, value in optional.items() if value is not None for a in (flag, value)]
     own_log = log_path is None
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="dllmflow-serve-", suffix=".log")
@@ -508,7 +841,13 @@ def local_server(
             log_file.unlink(missing_ok=True)
 
 
-if __name__ == "__main__":  # `python -m dllmflow.inference.serve ...` (what local_server runs)
-    from dllmflow.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))
+if (
+    __name__ == "__main__"
+):  # `python -m dllmflow.inference.serve ...` = `dllmflow serve ...` (no cli import: layers)
+    parser = argparse.ArgumentParser(prog="dllmflow serve", description=__doc__.split("\n")[0])
+    add_cli_args(parser)
+    try:
+        sys.exit(cli_main(parser.parse_args()))
+    except UserError as e:
+        print(f"dllmflow serve: error: {e}", file=sys.stderr)
+        sys.exit(2)
