@@ -171,7 +171,8 @@ def serve_target(settings: Settings | dict[str, Any], source: str | None = None)
 
     target = local_target_path(s, source)
     log.info("starting a local server for %s", target)
-    with local_server(target, served_model_name=served_model_name(s)) as url:
+    cap = max(1024, s.regenerate.max_new_tokens)  # the server must accept what the client asks for
+    with local_server(target, served_model_name=served_model_name(s), max_tokens_cap=cap) as url:
         yield url
 
 
