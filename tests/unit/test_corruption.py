@@ -351,6 +351,46 @@ def test_scdd_smallest_reachable_time_is_two_steps():
     assert max(ts).item() <= 1 - 1 / 1000 + 1e-6
 
 
+@pytest.mark.parametrize(("T", "r"), [(1000, 0.1), (50, 0.3)])
+def test_scdd_draws_the_spec_stream_from_each_samples_generator(batch, T, r):
+    """Spec §2.2 + §1.3 written out: each sample's own generator draws a float32 rand(1) for t, then
+    rand(1, L) for the channels, then randint(0, V-2, (1, L)) for the replacement ids, in that order."""
+    x, m = batch
+    V = 100
+    seeds = [7, 2**40 + 3, 123456789, 0, 5, 99]
+    z, noise, p = per_sample(corrupt_scdd, seeds, x, m, mask_token_id=M, vocab_size=V, num_timesteps=T,
+                             uniform_ratio=r, eps=EPS)  # fmt: skip
+    a = b = 0.5  # g = 1, tau = 0.5
+    scale = (r / (1 - r)) / (0.5**a * 0.5**b)
+    K = V - 1
+    for row, seed in enumerate(seeds):
+        g = torch.Generator().manual_seed(seed)
+        u = torch.rand(1, generator=g)  # float32, as the spec's rand(B)
+        u = (1 - EPS) * u + EPS
+        t = torch.clamp((torch.floor(u * T) + 1) / T, max=1 - 1 / T)
+        assert torch.equal(p[row], t.expand(x.shape[1])), f"row {row}: t is not the spec's draw"
+        tt = float(t.double())
+        c = scale * tt**a * (1 - tt) ** b
+        mask_prob, uniform_prob = tt / (1 + c), c / (1 + c) * (K - 1) / K
+        pos_u = torch.rand(1, x.shape[1], generator=g)[0].double()  # [L]
+        draw = torch.randint(0, V - 2, (1, x.shape[1]), generator=g)[0]  # [L]
+        for i in range(x.shape[1]):
+            xi = int(x[row, i])
+            if m[row, i] == 0 or xi == M:
+                want = xi
+            elif pos_u[i] < mask_prob:
+                want = M
+            elif pos_u[i] < mask_prob + uniform_prob:
+                d = int(draw[i])
+                d += d >= min(xi, M)
+                d += d >= max(xi, M)
+                want = min(d, V - 1)
+            else:
+                want = xi
+            assert int(z[row, i]) == want, (row, i)
+    assert torch.equal(noise, z != x)
+
+
 def test_per_sample_noise_does_not_depend_on_batch_padding():
     """A row padded to 20 or to 30 (other micro-batch) gets the same noise with a fixed draw_length."""
     from dllmflow.diffusion.corruption import corrupt_blockwise, corrupt_uniform, per_sample

@@ -227,6 +227,43 @@ def test_overlap_anchors_range_and_more_blocks_than_fit():
         assert a.shape == (20,) and a.min() >= 1 and a.max() <= 12  # N=20 > L/bs=4
 
 
+@pytest.mark.parametrize(("valid", "bs"), [(16, 4), (30, 8), (5, 4), (3, 4), (6, 4)])
+def test_overlap_anchors_are_the_spec_draw(valid, bs):
+    """Spec §2.5: a = min(max(1 + round(U (M-1)), 1), M), M = max(valid - bs, 1), U from the sample's
+    generator (float32 rand). Not randint(1, M+1): the two ends get half the inner weight."""
+    M = max(valid - bs, 1)
+    for seed in range(10):
+        a = sample_anchors_overlap(valid_len=valid, num_blocks=64, block_size=bs,
+                                   gen=torch.Generator().manual_seed(seed))  # fmt: skip
+        u = torch.rand(64, generator=torch.Generator().manual_seed(seed)).tolist()
+        want = [min(max(1 + round(x * (M - 1)), 1), M) for x in u]  # Python round: half to even
+        assert a.tolist() == want
+
+
+def test_overlap_anchor_ends_get_half_the_weight():
+    gen = torch.Generator().manual_seed(0)
+    a = sample_anchors_overlap(valid_len=9, num_blocks=40000, block_size=4, gen=gen)  # M = 5
+    freq = torch.bincount(a, minlength=6)[1:].double() / a.numel()
+    # 1 + round(U·4): 1 and 5 with prob. 1/8, 2..4 with prob. 1/4 (randint would give 1/5 each)
+    torch.testing.assert_close(freq, torch.tensor([1 / 8, 1 / 4, 1 / 4, 1 / 4, 1 / 8], dtype=torch.double),
+                               atol=0.01, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(("valid", "n_blocks", "bs"), [(30, 5, 4), (40, 3, 8), (13, 2, 4), (20, 1, 4)])
+def test_disjoint_anchors_are_the_spec_draw_when_it_fits(valid, n_blocks, bs):
+    """Spec §2.5 legacy sampler: n = min(N, max(1, (v-1)//bs)), avail = v - n·bs >= n here, starts =
+    sort(randperm(avail)[:n]) + arange(n)·bs + 1, padded to N with the last start."""
+    n = min(n_blocks, max(1, (valid - 1) // bs))
+    avail = valid - n * bs
+    assert avail >= n
+    for seed in range(10):
+        a, n_valid = sample_anchors_disjoint(valid, n_blocks, bs, torch.Generator().manual_seed(seed))
+        perm = torch.randperm(avail, generator=torch.Generator().manual_seed(seed))
+        want = sorted(perm[:n].tolist())
+        want = [c + i * bs + 1 for i, c in enumerate(want)]
+        assert n_valid == n and a.tolist() == want + [want[-1]] * (n_blocks - n)
+
+
 def test_anchor_sampling_is_seeded_per_sample_and_leaves_global_rng_alone():
     attn = torch.ones(3, 30, dtype=torch.long)
     loss_mask = torch.ones(3, 30)

@@ -126,17 +126,20 @@ class FixedLogits(nn.Module):
 
 
 def _reference_loss(logits, x, loss_mask, attention_mask, alpha):
-    """CE_noisy + alpha CE_clean, next-token shift, shared supervised denominator (auto: alpha=None)."""
+    """CE_noisy + alpha CE_clean, next-token shift, shared denominator N_sup (auto: alpha=None).
+
+    N_sup = loss_mask.sum() over the UNSHIFTED mask (spec §1.2, §2.6), not the number of scored
+    positions (this reference used the shifted count before; the two differ when position 0 or a pad
+    is supervised)."""
     B, L = x.shape
     noisy = clean = 0.0
-    count = 0
     for b in range(B):
         for i in range(L - 1):
             if loss_mask[b, i + 1] and attention_mask[b, i + 1]:
                 target = int(x[b, i + 1])
                 noisy += -torch.log_softmax(logits[b, i].double(), -1)[target]
                 clean += -torch.log_softmax(logits[b, L + i].double(), -1)[target]
-                count += 1
+    count = max(int(loss_mask.sum()), 1)
     ce_noisy, ce_clean = noisy / count, clean / count
     if alpha is None:
         alpha = ce_noisy / max(ce_clean, 1e-6)
@@ -170,6 +173,30 @@ def test_loss_matches_reference(auto):
     assert torch.equal(call["input_ids"], torch.cat([z, x], 1))
     assert call["position_ids"][0].tolist() == list(range(L)) * 2
     assert call["attention_mask"].shape == (B, 1, 2 * L, 2 * L) and call["use_cache"] is False
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_denominator_is_the_unshifted_supervised_count(auto):
+    """Row 0 supervises position 0 (no logit predicts it) and row 1 supervises its two pads
+    (supervise_padding: loss_mask 1, attention 0, never scored): N_sup still counts all of them."""
+    batch = _batch()
+    B, L = batch["input_ids"].shape
+    batch["loss_mask"][0, :] = 1
+    batch["loss_mask"][1, 2:] = 1
+    n_sup = int(batch["loss_mask"].sum())
+    assert n_sup == L + (L - 2)
+    scored = int((batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum())
+    assert scored == n_sup - 3  # position 0 of row 0, the two pads of row 1
+    logits = torch.randn(B, 2 * L, V, generator=torch.Generator().manual_seed(4))
+    strategy = build_strategy(_settings(clean_loss_weight=0.2, auto_balance_clean_loss=auto))
+    batch.update(strategy.corrupt(batch, [1, 2]))
+    counts = strategy.token_counts(batch)
+    assert int(counts["noisy"]) == int(counts["clean"]) == n_sup
+    out = strategy.loss(FixedLogits(logits), batch)
+    ref_total, ref_dllm = _reference_loss(logits, batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
+                                          None if auto else 0.2)  # fmt: skip
+    assert math.isclose(float(_total(out, counts)), float(ref_total), rel_tol=1e-5)
+    assert math.isclose(float(out.sums["noisy"] / n_sup), float(ref_dllm), rel_tol=1e-5)
 
 
 def test_auto_balance_alpha_is_a_stopgrad_ratio():

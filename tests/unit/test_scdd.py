@@ -327,6 +327,22 @@ def test_strategy_end_to_end_finite_grads_and_contract():
     torch.testing.assert_close(out.sums["diffusion"].detach(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_strategy_time_is_a_float32_rand_from_each_samples_generator():
+    """Spec §2.2/§1.3: sample b's t comes from torch.Generator().manual_seed(seed_b).rand(1) (float32),
+    u <- (1-eps) u + eps, t = min((floor(u T) + 1)/T, 1 - 1/T); the strategy's p_mask carries it."""
+    strategy = build_strategy(_settings(eps=1e-3))
+    strategy.setup(_tiny_qwen3(), SimpleNamespace(mask_token_id=63), torch.device("cpu"))
+    seeds = [3, 2**43 + 2654435761, 17, 2**62 + 1]
+    t = strategy.corrupt(_batch(), seeds=seeds)["p_mask"]  # [B, L]
+    T = 100
+    for row, seed in enumerate(seeds):
+        u = torch.rand(1, generator=torch.Generator().manual_seed(seed))
+        u = (1 - 1e-3) * u + 1e-3
+        want = min(math.floor(float(u) * T) + 1, T - 1) / T
+        assert float(t[row, 0]) == pytest.approx(want, abs=1e-7)
+        assert torch.equal(t[row], t[row, :1].expand_as(t[row]))
+
+
 def test_setup_rejects_vocab_mismatch_and_out_of_vocab_mask():
     strategy = build_strategy(_settings(vocab_size=70))
     with pytest.raises(UserError, match=r"dllm.vocab_size=70 .* 64"):

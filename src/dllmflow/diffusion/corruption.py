@@ -216,10 +216,15 @@ def corrupt_scdd(
     """
     B, L = input_ids.shape
     T = int(num_timesteps)
-    u = torch.rand(B, device=input_ids.device, generator=generator, dtype=torch.float64)  # [B]
+    # The spec's draw: float32 `rand(B)`, and the grid index in float32 as the reference computes it.
+    # A float64 draw would take two 32-bit words per sample from the generator and shift every later
+    # draw (the per-position u and the replacement ids), so seeded runs could not match the recipe.
+    u = torch.rand(B, device=input_ids.device, generator=generator)  # [B] float32
     u = (1.0 - eps) * u + eps
-    t = (torch.floor(u * T) + 1.0) / T
-    t = torch.clamp(t, max=1.0 - 1.0 / T)  # [B]
+    step = torch.clamp(torch.floor(u * T) + 1.0, max=T - 1.0)  # [B], integer-valued: t = step / T
+    # The time itself and the schedule in float64 (as the loss evaluates them): the grid point is exact
+    # and the channel masses do not carry float32 rounding of t^a (1-t)^b.
+    t = step.to(torch.float64) / T  # [B]
     sched = scdd_schedule(t, uniform_ratio, schedule_shape, schedule_peak)
     K = vocab_size - 1
     # A uniform draw over the K non-mask states that lands on x is a no-op; corrupt_mix excludes x.

@@ -8,6 +8,10 @@ Dream-style next-token shift, logit i predicts token i+1 in both copies:
     noisy    = sum_i CE(logits[:, i],     x[i+1]) sup_i   -> / N_sup   (the dLLM term)
     clean    = sum_i CE(logits[:, L + i], x[i+1]) sup_i   -> / N_sup, weighted by alpha
     alpha    = clean_loss_weight, or stopgrad(noisy / clean) with auto_balance_clean_loss
+    N_sup    = global count of loss_mask != 0, UNSHIFTED and not gated by valid (spec §1.2, §2.6)
+
+so N_sup counts one more token than sum_i sup_i when position 0 is supervised, and every supervised
+pad (`supervise_padding`) although no pad is scored; that is the spec's denominator.
 
 The `block_length` curriculum (1 -> 2 -> 3) runs as successive fine-tunes: `curriculum_stages`
 turns one settings object with a list into one per stage, each starting from the previous stage's
@@ -77,7 +81,9 @@ class IDLMStrategy(Strategy):
         return {"noisy_input_ids": z, "noise_mask": noise, "p_mask": p}
 
     def token_counts(self, batch: Batch) -> dict[str, Tensor]:
-        n = shifted_supervision(batch["loss_mask"], batch.get("attention_mask")).sum()
+        # N_sup is the recipe's "supervised" count, Σ loss_mask over the unshifted mask (spec §2.6),
+        # not Σ sup_i of the shifted numerator.
+        n = (batch["loss_mask"] != 0).sum()
         return {"noisy": n, "clean": n}
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
