@@ -1,1 +1,1 @@
-"""Evaluation: accuracy and decoding speed per sampler, DFlash acceptance."""
+"""Evaluation: accuracy and decoding speed per sampler, DFlash acceptance, the lm-eval adapter."""

@@ -11,6 +11,7 @@ flexible (the last number in the text), commas and `$` ignored. Speed: tokens/s 
 (trimmed) tokens, NFE = forward passes per example, tokens per forward. The protocol (sampler and all
 its settings, generation length, n-shot, chat template hash, limit, split, seed) is returned with the
 metrics and the predictions. In Python: `evaluate(checkpoint, settings, sampler="llada", limit=8)`.
+`--harness gsm8k` scores the same rows through lm-evaluation-harness instead (harness.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import argparse
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,66 @@ def _exemplars(prepared_dir: Path, n_shot: int) -> list[list[dict]]:
 # ---- evaluation ---------------------------------------------------------------------------------
 
 
+@dataclass
+class EvalRunner:
+    """A checkpoint loaded for evaluation with one sampler (shared by `evaluate` and the lm-eval
+    adapter in `harness.py`). settings: the run's Settings or the checkpoint's own (None = neither)."""
+
+    model: Any
+    tokenizer: Any
+    runner: Any  # a dllmflow.diffusion.samplers Sampler
+    settings: Any
+    sampler: str
+
+    @property
+    def eval_cfg(self) -> Any:
+        return self.settings.eval if self.settings is not None else None
+
+
+def build_eval_runner(
+    checkpoint: str | Path,
+    settings: Any = None,
+    sampler: str = "llada",
+    overrides: dict[str, Any] | None = None,
+    device: str | None = None,
+) -> EvalRunner:
+    """Load `checkpoint` (on `device`, None = cuda if available) and build `sampler` from its preset <
+    settings.eval < `overrides` (one the sampler does not take is an error; `mask_id` picks the mask token)."""
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.inference.generate import check_sampler_fits, load_for_generation, validate_sampler_request
+
+    validate_sampler_request(sampler)
+    overrides = dict(overrides or {})
+    model, tokenizer, trained = load_for_generation(
+        checkpoint, mask_id=overrides.pop("mask_id", None), device=device
+    )
+    settings = settings or trained
+    check_sampler_fits(sampler, trained or settings)
+    eval_cfg = settings.eval if settings is not None else None
+    # The eval section is shared by every sampler of the mode: a knob this one does not take is dropped.
+    values = {k: getattr(eval_cfg, k) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
+    config = build_sampler_config(sampler, overrides, tokenizer, defaults=values)
+    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    return EvalRunner(model, tokenizer, runner, settings, sampler)
+
+
+def resolve_prepared_dir(checkpoint: str | Path, settings: Any, prepared_dir: str | Path | None) -> Path:
+    if prepared_dir is None:
+        if settings is None:
+            raise UserError(
+                f"{checkpoint}: no settings.json next to the weights; pass --params or --prepared_dir"
+            )
+        prepared_dir = settings.dataset.prepared_dir
+    return Path(prepared_dir)
+
+
+def eval_chats(prepared_dir: Path, rows: list[dict], n_shot: int) -> list[list[dict]]:
+    """The chat each row is asked as: n-shot exemplars from the train split, then its question."""
+    shots = _exemplars(prepared_dir, n_shot)
+    return [prompt_messages(r["messages"], shots) for r in rows]
+
+
 def evaluate(
     checkpoint: str | Path,
     settings: Any = None,
@@ -108,35 +171,16 @@ def evaluate(
     -> {"metrics", "protocol", "predictions"}.
     """
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import build_sampler_config
-    from dllmflow.inference.generate import (
-        check_sampler_fits,
-        decode_response,
-        load_for_generation,
-        validate_sampler_request,
-    )
+    from dllmflow.inference.generate import decode_response
     from dllmflow.models.limits import check_generation_fits
 
     # 1) what to run
-    validate_sampler_request(sampler)
-    overrides = dict(overrides or {})
-    model, tokenizer, trained = load_for_generation(checkpoint, mask_id=overrides.pop("mask_id", None))
-    settings = settings or trained
-    check_sampler_fits(sampler, trained or settings)
-    eval_cfg = settings.eval if settings is not None else None
-    if prepared_dir is None:
-        if settings is None:
-            raise UserError(
-                f"{checkpoint}: no settings.json next to the weights; pass --params or --prepared_dir"
-            )
-        prepared_dir = settings.dataset.prepared_dir
-    prepared_dir = Path(prepared_dir)
+    loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
+    model, tokenizer, runner, settings, eval_cfg = (
+        loaded.model, loaded.tokenizer, loaded.runner, loaded.settings, loaded.eval_cfg
+    )  # fmt: skip
+    prepared_dir = resolve_prepared_dir(checkpoint, settings, prepared_dir)
     limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
-    # The eval section is shared by every sampler of the mode: a knob this one does not take is dropped.
-    values = {k: getattr(eval_cfg, k) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
-    config = build_sampler_config(sampler, overrides, tokenizer, defaults=values)
-    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
     config = runner.config  # as it ran (scdd: the schedule read from the checkpoint)
     n_shot = eval_cfg.n_shot if eval_cfg is not None else 0
     batch_size = eval_cfg.batch_size if eval_cfg is not None else 8
@@ -145,12 +189,10 @@ def evaluate(
     rows = PreparedDataset(prepared_dir, split).rows(limit)
     if not rows:
         raise UserError(f"{prepared_dir}: split {split!r} has no rows to evaluate")
-    shots = _exemplars(prepared_dir, n_shot)
     prompts = [
-        list(tokenizer.apply_chat_template(prompt_messages(r["messages"], shots), add_generation_prompt=True,
-                                           return_dict=False))
-        for r in rows
-    ]  # fmt: skip
+        list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+        for chat in eval_chats(prepared_dir, rows, n_shot)
+    ]
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
     check_generation_fits(model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
 
@@ -219,6 +261,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="eval")
     parser.add_argument("--prepared_dir", help="default: dataset.prepared_dir of the settings")
     parser.add_argument("--output", help="write metrics, protocol and predictions to this JSON file")
+    parser.add_argument(
+        "--harness", metavar="TASK", help="score with lm-evaluation-harness instead (gsm8k; docs/lm_eval.md)"
+    )
     add_sampler_args(parser, seed_default=None)
 
 
@@ -227,7 +272,8 @@ def print_results(results: dict[str, Any]) -> None:
     from rich.table import Table
 
     proto = results["protocol"]
-    table = Table(title=f"GSM8K {proto['split']} · sampler {proto['sampler']}")
+    harness = f" · {proto['harness']} {proto['task']}" if "harness" in proto else ""
+    table = Table(title=f"GSM8K {proto['split']} · sampler {proto['sampler']}{harness}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in results["metrics"].items():
@@ -250,7 +296,17 @@ def cli_main(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     settings = load_settings(args.params) if args.params else None
     overrides = {**sampler_overrides(args), "mask_id": args.mask_id}
-    results = evaluate(
+    run = evaluate
+    if args.harness:
+        try:
+            from dllmflow.evaluation.harness import check_harness_task, run_harness
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("lm_eval"):
+                raise
+            raise UserError("--harness needs lm-evaluation-harness: pip install 'dllmflow[lmeval]'") from None
+        check_harness_task(args.harness)
+        run = partial(run_harness, task=args.harness)
+    results = run(
         args.checkpoint, settings, sampler=args.sampler, split=args.split, limit=args.limit,
         overrides=overrides, prepared_dir=args.prepared_dir,
     )  # fmt: skip
