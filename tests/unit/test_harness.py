@@ -10,8 +10,6 @@ import math
 
 import pytest
 import torch
-
-pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
