@@ -8,12 +8,17 @@ With `regenerate.target_server` unset the regenerate step starts `dllmflow serve
 production points `regenerate.target_server` at SGLang/vLLM and nothing starts locally. A rerun, a
 `@retry` or `resume` continues from the shards already written (their prompts are not requested again).
 The same work as a DVC stage: `dvc repro regenerate` (dvc.yaml). Steps are thin: the logic lives in
-`dllmflow.workflow.regenerate`.
+`dllmflow.workflow.regenerate`. Runs are tagged `mode:`, `recipe:` and `data:<hash12>` (the regenerated
+shards); production deploys it like FinetuneFlow (`@project`, `@schedule` only when
+`flow.schedule_cron` is set: `dllmflow.workflow.deploy`, infra/argo.md).
 """
 
 from metaflow import Config, FlowSpec, current, retry, step
 
+from dllmflow.workflow.deploy import deployment, run_tags
 
+
+@deployment(config="recipe")
 class RegenerateFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config(
@@ -28,6 +33,7 @@ class RegenerateFlow(FlowSpec):
 
         # Fail here, before a server starts, when there is no input or nothing to serve.
         self.settings = workflow.check_settings(dict(self.recipe)).to_dict()
+        current.run.add_tags(run_tags(self.settings))
         self.next(self.regenerate)
 
     @retry(times=1)
@@ -37,6 +43,7 @@ class RegenerateFlow(FlowSpec):
 
         # A retry resumes from the shards the failed attempt wrote.
         self.regeneration = workflow.regenerate_data(self.settings)
+        current.run.add_tags(run_tags(self.settings, self.regeneration))
         self.next(self.end)
 
     @step
