@@ -13,12 +13,13 @@ small result as an artifact. Runs are tagged `mode:`, `recipe:` and `data:<hash1
 `launch.scheduler` (`dllmflow.workflow.deploy`; needs a cloud datastore; see infra/argo.md).
 """
 
-from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, retry, step
+from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, project, retry, step
 
 from dllmflow.workflow.deploy import deployment, run_tags
 
 
 @deployment(config="recipe", train_step="train")
+@project(name=config_expr("recipe.flow.project"))
 class FinetuneFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config(
@@ -97,6 +98,8 @@ class FinetuneFlow(FlowSpec):
     def end(self):
         from dllmflow.workflow import finetune as workflow
 
+        # Again here: a resumed run clones start/prepare, so their tags never reach it.
+        current.run.add_tags(run_tags(self.settings, self.data))
         workflow.fill_card(
             current.card["report"],
             self.settings,

@@ -13,12 +13,13 @@ shards); production deploys it like FinetuneFlow (`@project`, `@schedule` only w
 `flow.schedule_cron` is set: `dllmflow.workflow.deploy`, infra/argo.md).
 """
 
-from metaflow import Config, FlowSpec, current, retry, step
+from metaflow import Config, FlowSpec, config_expr, current, project, retry, step
 
 from dllmflow.workflow.deploy import deployment, run_tags
 
 
 @deployment(config="recipe")
+@project(name=config_expr("recipe.flow.project"))
 class RegenerateFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config(
@@ -43,12 +44,13 @@ class RegenerateFlow(FlowSpec):
 
         # A retry resumes from the shards the failed attempt wrote.
         self.regeneration = workflow.regenerate_data(self.settings)
-        current.run.add_tags(run_tags(self.settings, self.regeneration))
         self.next(self.end)
 
     @step
     def end(self):
         r = self.regeneration
+        # data:<hash> of the shards; mode/recipe again for a resumed run (it clones start, not its tags)
+        current.run.add_tags(run_tags(self.settings, r))
         print(
             f"{current.pathspec}: {r['rows_written']} rows regenerated, {r['rows_resumed']} resumed, "
             f"{r['rows_skipped']} skipped -> {r['output_dir']} (content_hash {r['content_hash'][:12]})\n"

@@ -68,10 +68,10 @@ def first_json_object(text: str) -> dict:
     raise AssertionError(f"no WorkflowTemplate JSON in the output:\n{text[:2000]}")
 
 
-def compile_flow(flow: str, recipe: dict, env: dict, tmp_path: Path) -> dict:
+def compile_flow(flow: str, recipe: dict, env: dict, tmp_path: Path, *top_options: str) -> dict:
     params = tmp_path / f"{recipe['name']}.yaml"
     params.write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, f"flows/{flow}", "--config", "recipe", str(params)]
+    cmd = [sys.executable, f"flows/{flow}", *top_options, "--config", "recipe", str(params)]
     cmd += ["--with", "kubernetes", "argo-workflows", "create", "--only-json"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -149,7 +149,8 @@ def test_finetune_gpus_follow_the_trainers(s3_env, tmp_path):
         train=train,
         flow={"schedule_cron": "0 3 * * *", "train_retries": 2, "resources": {"cpu": 3, "memory_mb": 6000}},
     )
-    wf = compile_flow("finetune.py", cluster, s3_env, tmp_path)
+    wf = compile_flow("finetune.py", cluster, s3_env, tmp_path, "--branch", "nightly")
+    assert wf["metadata"]["name"] == "dllmflow.test.nightly.finetuneflow"  # @project's --branch
     assert cron(wf) == "0 3 * * *"
     res = step_resources(wf, "train")
     assert "nvidia.com/gpu" not in res["limits"]
@@ -170,6 +171,6 @@ def test_regenerate_flow_compiles_with_and_without_cron(s3_env, tmp_path):
         name="regen_nightly",
         flow={"schedule_cron": "30 1 * * 1-5", "project": "regen"},
     )
-    wf = compile_flow("regenerate.py", nightly, s3_env, tmp_path)
+    wf = compile_flow("regenerate.py", nightly, s3_env, tmp_path, "--production")
     assert cron(wf) == "30 1 * * 1-5"
-    assert wf["metadata"]["name"] == "regen.user.argo-tester.regenerateflow"
+    assert wf["metadata"]["name"] == "regen.prod.regenerateflow"

@@ -1,5 +1,6 @@
-"""The torchx component `dllmflow.components:train` through the torchx CLI, from the repo root (where
-./.torchxconfig and the `dllmflow.components` link live):
+"""The torchx component `dllmflow.components:train`: in-process, CLI dry runs (Kubernetes, Slurm), local run.
+
+Through the torchx CLI from the repo root (where ./.torchxconfig and the `dllmflow.components` link live):
 
   * in-process: the AppDef is `build_app`'s, with the component's arguments applied to `launch:` and
     settings.json written once to the run dir;

@@ -1,5 +1,7 @@
-"""Production settings of the flows (`dllmflow.workflow.deploy`, `flow:` and `launch:` sections): cron
-validation, where the train step's resources go, run tags. The compiled Argo template: tests/integration/test_argo.py."""
+"""Production settings of the flows: cron validation, train step resource placement, run tags, mounts.
+
+`dllmflow.workflow.deploy` and the `flow:` / `launch:` sections; the compiled Argo template is checked in
+tests/integration/test_argo.py."""
 
 from __future__ import annotations
 

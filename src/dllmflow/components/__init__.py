@@ -1,5 +1,6 @@
-"""The torchx CLI entry: `dllmflow.components:train` is the trainer component (defined in
-`dllmflow.training.component`, which wraps `dllmflow.training.launch.build_app`).
+"""The torchx CLI entry: `torchx run dllmflow.components:train` (the trainer component).
+
+`train` is defined in `dllmflow.training.component`, which wraps `dllmflow.training.launch.build_app`.
 
     torchx run -s local_cwd dllmflow.components:train --params params/tiny_mdlm.yaml --set train.max_steps=2
     torchx run --dryrun -s kubernetes dllmflow.components:train --params params/x.yaml --nnodes 2 --gpu 8

@@ -1,5 +1,6 @@
-"""The torchx component `train`: resolve the settings once, write RUN/settings.json, return `build_app`'s
-AppDef (torchrun -> `python -m dllmflow.training.main --settings RUN/settings.json`).
+"""torchx component `train`: settings resolved once into RUN/settings.json, then `build_app`'s AppDef.
+
+The AppDef runs torchrun -> `python -m dllmflow.training.main --settings RUN/settings.json`.
 
 From the repo root (torchx 0.7 reads `X:Y` as FILE:FUNCTION; `./dllmflow.components` is a link to this
 file, and ./.torchxconfig holds the scheduler settings):

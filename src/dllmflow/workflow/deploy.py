@@ -1,6 +1,7 @@
-"""What a flow carries into production, read from its `recipe` Config when the flow is parsed:
+"""Production decorators from the `recipe` Config: @schedule only with a cron, train @resources, tags.
 
-* `@project(name=flow.project)`: deployments are branch-aware (`--branch x` / `--production`);
+What a flow carries into production, read from its `recipe` Config when the flow is parsed:
+
 * `@schedule(cron=flow.schedule_cron)`, only when a cron is set (Metaflow's `@schedule` with no cron
   means daily, so a recipe without one must not get the decorator at all);
 * the train step's `@resources`, placed by the torchx scheduler (`train_step_resources`);
@@ -8,8 +9,13 @@
   so local runs and Argo runs are tagged alike and the data hash (known after `prepare`) is included.
 
     @deployment(config="recipe", train_step="train")
+    @project(name=config_expr("recipe.flow.project"))
     class FinetuneFlow(FlowSpec):
         recipe = Config("recipe", ...)
+
+`@project` stays a static decorator on the flow (its name from the Config): Metaflow builds the
+`--branch` / `--production` options from the decorators the class is written with, so one added here
+would have none.
 
     python flows/finetune.py --config recipe params/x.yaml --with kubernetes argo-workflows create
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metaflow import FlowMutator, project, resources, schedule
+from metaflow import FlowMutator, resources, schedule
 
 from dllmflow.settings import Settings
 
@@ -58,7 +64,7 @@ def run_tags(settings: dict[str, Any], data: dict[str, Any] | None = None) -> li
 
 
 class deployment(FlowMutator):  # lower case: used as a decorator, like Metaflow's own
-    """Adds @project, @schedule (when a cron is set) and the train step's @resources from the Config."""
+    """Adds @schedule (when a cron is set) and the train step's @resources from the Config."""
 
     def init(self, config: str = "recipe", train_step: str | None = None):
         self.config, self.train_step = config, train_step
@@ -66,7 +72,6 @@ class deployment(FlowMutator):  # lower case: used as a decorator, like Metaflow
     def pre_mutate(self, mutable_flow) -> None:
         settings = Settings.model_validate(getattr(mutable_flow, self.config).to_dict())
         flow = settings.flow
-        mutable_flow.add_decorator(project, deco_kwargs={"name": flow.project})
         if flow.schedule_cron:
             mutable_flow.add_decorator(
                 schedule, deco_kwargs={"cron": flow.schedule_cron, "timezone": flow.schedule_timezone}
