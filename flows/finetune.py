@@ -7,14 +7,19 @@
 
 The `recipe` Config is validated by `dllmflow.settings` before any step runs (a typo fails at parse
 time, naming the field). Steps are thin: each calls one `dllmflow.workflow.finetune` function and keeps its
-small result as an artifact. Production: `argo-workflows create` deploys the same flow on the
-`@schedule` from `flow.schedule_cron` (needs a cloud datastore; see infra/argo.md).
+small result as an artifact. Runs are tagged `mode:`, `recipe:` and `data:<hash12>` (add your own with
+`--tag`). Production: `argo-workflows create` deploys the same flow under `@project(flow.project)`, on
+`@schedule` only when `flow.schedule_cron` is set, with the train step's `@resources` placed by
+`launch.scheduler` (`dllmflow.workflow.deploy`; needs a cloud datastore; see infra/argo.md).
 """
 
-from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, resources, retry, schedule, step
+from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, project, retry, step
+
+from dllmflow.workflow.deploy import deployment, run_tags
 
 
-@schedule(cron=config_expr("recipe.flow.schedule_cron"))
+@deployment(config="recipe", train_step="train")
+@project(name=config_expr("recipe.flow.project"))
 class FinetuneFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config(
@@ -38,6 +43,7 @@ class FinetuneFlow(FlowSpec):
             dict(self.recipe), max_steps=self.max_steps, eval_limit=self.eval_limit
         )
         self.run_dir = workflow.flow_run_dir(self.settings, current.origin_run_id or current.run_id)
+        current.run.add_tags(run_tags(self.settings))
         self.next(self.prepare)
 
     @step
@@ -45,14 +51,11 @@ class FinetuneFlow(FlowSpec):
         from dllmflow.workflow import finetune as workflow
 
         self.data = workflow.prepare_data(self.settings, force=self.force_prepare)
+        current.run.add_tags(run_tags(self.settings, self.data))
         self.next(self.train)
 
+    # @resources comes from @deployment: the GPUs go where the trainers run (this step or the torchx job).
     @retry(times=config_expr("recipe.flow.train_retries"))
-    @resources(
-        cpu=config_expr("recipe.flow.resources.cpu"),
-        gpu=config_expr("recipe.flow.resources.gpu"),
-        memory=config_expr("recipe.flow.resources.memory_mb"),
-    )
     @step
     def train(self):
         from dllmflow.workflow import finetune as workflow
@@ -95,6 +98,8 @@ class FinetuneFlow(FlowSpec):
     def end(self):
         from dllmflow.workflow import finetune as workflow
 
+        # Again here: a resumed run clones start/prepare, so their tags never reach it.
+        current.run.add_tags(run_tags(self.settings, self.data))
         workflow.fill_card(
             current.card["report"],
             self.settings,

@@ -8,12 +8,18 @@ With `regenerate.target_server` unset the regenerate step starts `dllmflow serve
 production points `regenerate.target_server` at SGLang/vLLM and nothing starts locally. A rerun, a
 `@retry` or `resume` continues from the shards already written (their prompts are not requested again).
 The same work as a DVC stage: `dvc repro regenerate` (dvc.yaml). Steps are thin: the logic lives in
-`dllmflow.workflow.regenerate`.
+`dllmflow.workflow.regenerate`. Runs are tagged `mode:`, `recipe:` and `data:<hash12>` (the regenerated
+shards); production deploys it like FinetuneFlow (`@project`, `@schedule` only when
+`flow.schedule_cron` is set: `dllmflow.workflow.deploy`, infra/argo.md).
 """
 
-from metaflow import Config, FlowSpec, current, retry, step
+from metaflow import Config, FlowSpec, config_expr, current, project, retry, step
+
+from dllmflow.workflow.deploy import deployment, run_tags
 
 
+@deployment(config="recipe")
+@project(name=config_expr("recipe.flow.project"))
 class RegenerateFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config(
@@ -28,6 +34,7 @@ class RegenerateFlow(FlowSpec):
 
         # Fail here, before a server starts, when there is no input or nothing to serve.
         self.settings = workflow.check_settings(dict(self.recipe)).to_dict()
+        current.run.add_tags(run_tags(self.settings))
         self.next(self.regenerate)
 
     @retry(times=1)
@@ -42,6 +49,8 @@ class RegenerateFlow(FlowSpec):
     @step
     def end(self):
         r = self.regeneration
+        # data:<hash> of the shards; mode/recipe again for a resumed run (it clones start, not its tags)
+        current.run.add_tags(run_tags(self.settings, r))
         print(
             f"{current.pathspec}: {r['rows_written']} rows regenerated, {r['rows_resumed']} resumed, "
             f"{r['rows_skipped']} skipped -> {r['output_dir']} (content_hash {r['content_hash'][:12]})\n"

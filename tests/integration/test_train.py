@@ -5,7 +5,8 @@ One uninterrupted single-process run is the reference; against it:
     1 rank x 2 micro-batches = 2 ranks x 1 micro-batch);
   * FSDP2 on 2 processes, killed after a checkpoint by a failing rank (`dllmflow train` exits non-zero
     with that rank's error) and resumed with --resume, gives the same per-step losses;
-  * two torchrun "nodes" on this machine (c10d rendezvous on 127.0.0.1) train to the end;
+  * two torchrun "nodes" x 1 process on this machine (torchx local_cwd, c10d rendezvous on 127.0.0.1)
+    give the same losses as 1 node x 2 processes and as 1 process with the same global batch;
   * the consolidated export loads with AutoModelForCausalLM in a fresh process and its loss on a
     fixed held-out corrupted batch is below the same-seed untrained model's.
 """
@@ -139,15 +140,21 @@ print(json.dumps(out))
     assert out["trained"] < out["init"] - 0.3, out
 
 
-def test_ddp_two_processes_match_single_process(reference, prep, tmp_path):
+@pytest.fixture(scope="module")
+def ddp_losses(prep, tmp_path_factory) -> list[float]:
+    """1 node x 2 processes (torchrun through torchx local_cwd), 6 steps."""
     from dllmflow.training.launch import launch
 
+    run_dir = tmp_path_factory.mktemp("ddp")
     s = load_settings(
         RECIPE, **overrides(prep, distributed={"strategy": "ddp"}, launch={"nproc_per_node": 2})
     )
-    result = launch(s, run_dir=tmp_path / "ddp")
-    assert result.state == "SUCCEEDED"
-    assert_same_losses(losses(tmp_path / "ddp"), reference.losses)
+    assert launch(s, run_dir=run_dir).state == "SUCCEEDED"
+    return losses(run_dir)
+
+
+def test_ddp_two_processes_match_single_process(reference, ddp_losses):
+    assert_same_losses(ddp_losses, reference.losses)
 
 
 def test_fsdp2_failing_rank_then_resume_matches_uninterrupted(reference, prep, tmp_path):
@@ -176,7 +183,7 @@ def test_fsdp2_failing_rank_then_resume_matches_uninterrupted(reference, prep, t
     assert (ckpts / "step_000006" / "model" / "consolidated" / "model.safetensors").is_file()
 
 
-def test_two_nodes_on_one_machine(reference, prep, tmp_path):
+def test_two_nodes_on_one_machine(reference, ddp_losses, prep, tmp_path):
     from dllmflow.training.launch import launch
 
     s = load_settings(
@@ -185,8 +192,11 @@ def test_two_nodes_on_one_machine(reference, prep, tmp_path):
     )
     result = launch(s, run_dir=tmp_path / "2n")
     assert result.state == "SUCCEEDED"
-    # warmup 1 + cosine: steps 1-2 run at the peak LR whatever max_steps is, so they match the reference
-    assert_same_losses(losses(tmp_path / "2n"), reference.losses[:2])
+    # warmup 1 + cosine: steps 1-2 run at the peak LR whatever max_steps is, so they match the 6-step
+    # runs: 2 nodes x 1 process == 1 node x 2 processes == 1 process (global batch 8 in each)
+    two_nodes = losses(tmp_path / "2n")
+    assert_same_losses(two_nodes, ddp_losses[:2])
+    assert_same_losses(two_nodes, reference.losses[:2])
     assert (tmp_path / "2n" / "checkpoints" / "LATEST" / "model" / "consolidated" / "config.json").is_file()
 
 

@@ -182,11 +182,19 @@ class LaunchConfig(Section):
     nnodes: PositiveInt = 1
     nproc_per_node: PositiveInt = 1
     rdzv_backend: str = "c10d"
-    rdzv_endpoint: str | None = Field(None, description="host:port; None = a free port on 127.0.0.1.")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port; None = a free port on 127.0.0.1 (local), the rank-0 host (cluster)."
+    )
     max_restarts: NonNegativeInt = 0
     image: str = "dllmflow:latest"
     env: dict[str, str] = Field(default_factory=dict)
-    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    resources: ResourcesConfig = Field(
+        default_factory=ResourcesConfig, description="Per node (torchx replica): cpu, gpu, memory_mb."
+    )
+    mounts: list[str] = Field(
+        default_factory=list,
+        description="torchx mounts, one per entry, e.g. 'type=volume,src=dllmflow-runs,dst=/app/runs'.",
+    )
     scheduler_args: dict[str, str] = Field(
         default_factory=dict, description="torchx scheduler cfg (queue, ...)."
     )
@@ -225,12 +233,64 @@ class RegistryConfig(Section):
     gate: GateConfig = Field(default_factory=GateConfig)
 
 
-class FlowConfig(Section):
-    """Production knobs for `FinetuneFlow` (schedule, step resources, retries)."""
+_CRON_FIELDS = (  # (name, low, high, names) of the 5 standard fields, then AWS's optional year
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day of month", 1, 31, ()),
+    ("month", 1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")),
+    ("day of week", 0, 7, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")),
+    ("year", 1970, 2199, ()),
+)
+_CRON_MACROS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+_CRON_ITEM = re.compile(r"(\*|\?|(\w+)(?:-(\w+))?)(?:/(\d+))?")
 
-    schedule_cron: str | None = Field(None, description="Cron for @schedule in production (Argo).")
+
+def check_cron(value: str | None) -> str | None:
+    """A cron Argo's CronWorkflow accepts: 5 fields (minute hour day-of-month month day-of-week), or
+    the 6-field AWS form Metaflow documents (its trailing year is dropped for Argo), or a @daily-style
+    macro. Checked here so a typo fails when the recipe is parsed, not when the CronWorkflow is applied."""
+    if value is None or value.strip() in _CRON_MACROS:
+        return value
+    fields = value.split()
+    if len(fields) not in (5, 6):
+        raise ValueError(
+            f"{value!r} has {len(fields)} fields; a cron has 5: minute hour day-of-month month "
+            "day-of-week, e.g. '0 3 * * *' (daily 03:00 UTC)"
+        )
+    for text, (name, low, high, names) in zip(fields, _CRON_FIELDS):
+        for item in text.split(","):
+            m = _CRON_ITEM.fullmatch(item.upper())
+            if m is None or (m.group(1) == "?" and name not in ("day of month", "day of week")):
+                raise ValueError(f"{value!r}: bad {name} field {text!r}")
+            for part in filter(None, m.group(2, 3)):
+                number = names.index(part) + low if part in names else part  # JAN=1, SUN=0
+                if not str(number).isdigit() or not low <= int(number) <= high:
+                    raise ValueError(f"{value!r}: {name} {part!r} is not in {low}-{high}")
+    return value
+
+
+def check_project_name(value: str) -> str:
+    if not re.fullmatch(r"[a-z0-9_]{1,128}", value):
+        raise ValueError(f"{value!r}: a Metaflow @project name is 1-128 of a-z, 0-9 and '_', e.g. 'dllmflow'")
+    return value
+
+
+class FlowConfig(Section):
+    """Production knobs for the flows (schedule, project, train step resources, retries)."""
+
+    schedule_cron: Annotated[str | None, AfterValidator(check_cron)] = Field(
+        None, description="Cron of the Argo CronWorkflow, e.g. '0 3 * * *'; None = no schedule."
+    )
+    schedule_timezone: str | None = Field(None, description="IANA timezone of the cron (Argo); None = UTC.")
+    project: Annotated[str, AfterValidator(check_project_name)] = Field(
+        "dllmflow", description="Metaflow @project: deployments are named <project>.<branch>.<Flow>."
+    )
     train_retries: NonNegativeInt = 1
-    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    resources: ResourcesConfig = Field(
+        default_factory=ResourcesConfig,
+        description="The train step's own resources when it only submits to a cluster scheduler; with a "
+        "local scheduler the step runs the trainers and requests launch.resources x launch.nnodes.",
+    )
 
 
 class RegenerateConfig(Section):

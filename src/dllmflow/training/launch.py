@@ -5,11 +5,12 @@
     from dllmflow.training.launch import launch
     result = launch(settings, run_dir="runs/x")      # raises UserError naming the failing rank
 
-`build_app` is our own torchx component in the style of `torchx.components.dist.ddp`: one role with
+`build_app` is the one AppDef builder, in the style of `torchx.components.dist.ddp`: one role with
 `launch.nnodes` replicas, each running torchrun with `launch.nproc_per_node` workers and a c10d
 rendezvous (a free port on 127.0.0.1 for local schedulers unless `launch.rdzv_endpoint` is set; the
-rank-0 host for cluster schedulers). The scheduler is always named (`launch.scheduler`, default
-local_cwd), never torchx's default (local_docker). Edit infra/.torchxconfig to leave this machine.
+rank-0 host for cluster schedulers). The torchx CLI component (`dllmflow.components:train`, in
+training/component.py) wraps it. The scheduler is always named (`launch.scheduler`, default
+local_cwd), never torchx's default (local_docker). Edit ./.torchxconfig to leave this machine.
 """
 
 from __future__ import annotations
@@ -53,26 +54,60 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def is_local_scheduler(name: str) -> bool:
+    """local_cwd, local_docker: the trainers run on the submitting machine (in the flow's train step)."""
+    return name.startswith("local")
+
+
+def check_scheduler(name: str) -> None:
+    from torchx.schedulers import get_scheduler_factories
+
+    if name not in get_scheduler_factories():
+        raise UserError(
+            f"launch.scheduler={name!r} is not a torchx scheduler; choose one of "
+            f"{', '.join(sorted(get_scheduler_factories()))}"
+        )
+
+
+def rank0_endpoint(port: int = CLUSTER_RDZV_PORT) -> str:
+    """host:port of replica 0 as each scheduler names it (every torchx scheduler sets the variable)."""
+    from torchx.specs import macros
+
+    return f"$${{{macros.rank0_env}:=localhost}}:{port}"  # expanded by bash on each node
+
+
 def rdzv_endpoint(settings) -> str:
     lc = settings.launch
     if lc.rdzv_endpoint:
         return lc.rdzv_endpoint
     if lc.nnodes == 1:
         return "localhost:0"  # torchrun picks a free port itself
-    if lc.scheduler.startswith("local"):
+    if is_local_scheduler(lc.scheduler):
         return f"127.0.0.1:{free_port()}"
-    from torchx.specs import macros
-
-    return f"$${{{macros.rank0_env}:=localhost}}:{CLUSTER_RDZV_PORT}"  # expanded by bash on each node
+    return rank0_endpoint()
 
 
-def build_app(settings, run_dir: str | os.PathLike, resume: bool = False):
-    """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes."""
+def build_mounts(settings) -> list:
+    """`launch.mounts` ('type=volume,src=runs,dst=/app/runs', ...) as torchx mounts."""
+    from torchx.specs import parse_mounts
+
+    try:
+        return parse_mounts([opt for mount in settings.launch.mounts for opt in mount.split(",")])
+    except (KeyError, ValueError) as e:
+        raise UserError(
+            f"launch.mounts: {e}; write each mount as 'type=volume,src=<claim>,dst=/app/runs' "
+            "or 'type=bind,src=/host/path,dst=/app/runs'"
+        ) from None
+
+
+def build_app(settings, run_dir: str | os.PathLike, resume: bool = False, endpoint: str | None = None):
+    """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes.
+    `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks."""
     from torchx import specs
 
     lc = settings.launch
     settings_json = Path(run_dir) / "settings.json"
-    endpoint = _Raw(rdzv_endpoint(settings))
+    endpoint = _Raw(endpoint or rdzv_endpoint(settings))
     cmd = [
         "torchrun",
         "--nnodes", str(lc.nnodes),
@@ -105,6 +140,7 @@ def build_app(settings, run_dir: str | os.PathLike, resume: bool = False):
                 env=env,
                 port_map={"c10d": CLUSTER_RDZV_PORT},
                 max_retries=0,
+                mounts=build_mounts(settings),
             )
         ],
     )
@@ -125,19 +161,14 @@ def launch(
     lc = settings.launch
     run_dir = Path(run_dir or settings.resolved_run_dir).absolute()
     settings.write_json(run_dir / "settings.json")
-    local = lc.scheduler.startswith("local")
+    local = is_local_scheduler(lc.scheduler)
     cfg: dict[str, Any] = dict(lc.scheduler_args)
     # Scheduler settings a user edits to leave this machine (queue, namespace, partition, ...):
-    # `launch.scheduler_args` win over ./.torchxconfig, which wins over infra/.torchxconfig.
+    # `launch.scheduler_args` win over ./.torchxconfig (where the torchx CLI reads it too).
     from torchx.runner.config import apply as apply_torchxconfig
-    from torchx.schedulers import get_scheduler_factories
 
-    if lc.scheduler not in get_scheduler_factories():
-        raise UserError(
-            f"launch.scheduler={lc.scheduler!r} is not a torchx scheduler; choose one of "
-            f"{', '.join(sorted(get_scheduler_factories()))}"
-        )
-    apply_torchxconfig(lc.scheduler, cfg, dirs=[os.getcwd(), str(Path.cwd() / "infra")])
+    check_scheduler(lc.scheduler)
+    apply_torchxconfig(lc.scheduler, cfg, dirs=[os.getcwd()])
     log_dir = None
     if local:
         log_dir = Path(cfg.setdefault("log_dir", str(run_dir / "logs")))
