@@ -163,12 +163,42 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
     preds = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PRED="))[5:])
     assert len(preds) == 1 and isinstance(preds[0], str)
 
-    # A second run: DVC skips the unchanged data, a new version is registered and gated.
+    # A second run under a stricter gate (a speed floor no CPU run reaches; registry.* is not a DVC
+    # param): DVC skips the unchanged data, version 2 is registered as candidate but NOT promoted.
+    strict = _recipe(train_retries=1)
+    strict["registry"]["gate"]["min_tokens_per_s"] = 1e9
+    (project / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(strict))
     _flow(project, "run", env=_env(project))
     run2 = _latest_run(project)
     assert run2["id"] != run["id"] and run2["data"]["reused"] is True
     reg2 = run2["registration"]
-    assert reg2["version"] == 2 and reg2["gate_reason"]
+    assert reg2["version"] == 2 and reg2["gate_promoted"] is False
+    assert (
+        reg2["gate_reason"].startswith("tokens_per_s ")
+        and "below the floor 1000000000.0" in reg2["gate_reason"]
+    )
+    assert f"rejected: {reg2['gate_reason']}" in run2["card"]
+    code = (
+        "import json; from mlflow import MlflowClient; c = MlflowClient(); "
+        "v2 = c.get_model_version('e2e-tiny', '2'); "
+        "print('REG=' + json.dumps({'champion': c.get_model_version_by_alias('e2e-tiny', 'champion').version, "
+        "'candidate': c.get_model_version_by_alias('e2e-tiny', 'candidate').version, 'tags': v2.tags}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=project,
+        env=_env(project),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    aliases = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("REG="))[4:])
+    assert str(aliases["champion"]) == "1" and str(aliases["candidate"]) == "2"
+    assert (
+        aliases["tags"]["gate.decision"] == "rejected"
+        and aliases["tags"]["gate.reason"] == reg2["gate_reason"]
+    )
 
 
 def test_failed_flow_resume_reruns_only_the_failed_step(project):

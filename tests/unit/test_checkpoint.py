@@ -1,5 +1,5 @@
-"""Checkpoint bookkeeping: the atomic LATEST pointer, pruning, save/load round trip on one rank,
-and the stateless global sampler that makes "resume = step" true."""
+"""Checkpoint bookkeeping: the atomic LATEST pointer, pruning, save/load round trip on one rank (the
+stateless global sampler that makes "resume = step" true is tested in test_training_data.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dllmflow.training import checkpoint as ckpt
-from dllmflow.training.data import GlobalBatches
 from dllmflow.training.parallel import DistInfo
 
 INFO = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False)
@@ -104,34 +103,3 @@ def test_failed_export_leaves_latest_on_previous_checkpoint(tmp_path):
         ckpt.save_checkpoint(tmp_path, 2, model, opt, sched, INFO, keep_last=3, export=broken_export)
     assert ckpt.latest_checkpoint(tmp_path).name == "step_000001"
     assert not (tmp_path / "step_000002").exists()
-
-
-def _positions_by_topology(world, gbs=8, lbs=2, steps=3):
-    """{global position -> (micro-batch contents)} for every rank of a topology."""
-    rows = [{"id": i} for i in range(13)]
-    out = {}
-    for rank in range(world):
-        gb = GlobalBatches(rows, lambda r: {"rows": [x["id"] for x in r]}, gbs, lbs, rank, world, seed=7)
-        for step in range(steps):
-            for micro in range(gb.grad_accum_steps):
-                pos = tuple(gb.positions(step, micro))
-                out[pos] = [gb.row_index(p) for p in pos]
-    return out
-
-
-def test_global_batches_are_topology_independent_and_cover_each_step():
-    one, two, four = (_positions_by_topology(w) for w in (1, 2, 4))
-    assert one == two == four  # same micro-batches (same rows, same positions) whatever the world size
-    for step in range(3):
-        seen = sorted(p for pos in one for p in pos if step * 8 <= p < (step + 1) * 8)
-        assert seen == list(range(step * 8, (step + 1) * 8))
-
-
-def test_epoch_permutation_visits_every_row_once_per_epoch():
-    rows = [{"id": i} for i in range(13)]
-    gb = GlobalBatches(rows, list, 13, 13, 0, 1, seed=3)
-    epoch0 = [gb.row_index(p) for p in range(13)]
-    epoch1 = [gb.row_index(p) for p in range(13, 26)]
-    assert sorted(epoch0) == sorted(epoch1) == list(range(13))
-    assert epoch0 != epoch1  # reshuffled each epoch
-    assert [gb.row_index(p) for p in range(13)] == epoch0  # stateless: asking again gives the same

@@ -156,13 +156,13 @@ def test_response_window_aligns_to_response_and_attends_fill():
 def test_single_turn_guard_runs_every_batch():
     collate = DLLMCollator(PAD, EOS, block_size=4, response_window=True)
     multi = {"input_ids": list(range(10, 18)), "loss_mask": [0, 1, 1, 0, 0, 1, 1, 0]}
-    collate([row(2, 2)])  # a valid batch first
+    check(collate([row(2, 2)]), reference([row(2, 2)], bs=4, window=True))  # a valid batch first
     with pytest.raises(UserError, match="supervised runs"):
         collate([row(2, 2), multi])
     with pytest.raises(UserError, match="mask_history"):  # and again on a later batch
         collate([multi])
-    # the base recipe has no such rule
-    DLLMCollator(PAD, EOS, block_size=4)([multi])
+    # the base recipe has no such rule: the multi-turn row collates like any other
+    check(DLLMCollator(PAD, EOS, block_size=4)([multi]), reference([multi], bs=4))
 
 
 def test_supervised_runs():

@@ -112,21 +112,45 @@ def test_fused_equals_dense_loss_counts_and_grads():
 
 
 def test_strategy_loss_matches_direct_reference(setup_n3):
-    """End to end: the strategy's summed loss equals the loop reference on the draft's own logits,
-    with a mask built element-wise in the test."""
+    """End to end against spec §2.5 written out position by position: keep, block inputs, targets and
+    their mask from the clean ids and the sampled anchors, the draft's attention mask and positions
+    element-wise, then the loop loss on the draft's own logits (float64), to 1e-5."""
     strategy, draft = setup_n3
     batch = make_batch(bsz=2, seq_len=24, seed=3)
     batch.update(strategy.corrupt(batch, [11, 12]))
     out = strategy.loss(draft, batch)
-    bs, seq_len = strategy.block_size, 24
-    anchors, keep = batch["dflash_anchors"], batch["dflash_keep"]
+    bs, seq_len, mask_id = strategy.block_size, 24, strategy.mask_token_id
+    ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    anchors = batch["dflash_anchors"]
+    num_blocks = anchors.shape[1]
+    # 1) pre-step from the spec: keep, block ids, targets and target mask
+    keep = torch.zeros(2, num_blocks, dtype=torch.bool)
+    block_ids = torch.full((2, num_blocks * bs), mask_id)
+    targets = torch.zeros(2, num_blocks * (bs - 1), dtype=torch.long)
+    tmask = torch.zeros(2, num_blocks * (bs - 1))
+    for b in range(2):
+        valid = int(attn[b].sum())
+        sup = float((attn[b] * lm[b]).sum())
+        for n in range(num_blocks):
+            a = int(anchors[b, n])
+            assert 1 <= a <= max(valid - bs, 1)
+            keep[b, n] = sup >= 2 * bs and valid > bs
+            if keep[b, n]:
+                block_ids[b, n * bs] = ids[b, a]
+            for k in range(1, bs):
+                p = min(a + k, seq_len - 1)
+                targets[b, n * (bs - 1) + k - 1] = ids[b, p]
+                ok = bool(keep[b, n]) and a + k < valid and attn[b, p] * lm[b, p] > 0
+                tmask[b, n * (bs - 1) + k - 1] = float(ok)
+    assert torch.equal(batch["dflash_keep"], keep) and keep.any() and tmask.sum() > 0
+    # 2) the draft forward with an element-wise mask and positions
     with torch.no_grad():
         hs = strategy.target.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+            input_ids=ids, attention_mask=attn, output_hidden_states=True
         ).hidden_states
         h = torch.cat([hs[i + 1] for i in strategy.layer_ids], -1)
-        noise = strategy.target_embed(batch["dflash_block_ids"])
-    q_len = anchors.shape[1] * bs
+        noise = strategy.target_embed(block_ids)
+    q_len = num_blocks * bs
     mask = torch.full((2, 1, q_len, seq_len + q_len), torch.finfo(torch.float32).min)
     pos = torch.zeros(2, seq_len + q_len, dtype=torch.long)
     for b in range(2):
@@ -138,15 +162,14 @@ def test_strategy_loss_matches_direct_reference(setup_n3):
                 ok = (kv < anchors[b, n] and bool(keep[b, n])) if kv < seq_len else (kv - seq_len) // bs == n
                 if ok:
                     mask[b, 0, q, kv] = 0.0
-    hidden = draft(target_hidden=h, noise_embedding=noise, position_ids=pos, attention_mask=mask)
-    logits = strategy.target_head(
-        hidden.view(2, -1, bs, hidden.shape[-1])[:, :, 1:].reshape(2, -1, hidden.shape[-1])
-    )
-    ref = reference_decay_loss(
-        logits, batch["dflash_targets"], batch["dflash_target_mask"], bs, strategy.gamma
-    )
-    assert abs(out.sums["diffusion"].item() - ref) < 1e-3 * max(1.0, ref)
-    assert strategy.token_counts(batch)["diffusion"].item() == batch["dflash_target_mask"].sum().item() > 0
+    with torch.no_grad():
+        hidden = draft(target_hidden=h, noise_embedding=noise, position_ids=pos, attention_mask=mask)
+        logits = strategy.target_head(
+            hidden.view(2, -1, bs, hidden.shape[-1])[:, :, 1:].reshape(2, -1, hidden.shape[-1])
+        )
+    ref = reference_decay_loss(logits, targets, tmask, bs, strategy.gamma)
+    assert math.isclose(out.sums["diffusion"].item(), ref, rel_tol=1e-5)
+    assert strategy.token_counts(batch)["diffusion"].item() == tmask.sum().item()
 
 
 def test_strategy_fused_equals_dense(target_dir):

@@ -1,16 +1,12 @@
-"""The torchx component (`build_app`), the failure message and the LR schedule, without launching."""
+"""The torchx component (`build_app`) and the failure message, without launching."""
 
 from __future__ import annotations
 
-import math
 import shlex
 from pathlib import Path
 
-import pytest
-
 from dllmflow.settings import load_settings
 from dllmflow.training.launch import build_app, describe_failure, parse_overrides
-from dllmflow.training.trainer import lr_factor
 
 
 def _cmd(app) -> list[str]:
@@ -74,22 +70,6 @@ def test_set_overrides_parse_like_yaml_values():
     assert parse_overrides(["train.lr=1e-4", "launch.nnodes=2", "name=abc", "eval.samplers=[llada]"]) == {
         "train.lr": 1e-4, "launch.nnodes": 2, "name": "abc", "eval.samplers": ["llada"],
     }  # fmt: skip
-
-
-@pytest.mark.parametrize("schedule", ["cosine", "constant"])
-def test_lr_schedule_warmup_then_cosine_or_constant(schedule):
-    s = load_settings(
-        train={"max_steps": 10, "warmup_steps": 2, "min_lr_ratio": 0.1, "lr_schedule": schedule}
-    )
-    factors = [lr_factor(step, s) for step in range(10)]
-    assert factors[:2] == [0.5, 1.0]
-    if schedule == "constant":
-        assert factors[2:] == [1.0] * 8
-    else:
-        # reference: 0.1 + 0.9 * (1 + cos(pi * (step - warmup) / (max - warmup))) / 2
-        want = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in range(2, 10)]
-        assert factors[2:] == pytest.approx(want)
-    assert lr_factor(10, s) == pytest.approx(0.1 if schedule == "cosine" else 1.0)
 
 
 def test_torchxconfig_sections_reach_the_scheduler_cfg():

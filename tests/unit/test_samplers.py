@@ -4,8 +4,6 @@ test controls."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -324,7 +322,11 @@ def test_schedule_steps_commit_counts_without_threshold():
     cfg = build_sampler_config("llada", dict(steps=4, max_new_tokens=10, block_size=10))
     rec = Recorder(scripted_forward([{}]))
     s = LLaDASampler(None, _FakeTok(), cfg, forward=rec)
-    s.generate([[11]])
+    out = s.generate([[11]])
     masks = [int((c == 0).sum()) for c in rec.calls] + [0]
-    assert [a - b for a, b in zip(masks, masks[1:])] == [3, 3, 2, 2]
-    assert math.isclose(sum([3, 3, 2, 2]), 10)
+    committed = [a - b for a, b in zip(masks, masks[1:])]
+    # reference (LLaDA): n // steps per step, the remainder spread over the first steps
+    want = [10 // 4 + (i < 10 % 4) for i in range(4)]
+    assert committed == want == [3, 3, 2, 2]
+    assert len(rec.calls) == 4 and masks[0] == 10  # one forward per step, starting from 10 masks
+    assert len(out.sequences[0]) == 10 and 0 not in out.sequences[0]

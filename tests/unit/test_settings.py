@@ -77,10 +77,32 @@ def test_there_are_recipes():
     assert any(p.name == "tiny_mdlm.yaml" for p in PARAMS)
 
 
+def _leaves(data: dict, prefix: str = "") -> dict:
+    """Dotted leaf keys of a nested dict, written here (not the loader's own flattening)."""
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 @pytest.mark.parametrize("path", PARAMS, ids=[p.name for p in PARAMS])
-def test_every_params_yaml_loads(path):
+def test_every_params_yaml_loads_with_every_value_it_sets(path):
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
     s = load_settings(path)
-    assert s.dllm.mode in MODES
+    assert s.dllm.mode == raw.get("dllm", {}).get("mode", "mdlm") and s.dllm.mode in MODES
+    flat = s.flat()
+    for key, value in _leaves(raw).items():
+        assert key in flat, f"{path.name}: {key} vanished"
+        got = flat[key]
+        got = list(got) if isinstance(got, tuple) else got
+        assert got == value or (isinstance(value, (int, float)) and got == pytest.approx(value)), (
+            f"{path.name}: {key} = {got!r}, the YAML says {value!r}"
+        )
 
 
 # ---- validation rules, each with the dotted path and the origin in the message ----------------------
@@ -181,8 +203,14 @@ def test_missing_file(tmp_path):
 
 
 def test_flat_view_for_mlflow_params():
-    flat = load_settings().flat()
-    assert flat["dllm.mode"] == "mdlm" and flat["train.lr"] == 1e-3
+    s = load_settings(train={"lr": 0.25, "betas": [0.8, 0.9]}, dllm={"mode": "hybrid", "block_size": 8})
+    flat = s.flat()
+    assert flat["dllm.mode"] == "hybrid" and flat["train.lr"] == 0.25 and flat["dllm.block_size"] == 8
+    assert list(flat["train.betas"]) == [0.8, 0.9]
+    # one entry per leaf of the nested dump, nothing else, no nested dicts left
+    assert flat == _leaves(s.to_dict())
+    assert not any(isinstance(v, dict) and v for v in flat.values())
+    assert "train" not in flat and "dllm.ar_loss_alpha" in flat
 
 
 def test_settings_is_the_root_type():

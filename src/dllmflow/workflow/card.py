@@ -63,7 +63,8 @@ def eval_rows(evals: dict[str, dict[str, Any]]) -> list[list[str]]:
     rows = []
     for name, result in evals.items():
         m = result.get("metrics", {})
-        rows.append([name] + [_fmt(m.get(c)) for c in EVAL_COLUMNS] + [_fmt(m.get("acceptance_length"))])
+        # tau: the DFlash acceptance length, as evaluate_dflash reports it
+        rows.append([name] + [_fmt(m.get(c)) for c in EVAL_COLUMNS] + [_fmt(m.get("tau"))])
     return rows
 
 

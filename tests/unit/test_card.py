@@ -1,0 +1,96 @@
+"""`dllmflow.workflow.card`: the card of a finetune run built from a fake run dir (metrics.jsonl and an
+eval JSON): the tables hold the run's numbers, the figures plot them, lineage names the gate decision."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dllmflow.settings import load_settings
+from dllmflow.workflow.card import build_card_components, eval_rows, loss_figure
+
+LOSSES = [5.0, 4.25, 3.5]
+
+
+@pytest.fixture()
+def run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": i + 1, "loss": v, "dllm_loss": v - 0.5}) for i, v in enumerate(LOSSES))
+        + '\n{"step": 4, "lo'  # a torn last line is skipped
+    )
+    evals = {
+        "llada": {
+            "metrics": {"exact_match_strict": 0.25, "exact_match_flexible": 0.375, "tokens_per_s": 123.456,
+                        "nfe": 16, "tokens_per_forward": 2.0},
+            "predictions": [{"prompt": "What is 2 + 3?", "prediction": "It is   5.", "answer_number": 5}] * 4,
+        },
+        "acceptance": {"metrics": {"tokens_per_s": 10.0, "tau": 3.25}},
+    }  # fmt: skip
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "llada.json").write_text(json.dumps(evals["llada"]))
+    evals_from_disk = {
+        "llada": json.loads((tmp_path / "eval" / "llada.json").read_text()),
+        **{"acceptance": evals["acceptance"]},
+    }
+    return tmp_path, evals_from_disk
+
+
+def _rendered(parts):
+    return [p.render() for p in parts]
+
+
+def test_eval_rows_format_every_column():
+    rows = eval_rows({"s": {"metrics": {"exact_match_strict": 0.5, "tokens_per_s": 1234.5678, "nfe": 8}}})
+    assert rows == [["s", "0.5", "-", "1235", "8", "-", "-"]]
+
+
+def test_loss_figure_plots_the_logged_curves(run):
+    run_dir, _ = run
+    fig = loss_figure(str(run_dir))
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    assert list(lines["loss"].get_xdata()) == [1, 2, 3] and list(lines["loss"].get_ydata()) == LOSSES
+    assert list(lines["dllm_loss"].get_ydata()) == [v - 0.5 for v in LOSSES]
+
+
+def test_card_components_hold_the_numbers(run):
+    run_dir, evals = run
+    settings = load_settings(name="card-test", dllm={"mode": "mdlm"})
+    data = {"content_hash": "c0ffee" * 4, "dvc_stage": "prepare", "dvc_rev": "abc123"}
+    training = {"app_handle": "local_cwd://torchx/app-1"}
+    registration = {
+        "run_id": "r-42", "model_name": "m", "version": 3, "gate_promoted": False,
+        "gate_reason": "exact_match_flexible 0.3750 < champion v2 0.5000 - 0.0", "lineage": {"git_sha": "deadbeef"},
+    }  # fmt: skip
+    parts = _rendered(build_card_components(settings, str(run_dir), evals, data, training, registration))
+    assert parts[0] == {**parts[0], "type": "markdown", "source": "# card-test: `mdlm` fine-tune"}
+    tables = [p for p in parts if p["type"] == "table"]
+    evals_table, samples, lineage = tables
+    assert evals_table["columns"] == [
+        "sampler", "exact_match_strict", "exact_match_flexible", "tokens_per_s", "nfe", "tokens_per_forward", "tau",
+    ]  # fmt: skip
+    assert evals_table["data"] == [
+        ["llada", "0.25", "0.375", "123.5", "16", "2", "-"],
+        ["acceptance", "-", "-", "10", "-", "-", "3.25"],  # DFlash: tau from evaluate_dflash
+    ]
+    # three samples per sampler, whitespace collapsed
+    assert samples["data"] == [["llada", "What is 2 + 3?", "It is 5.", "5"]] * 3
+    lineage_rows = dict(map(tuple, lineage["data"]))
+    assert lineage_rows["data content hash"] == data["content_hash"]
+    assert lineage_rows["DVC stage / rev"] == "prepare / abc123"
+    assert lineage_rows["torchx app"] == "local_cwd://torchx/app-1"
+    assert lineage_rows["MLflow run"] == "r-42" and lineage_rows["model version"] == "m v3"
+    assert lineage_rows["gate"] == "rejected: " + registration["gate_reason"]
+    assert lineage_rows["git sha"] == "deadbeef"
+    assert sum(p["type"] == "image" for p in parts) == 2  # loss curve, accuracy vs speed
+
+
+def test_card_without_evaluations_has_no_eval_figure_or_samples(run):
+    run_dir, _ = run
+    parts = _rendered(
+        build_card_components(load_settings(), str(run_dir), {}, {}, {}, {"gate_promoted": True})
+    )
+    tables = [p for p in parts if p["type"] == "table"]
+    assert len(tables) == 2 and tables[0]["data"] in ([], [[]])  # metaflow renders no rows as [[]]
+    assert dict(map(tuple, tables[1]["data"]))["gate"] == "promoted: None"
+    assert sum(p["type"] == "image" for p in parts) == 1

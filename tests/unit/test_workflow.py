@@ -1,0 +1,103 @@
+"""`dllmflow.workflow.finetune`, the library side of the flow steps, called directly: the Config
+parser and its errors, run-time parameters, the run dir of a flow run, the evaluation matrix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dllmflow.errors import UserError
+from dllmflow.settings import SettingsError, load_settings
+from dllmflow.workflow.finetune import eval_samplers, flow_run_dir, parse_params_config, resolve_flow_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "params" / "tiny_mdlm.yaml"
+
+
+# ---- start: the Config parser ------------------------------------------------------------------------
+
+
+def test_parse_params_config_fills_defaults_and_keeps_the_recipe():
+    config = parse_params_config(TINY.read_text())
+    raw = yaml.safe_load(TINY.read_text())
+    assert config["name"] == "tiny_mdlm" and config["train"]["lr"] == raw["train"]["lr"]
+    assert config["train"]["max_steps"] == 600 and config["dllm"]["mode"] == "mdlm"
+    assert config["train"]["seed"] == 42  # not in the recipe: the default is filled in
+    assert config == load_settings(TINY).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("train: {lrr: 1}\n", ("train.lrr", "--config recipe")),
+        ("train: {lr: fast}\n", ("train.lr", "--config recipe")),
+        ("train: [1, 2\n", ("invalid YAML", "--config recipe")),
+        ("- a\n", ("mapping", "--config recipe")),
+    ],
+)
+def test_parse_params_config_errors_name_the_field_and_the_config(text, needles):
+    with pytest.raises(SettingsError) as e:
+        parse_params_config(text)
+    assert all(n in str(e.value) for n in needles), str(e.value)
+
+
+# ---- run-time parameters -------------------------------------------------------------------------------
+
+
+def test_resolve_flow_settings_applies_parameters_without_touching_the_config():
+    config = parse_params_config(TINY.read_text())
+    out = resolve_flow_settings(config, max_steps=7, eval_limit=3)
+    assert out["train"]["max_steps"] == 7 and out["eval"]["limit"] == 3
+    assert config["train"]["max_steps"] == 600 and config["eval"]["limit"] != 3  # the input is not mutated
+    same = resolve_flow_settings(config)  # 0 = keep the recipe's values
+    assert same == config
+
+
+def test_resolve_flow_settings_revalidates():
+    config = parse_params_config(TINY.read_text())
+    config["train"]["global_batch_size"] = 6  # not a multiple of local_batch_size 8
+    with pytest.raises(Exception, match="global_batch_size"):
+        resolve_flow_settings(config)
+
+
+# ---- run dir -----------------------------------------------------------------------------------------
+
+
+def test_flow_run_dir_is_one_dir_per_flow_run_under_the_run_dir_or_runs_name():
+    s = load_settings(TINY)
+    assert flow_run_dir(s, "17") == str(Path("runs") / "tiny_mdlm" / "flow-17")
+    assert flow_run_dir(s.to_dict(), "17") == flow_run_dir(s, "17")  # the artifact dict works too
+    custom = load_settings(TINY, run_dir="/data/runs/x")
+    assert flow_run_dir(custom, "abc") == "/data/runs/x/flow-abc"
+    assert flow_run_dir(custom, "abc") != flow_run_dir(custom, "abd")
+
+
+# ---- evaluate: which samplers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "want"),
+    [
+        ("mdlm", ["llada", "llada2"]),
+        ("scdd", ["scdd", "llada"]),
+        ("hybrid", ["nemotron", "llada"]),
+        ("block_diffusion", ["gemma"]),
+        ("idlm", ["idlm"]),
+        ("dflash", ["acceptance"]),
+    ],
+)
+def test_eval_samplers_per_mode_default_first(mode, want):
+    assert eval_samplers(load_settings(ROOT / "params" / f"tiny_{mode}.yaml")) == want
+
+
+def test_eval_samplers_explicit_list_and_unknown_names():
+    s = load_settings(TINY, eval={"samplers": ["llada"]})
+    assert eval_samplers(s) == ["llada"]
+    d = load_settings(ROOT / "params" / "tiny_dflash.yaml", eval={"samplers": ["acceptance"]})
+    assert eval_samplers(d) == ["acceptance"]
+    with pytest.raises(UserError, match=r"eval.samplers: unknown sampler\(s\) \['nope'\]"):
+        eval_samplers(load_settings(TINY, eval={"samplers": ["llada", "nope"]}))
+    with pytest.raises(UserError, match="acceptance"):  # acceptance is a DFlash evaluation only
+        eval_samplers(load_settings(TINY, eval={"samplers": ["acceptance"]}))
