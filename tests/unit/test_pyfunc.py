@@ -73,7 +73,12 @@ def test_params_override_the_recorded_settings_and_sentinels_are_ignored(generat
     model, _ = generator
     calls = []
     monkeypatch.setattr(
-        registry, "generate_texts", lambda m, t, prompts, sampler, **kw: calls.append((sampler, kw)) or []
+        registry,
+        "generate_texts",
+        # the effective options: recorded settings, then the caller's own overrides
+        lambda m, t, prompts, sampler, overrides=None, **kw: (
+            calls.append((sampler, {**kw, **(overrides or {})})) or []
+        ),
     )
     model.predict(None, PROMPTS, params={"steps": 2, "threshold": -1.0, "remasking": "", "seed": -1})
     model.predict(None, PROMPTS, params={"sampler": "llada2", "temperature": 0.5, "block_size": -1})
