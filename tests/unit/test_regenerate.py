@@ -200,7 +200,9 @@ def test_retry_after_parses_seconds_and_http_dates():
     assert rg.retry_after_s("Wed, 21 Oct 2015 07:28:30 GMT", now=now) == 30.0
     assert rg.retry_after_s("Wed, 21 Oct 2015 07:27:00 GMT", now=now) == 0.0  # already past
     assert rg.retry_after_s("-3") == 0.0
-    assert rg.retry_after_s(None) is None and rg.retry_after_s("") is None and rg.retry_after_s("soon") is None
+    assert (
+        rg.retry_after_s(None) is None and rg.retry_after_s("") is None and rg.retry_after_s("soon") is None
+    )
 
 
 def test_retry_wait_jitters_backoff_and_honours_retry_after():
@@ -249,7 +251,9 @@ def test_429_with_retry_after_waits_what_the_server_asked():
     answers = iter(
         [
             httpx.Response(429, headers={"Retry-After": "3"}, text="slow down"),
-            httpx.Response(503, headers={"Retry-After": email.utils.formatdate(time.time() + 60, usegmt=True)}),
+            httpx.Response(
+                503, headers={"Retry-After": email.utils.formatdate(time.time() + 60, usegmt=True)}
+            ),
             httpx.Response(500),  # no Retry-After: the jittered backoff (attempt 2: 0.02..0.04 s)
             httpx.Response(200, json=REPLY),
         ]
@@ -263,8 +267,14 @@ def test_429_with_retry_after_waits_what_the_server_asked():
 def test_retries_exhausted_and_4xx_not_retried():
     import httpx
 
-    failed, sleeps, counters = _post(lambda r: httpx.Response(429, headers={"Retry-After": "1"}), max_retries=2)
-    assert isinstance(failed, rg.RequestFailed) and "failed after 3 attempts" in str(failed) and "429" in str(failed)
+    failed, sleeps, counters = _post(
+        lambda r: httpx.Response(429, headers={"Retry-After": "1"}), max_retries=2
+    )
+    assert (
+        isinstance(failed, rg.RequestFailed)
+        and "failed after 3 attempts" in str(failed)
+        and "429" in str(failed)
+    )
     assert sleeps == [1.0, 1.0] and counters.requests == 3
     failed, sleeps, counters = _post(lambda r: httpx.Response(400, text="bad"))
     assert isinstance(failed, rg.RequestFailed) and "HTTP 400" in str(failed)

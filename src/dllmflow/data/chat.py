@@ -162,7 +162,7 @@ def _load_hf(
     spec = spec or RowSpec.build(messages_column=messages_column)
     if spec.format == "auto" and spec.detect(dict.fromkeys(ds.column_names)) is None:
         raise UserError(
-            f"dataset.messages_column={messages_column!r} is not a column of {source} and no other format fits; "
+            f"dataset.messages_column={spec.column('messages')!r} is not a column of {source} and no other format fits; "
             f"columns: {ds.column_names} (set dataset.format / dataset.fields, docs/data_formats.md)"
         )
     spec.check_columns(ds.column_names, f"{source}:{split}")

@@ -218,7 +218,7 @@ def prepare(settings, force: bool = False) -> dict:
     dcfg = settings.dataset
     out_dir = Path(dcfg.prepared_dir)
     src = load_source(dcfg)
-    name = source_name(dcfg)
+    source = source_name(dcfg)
     used = _settings_used(settings)
     fingerprint = _fingerprint(used, src.sha256)
     existing = read_manifest(out_dir)
@@ -228,7 +228,7 @@ def prepare(settings, force: bool = False) -> dict:
     # 1) split, then fit the tokenizer on training text only (no eval leakage into the BPE)
     splits = split_rows(src.rows, dcfg.eval_fraction, dcfg.limit)
     if not splits["train"]:
-        _check_usable(settings, name, [], 0, Counter(src.dropped), src.examples)
+        _check_usable(settings, source, [], 0, Counter(src.dropped), src.examples)
     tok = build_tokenizer(settings, (t for r in splits["train"] for t in row_texts(r)))
 
     # 2) tokenise every row; count what is dropped and why
@@ -248,10 +248,10 @@ def prepare(settings, force: bool = False) -> dict:
     dropped = Counter({"malformed": 0, "empty": 0, "truncated": sum(truncated.values())})
     for reason, n in src.dropped.items():
         dropped[reason.split(":")[0]] += n
-    _check_usable(settings, name, prompt_lengths, len(tokenized["train"]), dropped, src.examples)
+    _check_usable(settings, source, prompt_lengths, len(tokenized["train"]), dropped, src.examples)
     if dcfg.eval_fraction > 0 and not tokenized["eval"]:
         raise UserError(
-            f"{name}: dataset.eval_fraction={dcfg.eval_fraction} left no held-out row ({len(splits['eval'])} "
+            f"{source}: dataset.eval_fraction={dcfg.eval_fraction} left no held-out row ({len(splits['eval'])} "
             f"before tokenising, {len(tokenized['train'])} training rows); raise dataset.eval_fraction, add "
             f"rows, or set it to 0 to train on every row (then evaluate on the train split)"
         )
@@ -266,7 +266,7 @@ def prepare(settings, force: bool = False) -> dict:
         manifest = {
             "format": FORMAT_VERSION,
             "source": {
-                "path_or_dataset_id": name,
+                "path_or_dataset_id": source,
                 "sha256": src.sha256,
                 "rows_read": src.num_read,
             },
