@@ -231,6 +231,7 @@ def test_addition_rows_are_a_pure_function_of_their_settings():
         a, b = map(int, r["messages"][0]["content"].removeprefix("What is ").rstrip("?").split(" + "))
         assert 10 <= a <= 999 and 10 <= b <= 999
         assert gold_answer(r["messages"][1]["content"]) == str(a + b)  # evaluation reads `#### N`
+    assert {len(r["messages"][1]["content"]) for r in rows} == {len("#### 0405")}  # fixed width
 
 
 def test_embedded_addition_prepares_with_a_held_out_split(tmp_path):
