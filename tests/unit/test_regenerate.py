@@ -1,11 +1,16 @@
 """Unit tests of `dllmflow.data.regenerate`: prompt extraction, input slicing, shard scanning, manifest
-rules, atomic shard writing, payloads, backoff and CLI/YAML settings. The requests themselves are tested
+rules, atomic shard writing, payloads, backoff, retries (Retry-After, via in-process servers) and CLI/YAML
+settings. The requests themselves are tested
 against the real local server in tests/integration/test_regenerate.py."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import email.utils
 import json
+import random
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -187,6 +192,145 @@ def test_write_shard_is_atomic_and_round_trips(tmp_path):
 def test_backoff_is_capped_exponential():
     assert [rg.backoff_s(a) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
     assert [rg.backoff_s(a, base=0.01, cap=0.03) for a in range(3)] == [0.01, 0.02, 0.03]
+
+
+def test_retry_after_parses_seconds_and_http_dates():
+    now = 1_445_412_480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+    assert rg.retry_after_s("7") == 7.0 and rg.retry_after_s(" 1.5 ") == 1.5
+    assert rg.retry_after_s("Wed, 21 Oct 2015 07:28:30 GMT", now=now) == 30.0
+    assert rg.retry_after_s("Wed, 21 Oct 2015 07:27:00 GMT", now=now) == 0.0  # already past
+    assert rg.retry_after_s("-3") == 0.0
+    assert (
+        rg.retry_after_s(None) is None and rg.retry_after_s("") is None and rg.retry_after_s("soon") is None
+    )
+
+
+def test_retry_wait_jitters_backoff_and_honours_retry_after():
+    rng = random.Random(0)
+    waits = [rg.retry_wait_s(a, None, 1.0, 30.0, rng) for a in range(7) for _ in range(20)]
+    for a in range(7):
+        chunk = waits[a * 20 : (a + 1) * 20]
+        full = rg.backoff_s(a)
+        assert all(full / 2 <= w <= full for w in chunk) and len(set(chunk)) > 1  # jittered, in range
+    assert rg.retry_wait_s(0, 12.0, 0.01, 30.0, rng) == 12.0  # longer than the backoff: the server wins
+    assert 8.0 <= rg.retry_wait_s(4, 0.5, 1.0, 30.0, rng) <= 16.0  # shorter: the backoff wins
+    assert rg.retry_wait_s(0, 1e9, 0.01, 30.0, rng) == rg.MAX_RETRY_AFTER_S
+
+
+def _post(handler, max_retries: int = 3):
+    """post_chat against an in-process httpx transport; returns (reply or error, sleeps, counters)."""
+    import httpx
+
+    sleeps: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await rg.post_chat(
+                client, "http://x/v1/chat/completions", {"model": "m"}, max_retries=max_retries,
+                backoff_base_s=0.01, backoff_cap_s=0.05, counters=counters, sleep=fake_sleep,
+                rng=random.Random(0),
+            )  # fmt: skip
+
+    counters = rg.Counters()
+    try:
+        result = asyncio.run(go())
+    except rg.RequestFailed as e:
+        result = e
+    return result, sleeps, counters
+
+
+REPLY = {"choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+
+
+def test_429_with_retry_after_waits_what_the_server_asked():
+    import httpx
+
+    answers = iter(
+        [
+            httpx.Response(429, headers={"Retry-After": "3"}, text="slow down"),
+            httpx.Response(
+                503, headers={"Retry-After": email.utils.formatdate(time.time() + 60, usegmt=True)}
+            ),
+            httpx.Response(500),  # no Retry-After: the jittered backoff (attempt 2: 0.02..0.04 s)
+            httpx.Response(200, json=REPLY),
+        ]
+    )
+    reply, sleeps, counters = _post(lambda request: next(answers))
+    assert reply == REPLY
+    assert sleeps[0] == 3.0 and 55.0 < sleeps[1] <= 60.0 and 0.02 <= sleeps[2] <= 0.04
+    assert (counters.requests, counters.retries) == (4, 3)
+
+
+def test_retries_exhausted_and_4xx_not_retried():
+    import httpx
+
+    failed, sleeps, counters = _post(
+        lambda r: httpx.Response(429, headers={"Retry-After": "1"}), max_retries=2
+    )
+    assert (
+        isinstance(failed, rg.RequestFailed)
+        and "failed after 3 attempts" in str(failed)
+        and "429" in str(failed)
+    )
+    assert sleeps == [1.0, 1.0] and counters.requests == 3
+    failed, sleeps, counters = _post(lambda r: httpx.Response(400, text="bad"))
+    assert isinstance(failed, rg.RequestFailed) and "HTTP 400" in str(failed)
+    assert sleeps == [] and counters.requests == 1
+
+
+def test_regenerate_honours_retry_after_from_a_real_http_server(tmp_path, monkeypatch):
+    """End to end over a socket: a stdlib server answers the first chat request 429 + Retry-After."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, status: int, body: dict, headers: dict | None = None) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            for k, v in {"Content-Type": "application/json", **(headers or {})}.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"data": [{"id": "m"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            hits.append(self.path)
+            if len(hits) == 1:
+                self._send(429, {"error": "busy"}, {"Retry-After": "2"})
+            else:
+                self._send(200, REPLY)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sleeps: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    monkeypatch.setattr(rg, "_sleep", fake_sleep)
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"messages": [U, A]}) + "\n")
+    try:
+        summary = rg.regenerate(
+            cfg(tmp_path, input_data=str(data), target_server=f"http://127.0.0.1:{server.server_port}/v1"),
+            progress=False, backoff_base_s=0.01,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    assert sleeps == [2.0] and summary["retries"] == 1 and summary["rows_written"] == 1
+    assert hits == ["/v1/chat/completions"] * 2
 
 
 def test_payload_and_reasoning_modes(tmp_path):

@@ -1,13 +1,16 @@
-"""Load chat rows (`messages`: a list of {role, content}) from JSONL / parquet files or directories, a
-Hugging Face dataset id (through `datasets`, with split slices such as `train[:100]`), or the embedded
-GSM8K default, and validate them.
+"""Load rows from JSONL / parquet files or directories, a Hugging Face dataset id (through `datasets`,
+with split slices such as `train[:100]`), or an embedded default (GSM8K, synthetic addition), convert
+them from their format (chat `messages`, prompt/completion, Alpaca, raw text: data/formats.py) and
+validate them.
 
-    loaded = load_chat_rows("data/chat.jsonl")          # ChatSource(rows, dropped, sha256, files)
+    loaded = load_chat_rows("data/chat.jsonl")          # ChatSource(rows, dropped, examples, sha256, files)
     loaded = load_chat_rows("org/name", split="train[:100]")
+    loaded = load_chat_rows("qa.jsonl", spec=RowSpec.build("prompt_completion", {"prompt": "question"}))
 
 Rows that cannot be used are counted, not fatal: `dropped` maps a reason ("malformed: ..." or
-"empty: ...") to a count, so `dllmflow prepare` can report what it skipped. The caller decides
-whether nothing usable is left.
+"empty: ...") to a count and `examples` names the first few (`file:line N: reason`), so `dllmflow
+prepare` can report what it skipped. A mapped column absent from a whole file is a UserError. The
+caller decides whether nothing usable is left.
 """
 
 from __future__ import annotations
@@ -17,74 +20,51 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dllmflow.errors import UserError
 
+from .formats import ROLES, RowSpec, check_messages  # noqa: F401 - check_messages/ROLES re-exported
 from .gsm8k import EMBEDDED_PREFIX, GSM8K_SHA256, load_gsm8k_rows, sha256_file
+from .synthetic import ADDITION_SHA256, addition_rows
 
-ROLES = ("system", "user", "assistant")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-EMBEDDED = {"gsm8k": (load_gsm8k_rows, GSM8K_SHA256)}
+# `embedded:<name>` -> (loader() -> rows, sha256 that identifies those rows)
+EMBEDDED = {"gsm8k": (load_gsm8k_rows, GSM8K_SHA256), "addition": (addition_rows, ADDITION_SHA256)}
 NOT_UTF8 = "malformed: line is not UTF-8 text"
+
+
+MAX_EXAMPLES = 20  # dropped rows named one by one (file:line: field: why) in the manifest
 
 
 @dataclass
 class ChatSource:
-    rows: list[dict]  # {"id": str, "messages": [{"role", "content"}, ...]}
+    rows: list[dict]  # {"id": str, "messages": [{"role", "content"}, ...]} or {"id": str, "text": str}
     dropped: Counter = field(default_factory=Counter)  # "malformed: <why>" / "empty: <why>" -> count
+    examples: list[str] = field(default_factory=list)  # the first MAX_EXAMPLES drops, "<file>:<line>: <why>"
     sha256: str = ""  # fingerprint of the input data (file bytes, embedded hash, or datasets fingerprint)
     files: list[str] = field(default_factory=list)
     num_read: int = 0
 
 
-def check_messages(value: Any) -> tuple[list[dict] | None, str | None]:
-    """(clean messages, None) for a usable chat, else (None, reason). A JSON string is decoded first
-    (our own shards and regenerated data store messages as JSON text)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            return None, "malformed: messages is a string that is not JSON"
-    if hasattr(value, "tolist"):  # numpy arrays from parquet/pandas
-        value = value.tolist()
-    if value is None:
-        return None, "malformed: missing messages"
-    if not isinstance(value, list | tuple):
-        return None, f"malformed: messages is {type(value).__name__}, not a list"
-    if not value:
-        return None, "empty: no messages"
-    out = []
-    for m in value:
-        if not isinstance(m, dict):
-            return None, "malformed: a message is not a {role, content} mapping"
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            return None, f"malformed: role {role!r} not in {'/'.join(ROLES)}"
-        if not isinstance(content, str):
-            return None, "malformed: content is not a string"
-        out.append({"role": role, "content": content})
-    if out[-1]["role"] != "assistant":
-        return None, "malformed: last message is not an assistant turn"
-    if not out[-1]["content"].strip():
-        return None, "empty: final assistant content is empty"
-    if not any(m["role"] != "assistant" and m["content"].strip() for m in out[:-1]):
-        return None, "empty: no prompt before the final assistant turn"
-    return out, None
-
-
 def load_chat_rows(
-    source: str, *, split: str = "train", dataset_name: str | None = None, messages_column: str = "messages"
+    source: str,
+    *,
+    split: str = "train",
+    dataset_name: str | None = None,
+    messages_column: str = "messages",
+    spec: RowSpec | None = None,
 ) -> ChatSource:
-    """Read and validate rows from `source` (see module docstring)."""
+    """Read and validate rows from `source` (see module docstring); `spec` = format and field mapping
+    (docs/data_formats.md), default: detect the format of each record."""
+    spec = spec or RowSpec.build(messages_column=messages_column)
     if source.startswith(EMBEDDED_PREFIX):
         return _load_embedded(source[len(EMBEDDED_PREFIX) :])
     path = Path(source).expanduser()
     if path.exists():
-        return _load_files(path, messages_column)
+        return _load_files(path, spec)
     if source.endswith(FILE_SUFFIXES) or source.startswith((".", "/", "~")):
         raise UserError(f"dataset.path_or_dataset_id: {source}: no such file or directory")
-    return _load_hf(source, split, dataset_name, messages_column)
+    return _load_hf(source, split, dataset_name, messages_column, spec)
 
 
 def _load_embedded(name: str) -> ChatSource:
@@ -112,36 +92,45 @@ def _data_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_files(path: Path, messages_column: str) -> ChatSource:
+def _load_files(path: Path, spec: RowSpec) -> ChatSource:
     out = ChatSource(rows=[])
     digest = hashlib.sha256()
     for f in _data_files(path):
         rel = f.name if f == path else str(f.relative_to(path))
         digest.update(f"{rel}\0{sha256_file(f)}\n".encode())
         out.files.append(str(f))
+        columns: set[str] = set()
         records = _read_parquet(f) if f.suffix == ".parquet" else _read_jsonl(f)
-        for i, rec in enumerate(records):
-            _add(out, rec, f"{f.stem}-{i:06d}", messages_column)
+        for i, (where, rec) in enumerate(records):
+            if isinstance(rec, dict):
+                columns.update(rec)
+            _add(out, rec, f"{f.stem}-{i:06d}", spec, f"{f}:{where}")
+        if columns:
+            spec.check_columns(columns, str(f))
     out.sha256 = digest.hexdigest()
     return out
 
 
 def _read_jsonl(path: Path):
+    yield from ((f"line {n}", rec) for n, rec in _jsonl_records(path))
+
+
+def _jsonl_records(path: Path):
     # surrogateescape: a stray non-UTF-8 byte spoils its line only (counted as malformed), not the file
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 line.encode("utf-8")  # fails on a lone surrogate, i.e. a byte that was not UTF-8
             except UnicodeEncodeError:
-                yield NOT_UTF8
+                yield n, NOT_UTF8
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 rec = None  # counted as malformed by _add
-            yield rec if isinstance(rec, dict) else None
+            yield n, rec if isinstance(rec, dict) else None
 
 
 def _read_parquet(path: Path):
@@ -151,10 +140,17 @@ def _read_parquet(path: Path):
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a broken file
         raise UserError(f"{path}: cannot read parquet ({e})") from None
-    yield from table.to_pylist()
+    for i, rec in enumerate(table.to_pylist()):
+        yield f"row {i}", rec
 
 
-def _load_hf(source: str, split: str, dataset_name: str | None, messages_column: str) -> ChatSource:
+def _load_hf(
+    source: str,
+    split: str,
+    dataset_name: str | None,
+    messages_column: str = "messages",
+    spec: RowSpec | None = None,
+) -> ChatSource:
     import datasets
 
     try:
@@ -163,24 +159,29 @@ def _load_hf(source: str, split: str, dataset_name: str | None, messages_column:
         raise UserError(
             f"dataset.path_or_dataset_id={source!r} (split {split!r}): cannot load with datasets ({e})"
         ) from None
-    if messages_column not in ds.column_names:
+    spec = spec or RowSpec.build(messages_column=messages_column)
+    if spec.format == "auto" and spec.detect(dict.fromkeys(ds.column_names)) is None:
         raise UserError(
-            f"dataset.messages_column={messages_column!r} is not a column of {source}; columns: {ds.column_names}"
+            f"dataset.messages_column={spec.column('messages')!r} is not a column of {source} and no other format fits; "
+            f"columns: {ds.column_names} (set dataset.format / dataset.fields, docs/data_formats.md)"
         )
+    spec.check_columns(ds.column_names, f"{source}:{split}")
     out = ChatSource(rows=[], sha256=f"datasets:{ds._fingerprint}", files=[f"{source}:{split}"])
     for i, rec in enumerate(ds):
-        _add(out, rec, f"{source.replace('/', '_')}-{i:06d}", messages_column)
+        _add(out, rec, f"{source.replace('/', '_')}-{i:06d}", spec, f"{source}:{split}: row {i}")
     return out
 
 
-def _add(out: ChatSource, rec: dict | str | None, default_id: str, messages_column: str) -> None:
+def _add(out: ChatSource, rec: dict | str | None, default_id: str, spec: RowSpec, where: str) -> None:
     out.num_read += 1
     if rec is None or isinstance(rec, str):
-        out.dropped[rec or "malformed: line is not a JSON object"] += 1
-        return
-    messages, reason = check_messages(rec.get(messages_column))
+        reason = rec or "malformed: line is not a JSON object"
+    else:
+        row, reason = spec.convert(rec)
     if reason:
         out.dropped[reason] += 1
+        if len(out.examples) < MAX_EXAMPLES:
+            out.examples.append(f"{where}: {reason}")
         return
     row_id = rec.get("id")
-    out.rows.append({"id": str(row_id) if row_id is not None else default_id, "messages": messages})
+    out.rows.append({"id": str(row_id) if row_id is not None else default_id, **row})

@@ -21,8 +21,10 @@ from pathlib import Path
 
 from dllmflow.errors import UserError
 
-from .chat import load_chat_rows
+from .chat import ChatSource, load_chat_rows
+from .formats import RowSpec, row_texts, split_key
 from .gsm8k import split_of
+from .mixture import mix_rows
 from .tokenizer import build_tokenizer, encode_chat
 
 FORMAT_VERSION = 1
@@ -33,9 +35,16 @@ MANIFEST = "manifest.json"
 # ---- fingerprint and reuse ------------------------------------------------------------------------
 
 
+# Added after format 1 shipped: left out of the fingerprint while unset, so existing prepared data is reused.
+_NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed")
+
+
 def _settings_used(settings) -> dict:
+    dataset = settings.dataset
+    unset = {k for k in _NEW_DATASET_KEYS if getattr(dataset, k) == type(dataset).model_fields[k].get_default(
+        call_default_factory=True)}  # fmt: skip
     used = {
-        "dataset": settings.dataset.model_dump(mode="json", exclude={"prepared_dir"}),
+        "dataset": dataset.model_dump(mode="json", exclude={"prepared_dir", *unset}),
         "tokenizer": settings.tokenizer.model_dump(mode="json"),
     }
     if settings.tokenizer.name_or_path is None and settings.model.pretrained_model_name_or_path:
@@ -77,16 +86,23 @@ def split_rows(rows: list[dict], eval_fraction: float, limit: int | None) -> dic
     """Deterministic split on the first prompt turn (so a question never lands in both splits)."""
     out: dict[str, list[dict]] = {s: [] for s in SPLITS}
     for row in rows:
-        key = next(m["content"] for m in row["messages"] if m["role"] != "assistant")
-        out[split_of(key, eval_fraction)].append(row)
+        out[split_of(split_key(row), eval_fraction)].append(row)
     if limit is not None:
         out["train"] = out["train"][:limit]
     return out
 
 
+def encode_row(tok, row: dict, mask_history: bool) -> tuple[list[int], list[int]]:
+    """(ids, loss mask): a chat through its template; a text row as its tokens + eos, all supervised."""
+    if "text" in row:
+        ids = tok(row["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return ids, [1] * len(ids)
+    return encode_chat(tok, row["messages"], mask_history=mask_history)
+
+
 def tokenize_row(tok, row: dict, seq_length: int, mask_history: bool, drop_truncated: bool) -> dict | None:
     """One output row, or None when the supervised response does not fit `seq_length`."""
-    ids, mask = encode_chat(tok, row["messages"], mask_history=mask_history)
+    ids, mask = encode_row(tok, row, mask_history)
     if not any(mask):
         return None
     prompt_length = mask.index(1)
@@ -99,9 +115,11 @@ def tokenize_row(tok, row: dict, seq_length: int, mask_history: bool, drop_trunc
         "input_ids": ids,
         "loss_mask": mask,
         "prompt_length": prompt_length,
-        "messages": json.dumps(row["messages"], ensure_ascii=False),
-        "answer": row["messages"][-1]["content"],
-    }
+        # a text row is stored as one assistant turn (nothing to prompt with)
+        "messages": json.dumps(row.get("messages") or [{"role": "assistant", "content": row["text"]}],
+                               ensure_ascii=False),
+        "answer": row["messages"][-1]["content"] if "messages" in row else row["text"],
+    }  # fmt: skip
 
 
 def _write_shards(rows: list[dict], split_dir: Path, shard_size: int) -> list[str]:
@@ -138,7 +156,9 @@ def content_hash(out_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _check_usable(settings, source: str, prompt_lengths: list[int], kept: int, dropped: Counter) -> None:
+def _check_usable(
+    settings, source: str, prompt_lengths: list[int], kept: int, dropped: Counter, examples: list[str] = ()
+) -> None:
     if kept:
         return
     seq = settings.dataset.seq_length
@@ -152,26 +172,53 @@ def _check_usable(settings, source: str, prompt_lengths: list[int], kept: int, d
             f"{source}: no training row fits dataset.seq_length={seq} ({dropped['truncated']} truncated); "
             f"raise dataset.seq_length or set dataset.drop_truncated: false"
         )
-    reasons = ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items())) or "no rows"
+    reasons = ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items()) if v) or "no rows"
+    first = "".join(f"\n  {e}" for e in examples[:5])
     raise UserError(
-        f"{source}: no usable training row (field dataset.messages_column={settings.dataset.messages_column!r}; "
-        f"dropped: {reasons})"
+        f"{source}: no usable training row (dataset.format={settings.dataset.format!r}, field "
+        f"dataset.messages_column={settings.dataset.messages_column!r}; dropped: {reasons}){first}"
     )
 
 
 # ---- the stage ----------------------------------------------------------------------------------
 
 
+def load_source(dcfg) -> ChatSource:
+    """The rows `dataset` names: one source (`path_or_dataset_id`) or a weighted `mixture` of several."""
+    if dcfg.mixture is None:
+        spec = RowSpec.build(dcfg.format, dcfg.fields, dcfg.messages_column)
+        return load_chat_rows(
+            dcfg.path_or_dataset_id, split=dcfg.split, dataset_name=dcfg.dataset_name, spec=spec
+        )
+    parts = []
+    for i, m in enumerate(dcfg.mixture):
+        spec = RowSpec.build(m.format, m.fields, dcfg.messages_column, where=f"dataset.mixture[{i}]")
+        parts.append(load_chat_rows(m.path, split=m.split, dataset_name=m.dataset_name, spec=spec))
+    out = ChatSource(rows=mix_rows([(p.rows, m.weight) for p, m in zip(parts, dcfg.mixture)], dcfg.seed,
+                                   dcfg.mixture_rows))  # fmt: skip
+    digest = hashlib.sha256()
+    for i, p in enumerate(parts):
+        digest.update(f"{i}\0{p.sha256}\n".encode())
+        out.dropped.update(p.dropped)
+        out.examples += p.examples[: 20 - len(out.examples)]
+        out.files += p.files
+        out.num_read += p.num_read
+    out.sha256 = digest.hexdigest()
+    return out
+
+
+def source_name(dcfg) -> str:
+    if dcfg.mixture is None:
+        return dcfg.path_or_dataset_id
+    return "mixture(" + ", ".join(f"{m.path}:{m.weight:g}" for m in dcfg.mixture) + ")"
+
+
 def prepare(settings, force: bool = False) -> dict:
     """Build (or reuse) `settings.dataset.prepared_dir`; returns the manifest."""
     dcfg = settings.dataset
     out_dir = Path(dcfg.prepared_dir)
-    src = load_chat_rows(
-        dcfg.path_or_dataset_id,
-        split=dcfg.split,
-        dataset_name=dcfg.dataset_name,
-        messages_column=dcfg.messages_column,
-    )
+    src = load_source(dcfg)
+    source = source_name(dcfg)
     used = _settings_used(settings)
     fingerprint = _fingerprint(used, src.sha256)
     existing = read_manifest(out_dir)
@@ -181,8 +228,8 @@ def prepare(settings, force: bool = False) -> dict:
     # 1) split, then fit the tokenizer on training text only (no eval leakage into the BPE)
     splits = split_rows(src.rows, dcfg.eval_fraction, dcfg.limit)
     if not splits["train"]:
-        _check_usable(settings, dcfg.path_or_dataset_id, [], 0, Counter(src.dropped))
-    tok = build_tokenizer(settings, (m["content"] for r in splits["train"] for m in r["messages"]))
+        _check_usable(settings, source, [], 0, Counter(src.dropped), src.examples)
+    tok = build_tokenizer(settings, (t for r in splits["train"] for t in row_texts(r)))
 
     # 2) tokenise every row; count what is dropped and why
     tokenized: dict[str, list[dict]] = {}
@@ -193,7 +240,7 @@ def prepare(settings, force: bool = False) -> dict:
         for row in rows:
             out = tokenize_row(tok, row, dcfg.seq_length, dcfg.mask_history, dcfg.drop_truncated)
             if out is None:
-                ids, mask = encode_chat(tok, row["messages"], mask_history=dcfg.mask_history)
+                ids, mask = encode_row(tok, row, dcfg.mask_history)
                 prompt_lengths.append(mask.index(1) if any(mask) else len(ids))
             else:
                 kept.append(out)
@@ -201,7 +248,13 @@ def prepare(settings, force: bool = False) -> dict:
     dropped = Counter({"malformed": 0, "empty": 0, "truncated": sum(truncated.values())})
     for reason, n in src.dropped.items():
         dropped[reason.split(":")[0]] += n
-    _check_usable(settings, dcfg.path_or_dataset_id, prompt_lengths, len(tokenized["train"]), dropped)
+    _check_usable(settings, source, prompt_lengths, len(tokenized["train"]), dropped, src.examples)
+    if dcfg.eval_fraction > 0 and not tokenized["eval"]:
+        raise UserError(
+            f"{source}: dataset.eval_fraction={dcfg.eval_fraction} left no held-out row ({len(splits['eval'])} "
+            f"before tokenising, {len(tokenized['train'])} training rows); raise dataset.eval_fraction, add "
+            f"rows, or set it to 0 to train on every row (then evaluate on the train split)"
+        )
 
     # 3) write everything under a temporary sibling, then swap it into place
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +266,7 @@ def prepare(settings, force: bool = False) -> dict:
         manifest = {
             "format": FORMAT_VERSION,
             "source": {
-                "path_or_dataset_id": dcfg.path_or_dataset_id,
+                "path_or_dataset_id": source,
                 "sha256": src.sha256,
                 "rows_read": src.num_read,
             },
@@ -224,6 +277,7 @@ def prepare(settings, force: bool = False) -> dict:
             },
             "dropped": dict(dropped),
             "dropped_reasons": dict(sorted(src.dropped.items())),
+            "dropped_examples": src.examples,
             "seq_length": dcfg.seq_length,
             "train_lengths": {"max": max(lengths), "mean": round(sum(lengths) / len(lengths), 2)},
             "tokenizer": {

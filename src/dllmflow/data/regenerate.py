@@ -14,8 +14,9 @@ What it does, in order:
 1) load the rows (JSONL/JSON/parquet file or dir, or a HF dataset id with `--split train[:1000]`);
 2) prompt = the conversation minus all trailing assistant turns; rows with no user turn are skipped;
 3) usable prompt number u goes to shard u // shard_size; shards are processed one after another, the
-   prompts of a shard concurrently (at most `--concurrency` requests in flight), retried on 5xx, 429,
-   timeouts and connection errors with backoff min(base * 2^attempt, cap);
+   prompts of a shard concurrently (at most `--concurrency` requests in flight), retried (tenacity) on
+   5xx, 429, timeouts and connection errors after min(base * 2^attempt, cap) with jitter, or after the
+   server's `Retry-After` (seconds or an HTTP date) when that is longer;
 4) each shard is written as `shard-%06d.parquet` (tmp file + os.replace) with columns `messages`
    (prompt + new assistant turn) and `original_messages`, rows in input order;
 5) `manifest.json` records every setting that changes the content; `--resume` skips shards already on
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import email.utils
 import json
 import logging
 import os
@@ -50,6 +53,7 @@ DEFAULT_TARGET_SERVER = "http://localhost:30000/v1"
 API_KEY_ENV_VARS = ("DLLMFLOW_API_KEY", "OPENAI_API_KEY")
 SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
 MANIFEST = "manifest.json"
+MAX_RETRY_AFTER_S = 300.0  # a Retry-After longer than this is treated as this (the run must end)
 # Every setting that changes what lands in the shards; output_dir and the operational knobs
 # (concurrency, timeout_s, max_retries) are left out so a resume may change them.
 MANIFEST_KEYS = (
@@ -75,7 +79,11 @@ class RequestFailed(Exception):
 
 
 class _Retryable(Exception):
-    """A 5xx/429 status or an unreadable reply: worth another attempt."""
+    """A 5xx/429 status: worth another attempt, after `retry_after` seconds when the server said so."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 # ---- input --------------------------------------------------------------------------------------
@@ -292,6 +300,38 @@ def backoff_s(attempt: int, base: float = 1.0, cap: float = 30.0) -> float:
     return min(base * 2.0**attempt, cap)
 
 
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a `Retry-After` header asks for: delta-seconds (`120`) or an HTTP date
+    (`Wed, 21 Oct 2015 07:28:00 GMT`, relative to `now`, epoch seconds); None when absent or unreadable."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # RFC 9110 dates are GMT
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def retry_wait_s(
+    attempt: int, retry_after: float | None, base: float, cap: float, rng: random.Random | None = None
+) -> float:
+    """Delay before retry number `attempt + 1`: the capped exponential backoff with equal jitter (uniform
+    in [backoff/2, backoff], so clients that failed together do not come back together), but never
+    shorter than the server's Retry-After (itself bounded by MAX_RETRY_AFTER_S)."""
+    backoff = backoff_s(attempt, base, cap)
+    wait = backoff * (0.5 + 0.5 * (rng or random).random())
+    if retry_after is not None:
+        wait = max(wait, min(retry_after, MAX_RETRY_AFTER_S))
+    return wait
+
+
 def build_payload(cfg: RegenerateConfig, prompt: list[dict[str, Any]]) -> dict[str, Any]:
     payload = {
         "model": cfg.model,
@@ -343,34 +383,65 @@ async def post_chat(
     backoff_cap_s: float,
     counters: Counters,
     on_retry=None,
+    sleep=None,
+    rng: random.Random | None = None,
 ) -> dict[str, Any]:
     """POST with up to `max_retries` retries on 5xx, 429, timeouts, connection errors and unreadable
-    replies. Other 4xx mean the request itself is wrong: no retry."""
+    replies, waiting `retry_wait_s` (which honours Retry-After) between attempts. Other 4xx mean the
+    request itself is wrong: no retry. `sleep` (default asyncio.sleep) and `rng` are for tests."""
     import httpx
+    import tenacity
 
-    last: Exception | None = None
-    for attempt in range(max_retries + 1):
-        if attempt:
-            counters.retries += 1
-            if on_retry:
-                on_retry()
-            await asyncio.sleep(backoff_s(attempt - 1, backoff_base_s, backoff_cap_s))
+    async def attempt() -> dict[str, Any]:
         counters.requests += 1
-        try:
-            resp = await client.post(url, json=payload)
-            if resp.status_code == 429 or resp.status_code >= 500:
-                raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
-            if resp.status_code >= 400:
-                raise RequestFailed(f"{url} rejected the request: HTTP {resp.status_code}: {resp.text[:500]}")
-            reply = resp.json()
-            reply["choices"][0]["message"]  # noqa: B018 - validate the shape before accepting
-            return reply
-        except (httpx.TransportError, _Retryable, ValueError, KeyError, IndexError, TypeError) as e:
-            last = e  # httpx.TimeoutException and ConnectError are TransportErrors
-            log.debug("attempt %d/%d failed: %r", attempt + 1, max_retries + 1, e)
-    raise RequestFailed(
-        f"{url}: failed after {max_retries + 1} attempts; last error: {type(last).__name__}: {last}"
+        resp = await client.post(url, json=payload)
+        if resp.status_code == 429 or resp.status_code >= 500:
+            raise _Retryable(
+                f"HTTP {resp.status_code}: {resp.text[:300]}", retry_after_s(resp.headers.get("retry-after"))
+            )
+        if resp.status_code >= 400:
+            raise RequestFailed(f"{url} rejected the request: HTTP {resp.status_code}: {resp.text[:500]}")
+        reply = resp.json()
+        reply["choices"][0]["message"]  # noqa: B018 - validate the shape before accepting
+        return reply
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        error = state.outcome.exception()
+        return retry_wait_s(
+            state.attempt_number - 1, getattr(error, "retry_after", None), backoff_base_s, backoff_cap_s, rng
+        )
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        counters.retries += 1
+        log.debug(
+            "attempt %d/%d failed: %r; retrying in %.2fs",
+            state.attempt_number, max_retries + 1, state.outcome.exception(), state.upcoming_sleep,
+        )  # fmt: skip
+        if on_retry:
+            on_retry()
+
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(max_retries + 1),
+        wait=wait,
+        # httpx.TimeoutException and ConnectError are TransportErrors; the rest is an unreadable reply
+        retry=tenacity.retry_if_exception_type(
+            (httpx.TransportError, _Retryable, ValueError, KeyError, IndexError, TypeError)
+        ),
+        sleep=sleep or _sleep,
+        before_sleep=before_sleep,
     )
+    try:
+        return await retrying(attempt)
+    except tenacity.RetryError as e:
+        last = e.last_attempt.exception()
+        raise RequestFailed(
+            f"{url}: failed after {max_retries + 1} attempts; last error: {type(last).__name__}: {last}"
+        ) from None
+
+
+async def _sleep(seconds: float) -> None:
+    # Looked up at call time, so a test can patch it for a whole `regenerate()` run.
+    await asyncio.sleep(seconds)
 
 
 async def check_server(client, base_url: str, model: str) -> None:

@@ -111,15 +111,42 @@ class TokenizerConfig(Section):
     )
 
 
+DataFormat = Literal["auto", "messages", "prompt_completion", "alpaca", "text"]
+
+
+class MixtureSource(Section):
+    """One source of `dataset.mixture` (docs/data_formats.md)."""
+
+    path: str = Field(description="Like dataset.path_or_dataset_id: embedded:NAME, file/dir, or HF id.")
+    weight: NonNegativeFloat = 1.0
+    format: DataFormat = "auto"
+    fields: dict[str, str] = Field(default_factory=dict)
+    split: str = "train"
+    dataset_name: str | None = None
+
+
 class DatasetConfig(Section):
-    """Chat rows in, tokenised parquet shards out (`dllmflow prepare`)."""
+    """Rows in (chat, prompt/completion, Alpaca or raw text), tokenised parquet shards out (`dllmflow prepare`)."""
 
     path_or_dataset_id: str = Field(
-        "embedded:gsm8k", description="'embedded:gsm8k', a JSONL/parquet file or dir, or a HF dataset id."
+        "embedded:gsm8k",
+        description="'embedded:gsm8k' / 'embedded:addition', a JSONL/parquet file or dir, or a HF dataset id.",
     )
     split: str = "train"
     dataset_name: str | None = None
     messages_column: str = "messages"
+    format: DataFormat = Field("auto", description="Row format; auto = detected per row from its fields.")
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Format field -> column, e.g. {prompt: question, completion: answer}.",
+    )
+    mixture: list[MixtureSource] | None = Field(
+        None, description="Weighted sources, sampled by `seed`; replaces path_or_dataset_id when set."
+    )
+    mixture_rows: PositiveInt | None = Field(
+        None, description="Rows drawn from the mixture; None = as many as fit without repeating a row."
+    )
+    seed: int = Field(0, description="Seed of the mixture sampling.")
     unshifted: bool = Field(True, description="Must be true for dLLM training (no next-token shift).")
     mask_history: bool = Field(True, description="Supervise only the final assistant turn.")
     seq_length: PositiveInt = 256
@@ -133,6 +160,10 @@ class DatasetConfig(Section):
     def _unshifted(self) -> DatasetConfig:
         if not self.unshifted:
             raise ValueError("dataset.unshifted must be true for dLLM training")
+        if self.mixture is not None and not sum(m.weight for m in self.mixture) > 0:
+            raise ValueError(
+                "dataset.mixture: the weights must sum to a positive number (give a source weight > 0)"
+            )
         return self
 
 

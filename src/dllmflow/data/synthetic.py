@@ -1,0 +1,62 @@
+"""Bundled synthetic tasks a tiny model learns on CPU in minutes: the embedded default of the demo.
+
+    rows = addition_rows()                              # [{"id", "messages": [user, assistant]}, ...]
+    rows = addition_rows(num_rows=500, seed=1, min_digits=1, max_digits=2)
+    # in a recipe:  dataset: {path_or_dataset_id: "embedded:addition", seq_length: 32}
+
+A row asks "What is 47 + 38?" and answers "#### 085": GSM8K's answer line, so evaluation's strict
+`#### N` extraction scores it unchanged (numbers are compared as numbers: 085 == 85). The answer is only
+the number, zero-padded to a fixed width, because a masked diffusion model decodes every position at
+once: with a variable width it must also guess where the digits start, and a tiny model trained for
+minutes answers "#### 101" for 71 (measured: held-out exact match 0.31 unpadded). With the byte-level
+BPE's per-digit split the answer is `####`, a space, max_digits + 1 digit tokens and eos. Rows are a pure function of the
+arguments (same arguments -> same rows, on every machine and Python version: `random.Random(seed)`
+is specified to be stable); `dllmflow prepare` holds out `dataset.eval_fraction` of them by a hash of
+the question, and every question appears once, so no eval problem is also a training problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+ADDITION_VERSION = 1  # bump when addition_rows() changes what it generates
+# Every 2-digit pair (90 * 90): the tiny demo model learns the digit table, it cannot just memorise.
+ADDITION_DEFAULTS = {"num_rows": 8100, "seed": 0, "min_digits": 2, "max_digits": 2}
+# The rows are a pure function of the generator and its arguments, so those identify them.
+ADDITION_SHA256 = hashlib.sha256(
+    json.dumps({"addition": ADDITION_VERSION, **ADDITION_DEFAULTS}, sort_keys=True).encode()
+).hexdigest()
+
+
+def addition_rows(
+    num_rows: int = ADDITION_DEFAULTS["num_rows"],
+    seed: int = ADDITION_DEFAULTS["seed"],
+    min_digits: int = ADDITION_DEFAULTS["min_digits"],
+    max_digits: int = ADDITION_DEFAULTS["max_digits"],
+) -> list[dict]:
+    """`num_rows` distinct addition problems; each operand has min_digits..max_digits digits, the sum is
+    written zero-padded to max_digits + 1 digits (see the module docstring)."""
+    lo, hi = 10 ** (min_digits - 1) if min_digits > 1 else 0, 10**max_digits - 1
+    capacity = (hi - lo + 1) ** 2
+    if num_rows > capacity:
+        raise ValueError(f"only {capacity} distinct problems with {min_digits}-{max_digits} digit operands")
+    rng = random.Random(seed)
+    seen: set[tuple[int, int]] = set()
+    rows = []
+    while len(rows) < num_rows:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        rows.append(
+            {
+                "id": f"addition-{len(rows):05d}",
+                "messages": [
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                    {"role": "assistant", "content": f"#### {a + b:0{max_digits + 1}d}"},
+                ],
+            }
+        )
+    return rows
