@@ -183,13 +183,12 @@ def load_dflash_pair(checkpoint: str | Path, target: str | None = None, device: 
     """-> (draft, target, tokenizer, training Settings or None, draft config). Both in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dllmflow.inference.generate import resolve_checkpoint
     from dllmflow.models.dflash_draft import load_draft
     from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
-    from dllmflow.settings import load_settings_json
+    from dllmflow.runs import recorded_settings, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
-    settings = load_settings_json(ckpt / "settings.json") if (ckpt / "settings.json").is_file() else None
+    settings = recorded_settings(ckpt)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     trust = bool(settings and settings.model.trust_remote_code)

@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
+from dllmflow.runs import find_export
 
 log = logging.getLogger("dllmflow.inference.serve")
 
@@ -76,6 +77,7 @@ class ChatEngine:
             raise UserError(
                 f"--model-path {path}: not a directory; point it at a saved HF model (config + weights)"
             )
+        path = find_export(path) or path  # a run dir or checkpoint root serves its consolidated export
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if not self.tokenizer.chat_template:
             raise UserError(
@@ -421,12 +423,6 @@ def cli_main(args: argparse.Namespace) -> int:
 
 
 # ---- subprocess helper --------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from dllmflow.diffusion.masks.block_diffusion import (
 )
 from dllmflow.diffusion.seeding import CORRUPTION_STREAM
 from dllmflow.errors import UserError
+from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy, _model_vocab_size
 
@@ -169,7 +170,7 @@ class BlockDiffusionStrategy(Strategy):
     def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         from dllmflow.models.diffusion_gemma import sliding_window_of
 
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         if not hasattr(getattr(inner, "model", None), "decoder") or not hasattr(inner.model, "encoder"):
             raise UserError(
                 f"dllm.mode=block_diffusion needs a DiffusionGemma model (encoder + decoder), got "
@@ -284,7 +285,7 @@ class BlockDiffusionStrategy(Strategy):
         """Decoder tensors over the base when training from a checkpoint; the full model when tiny."""
         from dllmflow.models.diffusion_gemma import export_diffusion_gemma
 
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         export_diffusion_gemma(
             inner, state_dict, tokenizer, out_dir, self.settings.model.pretrained_model_name_or_path
         )
