@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from dllmflow.diffusion.masks.dflash import dflash_dense_mask
 from dllmflow.errors import UserError
+from dllmflow.models.mask_id import find_mask_id
 
 
 @dataclass
@@ -230,7 +231,7 @@ def evaluate_dflash(
     limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
     max_new_tokens = max_new_tokens or getattr(eval_cfg, "max_new_tokens", 128)
     block_size, layer_ids = int(cfg.block_size), list(cfg.target_layer_ids)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
+    mask_id = find_mask_id(cfg.mask_token_id, tokenizer=tokenizer)
     eos_id = tokenizer.eos_token_id
 
     rows = PreparedDataset(prepared_dir, split).rows(limit)

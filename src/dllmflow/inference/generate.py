@@ -31,7 +31,7 @@ RESPONSE_SPLITS = ("<|eot_id|>", "<|end_of_text|>", "<|start_header_id|>")
 
 def resolve_generation_mask_id(explicit: int | None, settings: Any, tokenizer: Any, model: Any) -> int:
     """--mask_id > the training settings' dllm.mask_token_id (what training used) > tokenizer > model.config."""
-    from dllmflow.diffusion.samplers.base import resolve_mask_id
+    from dllmflow.models.mask_id import resolve_mask_id
 
     trained = getattr(getattr(settings, "dllm", None), "mask_token_id", None)
     return resolve_mask_id(explicit if explicit is not None else trained, tokenizer, model)

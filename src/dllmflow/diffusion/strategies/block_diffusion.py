@@ -38,6 +38,7 @@ from dllmflow.diffusion.masks.block_diffusion import (
 )
 from dllmflow.diffusion.seeding import CORRUPTION_STREAM
 from dllmflow.errors import UserError
+from dllmflow.models.mask_id import find_mask_id
 from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy, _model_vocab_size
@@ -183,7 +184,8 @@ class BlockDiffusionStrategy(Strategy):
                 f"set dllm.vocab_size: {vocab}"
             )
         # No [MASK] in this mode (random-token corruption): keep any id given, else a harmless 0.
-        self.mask_token_id = self.cfg.mask_token_id or getattr(tokenizer, "mask_token_id", None) or 0
+        found = find_mask_id(self.cfg.mask_token_id, tokenizer=tokenizer)
+        self.mask_token_id = 0 if found is None else found
         self.pad_token_id = next(
             (t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0
         )

@@ -24,6 +24,7 @@ from dllmflow.diffusion.corruption import corrupt_blockwise, corrupt_uniform, pe
 from dllmflow.diffusion.losses import mdlm_loss_sum, per_token_ce
 from dllmflow.errors import UserError
 from dllmflow.models.hybrid_adapter import HybridAdapter, accepts_masked_indices, apply_hybrid_adapter
+from dllmflow.models.mask_id import find_mask_id
 from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy
@@ -34,12 +35,7 @@ class HybridStrategy(Strategy):
 
     def build_model(self, tokenizer) -> nn.Module:
         model = super().build_model(tokenizer)
-        mask_id = (
-            self.mask_token_id
-            if self.mask_token_id is not None
-            else getattr(tokenizer, "mask_token_id", None)
-        )
-        return apply_hybrid_adapter(model, mask_id)
+        return apply_hybrid_adapter(model, find_mask_id(self.mask_token_id, tokenizer=tokenizer))
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         super().setup(model, tokenizer, device)
