@@ -52,12 +52,6 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def step_of(name: str) -> int | None:
-    """The step of a `step_XXXXXX` dir name, None for anything else."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
 def tmp_step_dir_name(step: int) -> str:
     """Where a step dir is written before it is renamed into place (pruned when left by a crash)."""
     return f".{step_dir_name(step)}.tmp"
