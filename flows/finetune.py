@@ -38,11 +38,12 @@ class FinetuneFlow(FlowSpec):
     def start(self):
         from dllmflow.workflow import finetune as workflow
 
-        # A plain dict (JSON) artifact: every later step rehydrates it with workflow.as_settings.
-        self.settings = workflow.resolve_flow_settings(
+        settings = workflow.resolve_flow_settings(
             dict(self.recipe), max_steps=self.max_steps, eval_limit=self.eval_limit
         )
-        self.run_dir = workflow.flow_run_dir(self.settings, current.origin_run_id or current.run_id)
+        # A plain dict (JSON) artifact: each later step validates it once (Settings.coerce).
+        self.settings = settings.to_dict()
+        self.run_dir = workflow.flow_run_dir(settings, current.origin_run_id or current.run_id)
         current.run.add_tags(run_tags(self.settings))
         self.next(self.prepare)
 
@@ -58,11 +59,13 @@ class FinetuneFlow(FlowSpec):
     @retry(times=config_expr("recipe.flow.train_retries"))
     @step
     def train(self):
+        from dllmflow.settings import Settings
         from dllmflow.workflow import finetune as workflow
 
+        settings = Settings.coerce(self.settings)
         # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint.
-        self.training = workflow.train(self.settings, self.run_dir)
-        self.samplers = workflow.eval_samplers(self.settings)
+        self.training = workflow.train(settings, self.run_dir)
+        self.samplers = workflow.eval_samplers(settings)
         self.next(self.evaluate, foreach="samplers")
 
     @step
@@ -96,20 +99,22 @@ class FinetuneFlow(FlowSpec):
     @card(type="blank", id="report")
     @step
     def end(self):
+        from dllmflow.settings import Settings
         from dllmflow.workflow import finetune as workflow
 
         # Again here: a resumed run clones start/prepare, so their tags never reach it.
         current.run.add_tags(run_tags(self.settings, self.data))
+        settings = Settings.coerce(self.settings)
         workflow.fill_card(
             current.card["report"],
-            self.settings,
+            settings,
             self.training["run_dir"],
             self.evals,
             self.data,
             self.training,
             self.registration,
         )
-        print(workflow.next_steps_message(self.settings, self.registration, current.pathspec))
+        print(workflow.next_steps_message(settings, self.registration, current.pathspec))
 
 
 if __name__ == "__main__":

@@ -145,6 +145,13 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
     ):
         assert needle in run["card"], needle
 
+    # `dllmflow generate --checkpoint runs/<name>` finds this flow run's export (the newest flow run).
+    from dllmflow.runs import resolve_checkpoint
+
+    flow_dir = Path(project) / training["run_dir"]
+    assert flow_dir.parent.parent.name == "runs"
+    assert resolve_checkpoint(flow_dir.parent) == resolve_checkpoint(flow_dir)
+
     # A consumer with no access to the training dirs loads the champion and generates.
     shutil.rmtree(project / "runs")
     code = (

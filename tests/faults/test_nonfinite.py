@@ -109,7 +109,7 @@ def _checkpoint_steps(run: Path) -> list[str]:
 
 
 def test_nan_loss_stops_before_the_update(prepared, tmp_path, nan_at):
-    from dllmflow.training.metrics import read_metrics
+    from dllmflow.runs import read_metrics
     from dllmflow.training.trainer import NonFiniteError, run_training
 
     nan_at(2)
@@ -124,7 +124,7 @@ def test_nan_loss_stops_before_the_update(prepared, tmp_path, nan_at):
 
 
 def test_skips_allowed_then_continues(prepared, tmp_path, nan_at):
-    from dllmflow.training.metrics import read_metrics
+    from dllmflow.runs import read_metrics
     from dllmflow.training.trainer import run_training
 
     snapshots = nan_at(2)

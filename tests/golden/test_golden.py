@@ -40,7 +40,7 @@ def _data(prepared: Path) -> dict:
 
 
 def _trajectory(mode: str, prepared: Path, tmp: Path) -> dict[str, list[float]]:
-    from dllmflow.training.metrics import read_metrics
+    from dllmflow.runs import read_metrics
     from dllmflow.training.trainer import run_training
 
     overrides = {

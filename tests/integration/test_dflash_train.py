@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from _acceptance import assert_acceptance_consistent
 
+from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
-from dllmflow.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_dflash.yaml"

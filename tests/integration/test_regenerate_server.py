@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from dllmflow.cli import main
+from dllmflow.common.net import free_port
 from dllmflow.data.regenerate import scan_shards
-from dllmflow.inference.serve import free_port, local_server
+from dllmflow.inference.serve import local_server
 
 pytestmark = pytest.mark.slow  # servers in subprocesses
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
 from dllmflow.tracking import registry
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +144,7 @@ def test_champion_loads_without_training_dirs(tmp_path, consolidated):
 
 
 def test_dead_server_is_a_clear_error(tmp_path):
-    s = _settings(tmp_path, f"http://127.0.0.1:{_free_port()}")
+    s = _settings(tmp_path, f"http://127.0.0.1:{free_port()}")
     with pytest.raises(UserError, match="not reachable"):
         registry.connect(s)
 
@@ -163,7 +157,7 @@ def test_missing_consolidated_dir_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_real_mlflow_server(tmp_path, consolidated):
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             sys.executable,

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
-from dllmflow.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 HYBRID = ROOT / "params" / "tiny_hybrid.yaml"

@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from dllmflow.components import train
+from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings, load_settings_json
 from dllmflow.training.launch import rank0_endpoint
-from dllmflow.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "params/tiny_mdlm.yaml"

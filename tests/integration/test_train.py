@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from dllmflow.errors import UserError
+from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
-from dllmflow.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"

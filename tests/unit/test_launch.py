@@ -85,3 +85,34 @@ def test_torchxconfig_sections_reach_the_scheduler_cfg():
         assert cfg, scheduler
         opts = get_scheduler_factories()[scheduler](session_name="t").run_opts()
         assert set(cfg) <= {name for name, _ in opts}, (scheduler, cfg)
+
+
+def test_run_dir_flag_is_the_run_dir_recorded_in_settings_json(tmp_path, monkeypatch):
+    """`dllmflow train --run-dir X`: settings.json (and so metrics and MLflow params) names X, where the
+    trainers write (the dir of the settings.json they are given)."""
+    import json
+
+    import torchx.runner
+
+    from dllmflow.training import launch as launch_mod
+
+    submitted = []
+
+    class FakeRunner:
+        def run(self, app, scheduler, cfg):
+            submitted.append(app)
+            return "local_cwd://fake/app"
+
+    monkeypatch.setattr(torchx.runner, "get_runner", lambda: FakeRunner())
+    monkeypatch.chdir(tmp_path)
+    s = load_settings(name="rd")
+    assert s.run_dir is None
+    result = launch_mod.launch(s, run_dir="elsewhere/x", wait=False)
+    written = tmp_path / "elsewhere" / "x" / "settings.json"
+    assert result.run_dir == written.parent
+    assert json.loads(written.read_text())["run_dir"] == "elsewhere/x"
+    assert _flag(_cmd(submitted[0]), "--settings") == str(written)
+    # already the recorded run dir (the flow's case): recorded as it was
+    flow = load_settings(name="rd", run_dir="runs/rd/flow-1")
+    launch_mod.launch(flow, run_dir=Path("runs/rd/flow-1").absolute(), wait=False)
+    assert json.loads((tmp_path / "runs/rd/flow-1/settings.json").read_text())["run_dir"] == "runs/rd/flow-1"

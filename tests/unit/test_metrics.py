@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
-from dllmflow.training.metrics import MetricsLog, console_line, memory_gib, read_metrics
+from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 
 ROOT = Path(__file__).resolve().parents[2]
 

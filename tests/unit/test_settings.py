@@ -215,3 +215,15 @@ def test_flat_view_for_mlflow_params():
 
 def test_settings_is_the_root_type():
     assert isinstance(load_settings(), Settings)
+
+
+def test_coerce_validates_dicts_once_and_with_run_dir_records_where_a_run_writes(tmp_path, monkeypatch):
+    s = load_settings(name="x")
+    assert Settings.coerce(s) is s  # already typed: no second validation
+    assert Settings.coerce(s.to_dict()) == s
+    with pytest.raises(SettingsError, match="train.lrr"):
+        Settings.coerce({"train": {"lrr": 1}})
+    monkeypatch.chdir(tmp_path)
+    assert s.with_run_dir(tmp_path / "runs" / "x") is s  # the default run dir, spelled absolutely
+    moved = s.with_run_dir("elsewhere")
+    assert moved.run_dir == "elsewhere" and moved.resolved_run_dir == Path("elsewhere")

@@ -48,11 +48,11 @@ def test_parse_params_config_errors_name_the_field_and_the_config(text, needles)
 
 def test_resolve_flow_settings_applies_parameters_without_touching_the_config():
     config = parse_params_config(TINY.read_text())
-    out = resolve_flow_settings(config, max_steps=7, eval_limit=3)
-    assert out["train"]["max_steps"] == 7 and out["eval"]["limit"] == 3
+    out = resolve_flow_settings(config, max_steps=7, eval_limit=3)  # validated once: a Settings
+    assert out.train.max_steps == 7 and out.eval.limit == 3
     assert config["train"]["max_steps"] == 600 and config["eval"]["limit"] != 3  # the input is not mutated
     same = resolve_flow_settings(config)  # 0 = keep the recipe's values
-    assert same == config
+    assert same.to_dict() == config
 
 
 def test_resolve_flow_settings_revalidates():

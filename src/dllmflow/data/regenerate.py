@@ -44,6 +44,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dllmflow.common.files import atomic_path, atomic_write_json
 from dllmflow.errors import UserError
 from dllmflow.settings import RegenerateConfig
 
@@ -234,12 +235,6 @@ def build_manifest(cfg: RegenerateConfig) -> dict[str, Any]:
     return {k: data[k] for k in MANIFEST_KEYS}
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)  # a reader (or a resume) never sees half a file
-
-
 def prepare_output_dir(output_dir: str | os.PathLike, manifest: dict[str, Any], resume: bool) -> set[int]:
     """Apply the fresh/resume rules; returns the shard indices to skip. Writes the manifest when new."""
     out = Path(output_dir)
@@ -264,7 +259,7 @@ def prepare_output_dir(output_dir: str | os.PathLike, manifest: dict[str, Any], 
     if resume and done:
         raise UserError(f"--resume: {out} has shards but no {MANIFEST}; cannot tell how they were made")
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n"))
+    atomic_write_json(path, manifest)
     return done
 
 
@@ -288,7 +283,8 @@ def write_shard(
     original = pa.array([r["original_messages"] for r in rows])
     table = pa.Table.from_arrays([messages, original], names=["messages", "original_messages"])
     path = shard_path(output_dir, index)
-    _write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+    with atomic_path(path) as tmp:  # a reader (or a resume) never sees half a file
+        pq.write_table(table, tmp)
     return path
 
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from dllmflow.diffusion.masks.dflash import dflash_dense_mask
 from dllmflow.errors import UserError
+from dllmflow.models.mask_id import find_mask_id
 
 
 @dataclass
@@ -183,13 +184,12 @@ def load_dflash_pair(checkpoint: str | Path, target: str | None = None, device: 
     """-> (draft, target, tokenizer, training Settings or None, draft config). Both in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dllmflow.inference.generate import resolve_checkpoint
     from dllmflow.models.dflash_draft import load_draft
     from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
-    from dllmflow.settings import load_settings_json
+    from dllmflow.runs import recorded_settings, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
-    settings = load_settings_json(ckpt / "settings.json") if (ckpt / "settings.json").is_file() else None
+    settings = recorded_settings(ckpt)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     trust = bool(settings and settings.model.trust_remote_code)
@@ -231,7 +231,7 @@ def evaluate_dflash(
     limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
     max_new_tokens = max_new_tokens or getattr(eval_cfg, "max_new_tokens", 128)
     block_size, layer_ids = int(cfg.block_size), list(cfg.target_layer_ids)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
+    mask_id = find_mask_id(cfg.mask_token_id, tokenizer=tokenizer)
     eos_id = tokenizer.eos_token_id
 
     rows = PreparedDataset(prepared_dir, split).rows(limit)

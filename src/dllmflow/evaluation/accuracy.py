@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -26,6 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dllmflow.common.files import atomic_write_json
 from dllmflow.errors import UserError
 
 _NUMBER = r"-?\$?\s?\d[\d,]*(?:\.\d+)?"
@@ -312,8 +312,5 @@ def cli_main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print_results(results)
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {atomic_write_json(args.output, results, sort_keys=False)}")
     return 0

@@ -1,14 +1,16 @@
 """`dllmflow generate`: text from a checkpoint with a diffusion sampler (guide "Run Inference").
 
-    dllmflow generate --checkpoint runs/tiny_mdlm/checkpoints --prompt "What is 2+3?" --sampler llada
+    dllmflow generate --checkpoint runs/tiny_mdlm --prompt "What is 2+3?" --sampler llada
     dllmflow generate --checkpoint CKPT --prompt "a" --prompt "b" --threshold 0.9 --max_new_tokens 64
     dllmflow generate --checkpoint CKPT --infill --prompt "2 + 3 = [MASK]."
 
-`--checkpoint` takes a consolidated HF dir, a step dir, the checkpoint root (through `LATEST`) or a
-run dir (`checkpoints/LATEST/...`). Each sampler's preset is its config class (`LLaDAConfig` in
-`samplers/llada.py`, ...); flags override it, and a flag the sampler does not take is an error. In
-Python: `model, tok, settings = load_for_generation(path)` then
-`SAMPLERS[name](model, tok, build_sampler_config(name, overrides), mask_id=model.config.mask_token_id)`.
+`--checkpoint` takes a consolidated HF dir, a step dir, the checkpoint root (through `LATEST`), a
+run dir (`checkpoints/LATEST/...`), a curriculum run (its last stage) or a recipe dir such as
+`runs/tiny_mdlm` (its newest flow run); `dllmflow.runs.resolve_checkpoint` owns the order. Each
+sampler's preset is its config class (`LLaDAConfig` in `samplers/llada.py`, ...); flags override it,
+and a flag the sampler does not take is an error. In Python: `model, tok, settings =
+load_for_generation(path)` then `SAMPLERS[name](model, tok, build_sampler_config(name, overrides),
+mask_id=model.config.mask_token_id)`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
+from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
 
 INFILL_SPAN = 20  # [MASK] in an --infill prompt becomes this many mask tokens (spec §3.0)
 RESPONSE_SPLITS = ("<|eot_id|>", "<|end_of_text|>", "<|start_header_id|>")
@@ -28,51 +31,9 @@ RESPONSE_SPLITS = ("<|eot_id|>", "<|end_of_text|>", "<|start_header_id|>")
 # ---- checkpoint resolution and loading ----------------------------------------------------------
 
 
-def _latest(root: Path) -> Path | None:
-    """`root/LATEST` (relative symlink) or the path written in `root/LATEST.txt`."""
-    link = root / "LATEST"
-    if link.exists():
-        return link
-    txt = root / "LATEST.txt"
-    if txt.is_file():
-        return root / txt.read_text().strip()
-    return None
-
-
-def checkpoint_candidates(path: str | Path) -> list[Path]:
-    """Spec §1.6 order, then our run-dir layout (`<run>/checkpoints/LATEST/model/consolidated`)."""
-    p = Path(path)
-    out = [p / "consolidated", p]
-    latest = _latest(p)
-    if latest is not None:
-        out += [latest / "model" / "consolidated", latest / "model"]
-    out += [p / "model" / "consolidated", p / "model"]
-    run_latest = _latest(p / "checkpoints") if (p / "checkpoints").is_dir() else None
-    if run_latest is not None:
-        out += [run_latest / "model" / "consolidated", run_latest / "model"]
-    return out
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The first candidate that holds a `config.json`; UserError naming the path otherwise."""
-    p = Path(path)
-    if not p.exists():
-        raise UserError(
-            f"checkpoint {p} does not exist; pass a consolidated dir, a step dir or a checkpoint root"
-        )
-    for cand in checkpoint_candidates(p):
-        if (cand / "config.json").is_file():
-            return cand
-    raise UserError(
-        f"checkpoint {p} holds no HF model (config.json) in any of: consolidated/, ./, LATEST/model/consolidated/, "
-        "LATEST/model/, model/consolidated/, model/, checkpoints/LATEST/model/consolidated/ "
-        "(was the consolidated export written? checkpoint.save_consolidated)"
-    )
-
-
 def resolve_generation_mask_id(explicit: int | None, settings: Any, tokenizer: Any, model: Any) -> int:
     """--mask_id > the training settings' dllm.mask_token_id (what training used) > tokenizer > model.config."""
-    from dllmflow.diffusion.samplers.base import resolve_mask_id
+    from dllmflow.models.mask_id import resolve_mask_id
 
     trained = getattr(getattr(settings, "dllm", None), "mask_token_id", None)
     return resolve_mask_id(explicit if explicit is not None else trained, tokenizer, model)
@@ -85,10 +46,9 @@ def load_for_generation(path: str | Path, mask_id: int | None = None, device: st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
-    from dllmflow.settings import load_settings_json
 
     ckpt = resolve_checkpoint(path)
-    settings = load_settings_json(ckpt / "settings.json") if (ckpt / "settings.json").is_file() else None
+    settings = recorded_settings(ckpt)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     trust = bool(settings and settings.model.trust_remote_code)
@@ -121,7 +81,7 @@ def _model_type(ckpt: Path) -> str | None:
     import json
 
     try:
-        return json.loads((ckpt / "config.json").read_text()).get("model_type")
+        return json.loads((ckpt / HF_CONFIG).read_text()).get("model_type")
     except (OSError, ValueError):
         return None
 

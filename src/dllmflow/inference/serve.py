@@ -39,7 +39,6 @@ import inspect
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
+from dllmflow.runs import find_export
 
 log = logging.getLogger("dllmflow.inference.serve")
 
@@ -207,6 +208,7 @@ class ChatEngine:
             raise UserError(
                 f"--model-path {path}: not a directory; point it at a saved HF model (config + weights)"
             )
+        path = find_export(path) or path  # a run dir or checkpoint root serves its consolidated export
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if not self.tokenizer.chat_template:
             raise UserError(
@@ -736,12 +738,6 @@ def cli_main(args: argparse.Namespace) -> int:
 
 
 # ---- subprocess helper --------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .wrappers import unwrap
+
 # `config.model_type` of families whose attention is already bidirectional (HF remote code).
 NATIVELY_BIDIRECTIONAL = frozenset({"llada", "lladamoe", "llada2_moe"})
 
@@ -57,7 +59,7 @@ def forward_bidirectional(
 ) -> Tensor:
     """Logits [B, L, V] of `model` over `input_ids` [B, L] with bidirectional attention that ignores
     padding keys (`attention_mask` [B, L], None = no padding)."""
-    config = getattr(getattr(model, "module", model), "config", None)
+    config = getattr(unwrap(model), "config", None)
     if getattr(config, "model_type", None) in NATIVELY_BIDIRECTIONAL:
         return model(input_ids=input_ids).logits
     B, L = input_ids.shape

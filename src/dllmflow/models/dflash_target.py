@@ -23,6 +23,7 @@ from torch import nn
 
 from dllmflow.errors import UserError
 from dllmflow.models.dflash_draft import build_target_layer_ids
+from dllmflow.models.mask_id import find_mask_id
 
 TINY_TARGET_PREFIX = "tiny:"
 MASK_TOKEN = "<|MASK|>"
@@ -107,10 +108,9 @@ def resolve_target_path(target_model_id: str, tokenizer) -> str:
 def resolve_mask_token_id(configured: int | None, tokenizer, target_path: str | None = None) -> int:
     """settings > the run tokenizer's mask > the target tokenizer's mask > add `<|MASK|>` to the run
     tokenizer (Qwen3: id 151669, a row the target embedding already has)."""
-    if configured is not None:
-        return int(configured)
-    if getattr(tokenizer, "mask_token_id", None) is not None:
-        return int(tokenizer.mask_token_id)
+    found = find_mask_id(configured, tokenizer=tokenizer)
+    if found is not None:
+        return found
     if target_path is not None:
         try:
             from transformers import AutoTokenizer

@@ -102,10 +102,9 @@ def build_hybrid_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -
     """The configured model (`models.build.build_model`) with the hybrid interface; the adapter's mask
     id is `dllm.mask_token_id`, else the tokenizer's (the hybrid mode's `ModeSpec.model_builder`)."""
     from dllmflow.models.build import build_model
+    from dllmflow.models.mask_id import find_mask_id
 
-    mask_id = settings.dllm.mask_token_id
-    if mask_id is None:
-        mask_id = getattr(tokenizer, "mask_token_id", None)
+    mask_id = find_mask_id(settings.dllm.mask_token_id, tokenizer=tokenizer)
     return apply_hybrid_adapter(build_model(settings, tokenizer), mask_id)
 
 

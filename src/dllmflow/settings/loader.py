@@ -17,6 +17,7 @@ import contextvars
 import importlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from dllmflow.common.files import atomic_write_json
 from dllmflow.errors import UserError
 
 from .dllm import DFlashSection, DLLMConfig, MDLMConfig
@@ -136,10 +138,28 @@ class Settings(BaseSettings):
             )
         return self
 
+    @classmethod
+    def coerce(cls, value: Settings | Mapping[str, Any]) -> Settings:
+        """A `Settings` as is; a dict (a Metaflow artifact, a settings.json) validated once. Call it
+        where a dict crosses into the library (the top of a flow step), then pass `Settings` down."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls.model_validate(value)
+        except ValidationError as e:
+            raise SettingsError(format_validation_error(e, {})) from None
+
     # ---- derived values -------------------------------------------------------------------------
     @property
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")
+
+    def with_run_dir(self, run_dir: str | os.PathLike) -> Settings:
+        """These settings recording `run_dir`, the dir a run actually writes to (unchanged when the
+        recorded one already resolves there), so settings.json, metrics and MLflow params name it."""
+        if Path(run_dir).absolute() == self.resolved_run_dir.absolute():
+            return self
+        return self.model_copy(update={"run_dir": str(run_dir)})
 
     @property
     def world_size(self) -> int:
@@ -154,12 +174,7 @@ class Settings(BaseSettings):
 
     def write_json(self, path: str | os.PathLike) -> Path:
         """Write atomically (tmp + rename) so a reader never sees half a file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_json(path, self.to_dict())
 
     def flat(self) -> dict[str, Any]:
         """Dotted-key view (MLflow params)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
+from dllmflow.runs import RunLayout, find_consolidated, read_metrics
 from dllmflow.settings import Settings
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -69,21 +70,6 @@ def git_sha(cwd: str | os.PathLike | None = None) -> str:
         return "unknown"
 
 
-def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a killed run; the rest is still valid
-    return rows
-
-
 def log_run(
     settings: Settings,
     run_dir: str | os.PathLike,
@@ -110,7 +96,7 @@ def log_run(
             numeric = {f"train/{k}": float(v) for k, v in row.items() if _is_number(v) and k != "step"}
             if numeric:
                 mlflow.log_metrics(numeric, step=step)
-        settings_json = Path(run_dir) / "settings.json"
+        settings_json = RunLayout(run_dir).settings_json
         if settings_json.is_file():
             mlflow.log_artifact(str(settings_json))
         for sampler, result in (evals or {}).items():
@@ -437,10 +423,9 @@ def add_cli_args(parser) -> None:
 
 def cli_main(args) -> int:
     from dllmflow.settings import load_settings_json
-    from dllmflow.workflow.finetune import find_consolidated
 
     run_dir = Path(args.run_dir)
-    settings = load_settings_json(run_dir / "settings.json")
+    settings = load_settings_json(RunLayout(run_dir).settings_json)
     evals = {}
     for f in args.eval_files:
         result = json.loads(Path(f).read_text())

@@ -1,6 +1,6 @@
 """Resumable, atomic checkpoints and the consolidated Hugging Face export.
 
-Layout under `RUN/checkpoints/`:
+Layout under `RUN/checkpoints/` (names and the LATEST pointer owned by `dllmflow.runs`):
 
     step_000020/model/            torch.distributed.checkpoint (DCP): sharded under FSDP2, whole under DDP
     step_000020/optim/            DCP optimizer state
@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,55 +40,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dllmflow.common.files import atomic_write_json
+from dllmflow.runs import (
+    MODEL,
+    TMP_STEP_GLOB,
+    checkpoint_steps,
+    latest_target,
+    step_dir_name,
+    tmp_step_dir_name,
+    write_latest,
+)
 from dllmflow.training.parallel import DistInfo, barrier
 
-LATEST = "LATEST"
-LATEST_TXT = "LATEST.txt"
-_STEP_RE = re.compile(r"^step_(\d{6,})$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-# ---- the LATEST pointer -------------------------------------------------------------------------
-
-
-def update_latest(root: Path, name: str) -> None:
-    """Point LATEST at `root/name` atomically: a relative symlink, or LATEST.txt where symlinks fail."""
-    root = Path(root)
-    tmp = root / f".{LATEST}.tmp"
-    tmp.unlink(missing_ok=True)
-    try:
-        os.symlink(name, tmp)
-        os.replace(tmp, root / LATEST)
-        (root / LATEST_TXT).unlink(missing_ok=True)  # a stale fallback must not win
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        tmp_txt = root / f".{LATEST_TXT}.tmp"
-        tmp_txt.write_text(name + "\n")
-        os.replace(tmp_txt, root / LATEST_TXT)
+# The layout (step dir names, LATEST) belongs to dllmflow.runs; this name stays for callers.
+update_latest = write_latest
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The step dir LATEST points at, or None when there is no complete checkpoint."""
-    root = Path(root)
-    link = root / LATEST
-    if link.is_symlink():
-        target = root / os.readlink(link)
-    elif (root / LATEST_TXT).is_file():
-        target = root / (root / LATEST_TXT).read_text().strip()
-    else:
-        return None
-    return target if target.is_dir() else None
-
-
-def checkpoint_steps(root: Path) -> list[tuple[int, Path]]:
-    """Complete step dirs under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
-    return sorted(found)
+    return latest_target(root)
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
@@ -104,7 +73,7 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
         if path not in keep:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-    for tmp in root.glob(".step_*.tmp"):
+    for tmp in root.glob(TMP_STEP_GLOB):
         shutil.rmtree(tmp, ignore_errors=True)
     return removed
 
@@ -127,30 +96,30 @@ def save_checkpoint(
     consolidated HF dir inside the step dir before it is published. Returns the final step dir."""
     root = Path(root)
     final = root / step_dir_name(step)
-    tmp = root / f".{step_dir_name(step)}.tmp"
+    tmp = root / tmp_step_dir_name(step)
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     # 1) sharded model + optimizer state (DCP writes one file per rank plus metadata)
     with _single_process_ok():
-        dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp / "model"))
+        dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp / MODEL))
         dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / "optim"))
     # 2) RNG per rank (dropout etc.; the corruption noise is seeded per sample and needs none)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{info.rank:05d}.pt")
     if export is not None:
-        export(tmp / "model")
+        export(tmp / MODEL)
     barrier()
     # 3) publish: state file, rename, LATEST, prune
     if info.is_main:
         state = {"step": step, "world_size": info.world_size, "scheduler": scheduler.state_dict()}
         state.update(extra_state or {})
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        atomic_write_json(tmp / "trainer_state.json", state)
         if final.exists():  # left by a run that died between rename and LATEST: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        update_latest(root, final.name)
+        write_latest(root, final.name)
         prune_checkpoints(root, keep_last)
     barrier()
     return final
@@ -167,7 +136,7 @@ def load_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     with _single_process_ok():
         model_sd = get_model_state_dict(model)
-        dcp.load(model_sd, checkpoint_id=str(ckpt_dir / "model"))
+        dcp.load(model_sd, checkpoint_id=str(ckpt_dir / MODEL))
         set_model_state_dict(model, model_sd)
         optim_sd = get_optimizer_state_dict(model, optimizer)
         dcp.load(optim_sd, checkpoint_id=str(ckpt_dir / "optim"))

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -29,7 +28,9 @@ from typing import Any
 
 import yaml
 
+from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
+from dllmflow.runs import RunLayout
 from dllmflow.training.main import FAIL_MARKER
 
 ROLE = "trainer"
@@ -46,12 +47,6 @@ class LaunchResult:
 
 class _Raw(str):
     """An argument left unquoted in the bash command line (so bash expands its ${...})."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def is_local_scheduler(name: str) -> bool:
@@ -106,7 +101,7 @@ def build_app(settings, run_dir: str | os.PathLike, resume: bool = False, endpoi
     from torchx import specs
 
     lc = settings.launch
-    settings_json = Path(run_dir) / "settings.json"
+    settings_json = RunLayout(run_dir).settings_json
     endpoint = _Raw(endpoint or rdzv_endpoint(settings))
     cmd = [
         "torchrun",
@@ -154,13 +149,17 @@ def launch(
     stream: bool = True,
 ) -> LaunchResult:
     """Write RUN/settings.json, submit the app on `launch.scheduler`, wait (echoing the trainers' stdout
-    for local schedulers when `stream`); raise UserError naming the failing rank on failure."""
+    for local schedulers when `stream`); raise UserError naming the failing rank on failure. The
+    settings.json records `run_dir` as the run dir (what the trainers write to)."""
     from torchx.runner import get_runner
     from torchx.specs import AppState
 
     lc = settings.launch
-    run_dir = Path(run_dir or settings.resolved_run_dir).absolute()
-    settings.write_json(run_dir / "settings.json")
+    if run_dir is not None:
+        settings = settings.with_run_dir(run_dir)
+    layout = RunLayout(settings.resolved_run_dir.absolute())
+    run_dir = layout.root
+    settings.write_json(layout.settings_json)
     local = is_local_scheduler(lc.scheduler)
     cfg: dict[str, Any] = dict(lc.scheduler_args)
     # Scheduler settings a user edits to leave this machine (queue, namespace, partition, ...):
@@ -171,7 +170,7 @@ def launch(
     apply_torchxconfig(lc.scheduler, cfg, dirs=[os.getcwd()])
     log_dir = None
     if local:
-        log_dir = Path(cfg.setdefault("log_dir", str(run_dir / "logs")))
+        log_dir = Path(cfg.setdefault("log_dir", str(layout.logs_dir)))
         # torchrun must be on PATH for the local schedulers: use the one next to this interpreter.
         bindir = os.path.dirname(sys.executable)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):

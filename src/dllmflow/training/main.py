@@ -4,7 +4,8 @@
     python -m dllmflow.training.main --settings runs/tiny/settings.json          # a single in-process rank
 
 It knows nothing of Metaflow or torchx: the settings come only from the JSON file (written by
-`dllmflow train` / the flow), and the run dir is that file's directory. A failure prints one line
+`dllmflow train` / the flow), and the run dir is that file's directory (which `dllmflow train` also
+records in it as `run_dir`). A failure prints one line
 `[rank N] dllmflow.training.main failed: ...` (plus the traceback for non-user errors) and exits 1, which
 the launcher quotes. After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) it resumes from LATEST.
 """

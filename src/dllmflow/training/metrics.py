@@ -4,7 +4,8 @@ Each line is written with a single `os.write` on an O_APPEND descriptor, so a re
 tail -f) never sees half a record. On resume the log is cut back to the checkpoint's step so it
 reads as one uninterrupted run.
 
-    log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
+    log = MetricsLog(RunLayout(run_dir).metrics_jsonl, enabled=rank == 0)   # dllmflow.runs
+    rows = read_metrics(run_dir)                                            # dllmflow.runs
     log.write({"step": 1, "loss": 2.3, ...}); print(console_line(record))
 """
 
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dllmflow.common.files import atomic_write_text
 
 CONSOLE_KEYS = ("loss", "dllm_loss", "grad_norm", "lr", "mem", "tps", "mfu")
 
@@ -43,20 +46,7 @@ class MetricsLog:
         if not self.enabled or not self.path.is_file():
             return
         kept = [line for line in self.path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl (skips a torn last line, should a writer have been killed)."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+        atomic_write_text(self.path, "".join(kept))
 
 
 def console_line(record: dict[str, Any], max_steps: int | None = None) -> str:

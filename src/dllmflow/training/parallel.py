@@ -96,15 +96,6 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The underlying HF model (DDP keeps it in `.module`; FSDP2 modifies the model in place)."""
-    return (
-        model.module
-        if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel)
-        else model
-    )
-
-
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Skip the gradient all-reduce / reduce-scatter for all but the last micro-batch of a step."""

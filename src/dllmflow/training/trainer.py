@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from dllmflow.errors import UserError
+from dllmflow.models.wrappers import unwrap
+from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
 from dllmflow.training import checkpoint as ckpt
 from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallel import (
@@ -37,7 +39,6 @@ from dllmflow.training.parallel import (
     apply_parallel,
     grad_sync,
     init_distributed,
-    unwrap,
 )
 
 # Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
@@ -59,7 +60,7 @@ class TrainResult:
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return RunLayout(self.run_dir).metrics_jsonl
 
 
 def build_optimizer(model: torch.nn.Module, settings) -> torch.optim.Optimizer:
@@ -87,13 +88,16 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     from dllmflow.diffusion.strategies import build_strategy
     from dllmflow.training.data import GlobalBatches
 
-    run_dir = Path(run_dir or settings.resolved_run_dir)
+    # What settings.json (and so the export and MLflow params) records is the dir written to.
+    settings = settings.with_run_dir(run_dir) if run_dir is not None else settings
+    run = RunLayout(run_dir if run_dir is not None else settings.resolved_run_dir)
+    run_dir = run.root
     info = init_distributed(settings)
     t = settings.train
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not (run_dir / "settings.json").is_file():
-            settings.write_json(run_dir / "settings.json")
+        if not run.settings_json.is_file():
+            settings.write_json(run.settings_json)
 
     # 1) data, tokenizer, model, strategy (identical init on every rank: seeded before building)
     prepared = settings.dataset.prepared_dir
@@ -114,8 +118,8 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, settings))
 
     # 2) resume
-    ckpt_root = run_dir / "checkpoints"
-    log = MetricsLog(run_dir / "metrics.jsonl", enabled=info.is_main)
+    ckpt_root = run.checkpoints
+    log = MetricsLog(run.metrics_jsonl, enabled=info.is_main)
     start = 0
     latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
     if latest is not None:
@@ -182,7 +186,7 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
                 export=export,
             )
             if export is not None:
-                result.consolidated_dir = result.checkpoint_dir / "model" / "consolidated"
+                result.consolidated_dir = export_dir(result.checkpoint_dir)
         result.final_step = done
         if fail_at == done and fail_rank in (None, "", str(info.rank)):
             raise RuntimeError(f"injected failure after step {done} ({FAIL_AT_STEP_ENV}={fail_at})")
@@ -282,10 +286,11 @@ def _exporter(model, strategy, tokenizer, run_dir: Path, info: DistInfo):
     def export(model_dir: Path) -> None:
         state = ckpt.full_state_dict(model)
         if info.is_main:
-            out = model_dir / "consolidated"
+            out = model_dir / CONSOLIDATED
             out.mkdir(parents=True, exist_ok=True)
             strategy.export(unwrap(model), state, tokenizer, out)
-            shutil.copy2(run_dir / "settings.json", out / "settings.json")
+            settings_json = RunLayout(run_dir).settings_json
+            shutil.copy2(settings_json, out / settings_json.name)
 
     return export
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dllmflow.runs import read_metrics
 from dllmflow.settings import Settings
-from dllmflow.tracking.registry import read_metrics
 
 EVAL_COLUMNS = ("exact_match_strict", "exact_match_flexible", "tokens_per_s", "nfe", "tokens_per_forward")
 

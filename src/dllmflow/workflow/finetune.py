@@ -6,6 +6,10 @@ Everything here also runs without Metaflow (tests call it directly):
     settings = pipeline.resolve_flow_settings(yaml.safe_load(open("params/tiny_mdlm.yaml")))
     data = pipeline.prepare_data(settings)
     training = pipeline.train(settings, "runs/tiny_mdlm/manual")
+
+Settings cross into a step as a dict (a Metaflow artifact): each function a step calls validates it
+once with `Settings.coerce` (a no-op on a `Settings`) and passes the typed object down. Paths inside
+a run come from `dllmflow.runs`.
 """
 
 from __future__ import annotations
@@ -17,16 +21,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from dllmflow import runs
+from dllmflow.common.files import atomic_write_json
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings, load_settings_text
 
 log = logging.getLogger(__name__)
 
 SettingsLike = Settings | dict[str, Any]
-
-
-def as_settings(settings: SettingsLike) -> Settings:
-    return settings if isinstance(settings, Settings) else Settings.model_validate(settings)
 
 
 # ---- start ---------------------------------------------------------------------------------------------
@@ -38,24 +40,20 @@ def parse_params_config(text: str) -> dict[str, Any]:
     return load_settings_text(text, source="--config recipe").to_dict()
 
 
-def resolve_flow_settings(
-    config: dict[str, Any], *, max_steps: int = 0, eval_limit: int = 0
-) -> dict[str, Any]:
-    """Apply the run-time `Parameter`s to the Config and re-validate. Returns a JSON-able dict (the
-    artifact every later step rehydrates)."""
+def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_limit: int = 0) -> Settings:
+    """Apply the run-time `Parameter`s to the Config and validate. The flow keeps `.to_dict()` of it
+    as the artifact every later step rehydrates."""
     data = json.loads(json.dumps(config))
     if max_steps:
         data["train"]["max_steps"] = int(max_steps)
     if eval_limit:
         data["eval"]["limit"] = int(eval_limit)
-    return as_settings(data).to_dict()
+    return Settings.coerce(data)
 
 
 def flow_run_dir(settings: SettingsLike, run_id: str) -> str:
     """One run dir per flow run; a resumed flow (`origin_run_id`) reuses it, so training resumes."""
-    s = as_settings(settings)
-    base = Path(s.run_dir) if s.run_dir else Path("runs") / s.name
-    return str(base / f"flow-{run_id}")
+    return str(runs.flow_run_dir(Settings.coerce(settings).resolved_run_dir, run_id))
 
 
 # ---- prepare ---------------------------------------------------------------------------------------------
@@ -68,7 +66,7 @@ def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, An
     when its input fingerprint is unchanged). Returns the data hash and how it was obtained."""
     from dllmflow.data.prepare import prepare, read_manifest
 
-    s = as_settings(settings)
+    s = Settings.coerce(settings)
     via_dvc, dvc_skipped = None, False
     stage = None if force else _dvc_stage_for(s.dataset.prepared_dir)
     if stage is not None:
@@ -128,18 +126,17 @@ def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
     in its run dir resumes from it (a Metaflow `@retry` or `resume` lands here again with the same
     run dir); a finished stage is not retrained."""
     from dllmflow.diffusion.strategies import STRATEGIES
-    from dllmflow.training.checkpoint import latest_checkpoint
     from dllmflow.training.launch import launch
 
-    s = as_settings({**as_settings(settings).to_dict(), "run_dir": run_dir})
+    s = Settings.coerce(settings).with_run_dir(run_dir)
     stages = STRATEGIES[s.dllm.mode].training_stages(s)
     handles, resumed, log_dir = [], False, None
     for stage in stages:
-        stage_dir = stage.resolved_run_dir
-        if _finished(stage_dir, stage.train.max_steps):
+        layout = runs.RunLayout(stage.resolved_run_dir)
+        if layout.is_finished(stage.train.max_steps):
             continue
-        resume = latest_checkpoint(stage_dir / "checkpoints") is not None
-        result = launch(stage, run_dir=stage_dir, resume=resume)
+        resume = layout.latest_step() is not None
+        result = launch(stage, resume=resume)
         handles.append(result.app_handle)
         resumed, log_dir = resumed or resume, result.log_dir
     final_dir = str(stages[-1].resolved_run_dir)
@@ -150,26 +147,8 @@ def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
         "app_handles": handles,
         "log_dir": str(log_dir) if log_dir else None,
         "resumed": resumed,
-        "consolidated_dir": str(find_consolidated(final_dir)),
+        "consolidated_dir": str(runs.find_consolidated(final_dir)),
     }
-
-
-def _finished(run_dir: Path, max_steps: int) -> bool:
-    from dllmflow.training.checkpoint import latest_checkpoint, step_dir_name
-
-    latest = latest_checkpoint(run_dir / "checkpoints")
-    return (
-        latest is not None
-        and latest.name == step_dir_name(max_steps)
-        and (latest / "model" / "consolidated").is_dir()
-    )
-
-
-def find_consolidated(run_dir: str | os.PathLike) -> Path:
-    """The consolidated HF dir of a finished run (checkpoints/LATEST/model/consolidated)."""
-    from dllmflow.inference.generate import resolve_checkpoint
-
-    return Path(resolve_checkpoint(Path(run_dir) / "checkpoints"))
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------
@@ -182,7 +161,7 @@ def eval_samplers(settings: SettingsLike) -> list[str]:
     from dllmflow.diffusion.modes import MODES
     from dllmflow.diffusion.samplers import SAMPLERS
 
-    s = as_settings(settings)
+    s = Settings.coerce(settings)
     spec = MODES[s.dllm.mode]
     extra = list(spec.extra_evaluations)
     if s.eval.samplers:
@@ -204,16 +183,14 @@ def _sampler_available(registry, name: str) -> bool:
 def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict[str, Any]:
     from dllmflow.evaluation.accuracy import evaluate
 
-    s = as_settings(settings)
+    s = Settings.coerce(settings)
     if sampler == "acceptance":
         from dllmflow.evaluation.acceptance import evaluate_dflash
 
-        result = evaluate_dflash(find_consolidated(run_dir), settings=s, limit=s.eval.limit)
+        result = evaluate_dflash(runs.find_consolidated(run_dir), settings=s, limit=s.eval.limit)
     else:
-        result = evaluate(find_consolidated(run_dir), settings=s, sampler=sampler, limit=s.eval.limit)
-    out = Path(run_dir) / "eval" / f"{sampler}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+        result = evaluate(runs.find_consolidated(run_dir), settings=s, sampler=sampler, limit=s.eval.limit)
+    atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
     return result
 
 
@@ -231,7 +208,7 @@ def register(
 ) -> dict[str, Any]:
     from dllmflow.tracking import registry
 
-    s = as_settings(settings)
+    s = Settings.coerce(settings)
     lineage = {
         "data_content_hash": data.get("content_hash"),
         "data_source_sha256": data.get("source_sha256"),
@@ -278,13 +255,13 @@ def fill_card(card, settings, run_dir, evals, data, training, registration) -> N
     from dllmflow.workflow.card import build_card_components
 
     for component in build_card_components(
-        as_settings(settings), run_dir, evals, data, training, registration
+        Settings.coerce(settings), run_dir, evals, data, training, registration
     ):
         card.append(component)
 
 
 def next_steps_message(settings: SettingsLike, registration: dict[str, Any], pathspec: str) -> str:
-    s = as_settings(settings)
+    s = Settings.coerce(settings)
     uri = registration["tracking_uri"]
     flow_file = "flows/finetune.py"
     status = "promoted to @champion" if registration.get("gate_promoted") else "kept as @candidate"

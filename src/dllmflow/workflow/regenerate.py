@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dllmflow.common.files import atomic_write_text
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings
 
@@ -53,20 +54,17 @@ DEFAULT_LOCAL_MODEL = "dflash-target"
 NO_SERVER_URL = "http://no-server.invalid/v1"
 
 
-def as_settings(settings: Settings | dict[str, Any]) -> Settings:
-    return settings if isinstance(settings, Settings) else Settings.model_validate(settings)
-
-
-def source_dir(settings: Settings | dict[str, Any]) -> Path:
+def source_dir(settings: Settings) -> Path:
     """Work dir next to the output (`<output_dir>.source`): exported rows and the bootstrap prep.
     Outside the output dir, so DVC's hash of the shards does not depend on it."""
-    out = Path(as_settings(settings).regenerate.output_dir)
+    out = Path(settings.regenerate.output_dir)
     return out.with_name(out.name + ".source")
 
 
 def check_settings(settings: Settings | dict[str, Any]) -> Settings:
-    """What the flow's start step validates: an input, and a server or a local target to serve."""
-    s = as_settings(settings)
+    """What the flow's start step validates: an input, and a server or a local target to serve. A
+    dict (the flow's artifact) is validated here, once; the rest of this module takes `Settings`."""
+    s = Settings.coerce(settings)
     r = s.regenerate
     if not r.input_data:
         raise UserError(
@@ -85,7 +83,7 @@ def check_settings(settings: Settings | dict[str, Any]) -> Settings:
 # ---- 1) the rows to regenerate --------------------------------------------------------------------
 
 
-def export_source(settings: Settings | dict[str, Any]) -> str:
+def export_source(settings: Settings) -> str:
     """Path of the chat rows to regenerate: embedded data written as JSONL (rewritten only when its
     bytes change), else `regenerate.input_data` unchanged."""
     from dllmflow.data.chat import EMBEDDED
@@ -103,10 +101,7 @@ def export_source(settings: Settings | dict[str, Any]) -> str:
     text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in loader())
     path = source_dir(s) / f"{name}.jsonl"
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(path, text)
     return str(path)
 
 
@@ -132,7 +127,7 @@ def _bootstrap_settings(s: Settings, source: str, target_dir: str) -> Settings:
     return Settings.model_validate(data)
 
 
-def local_target_path(settings: Settings | dict[str, Any], source: str | None = None) -> str:
+def local_target_path(settings: Settings, source: str | None = None) -> str:
     """Local model dir (or hub id) of `dflash.target_model_id`; builds a missing `tiny:<dir>` target
     from a tokenizer prepared on `source` (see the module docstring)."""
     s = check_settings(settings)
@@ -155,12 +150,12 @@ def local_target_path(settings: Settings | dict[str, Any], source: str | None = 
     return resolve_target_path(target_id, load_tokenizer(boot.dataset.prepared_dir))
 
 
-def served_model_name(settings: Settings | dict[str, Any]) -> str:
-    return as_settings(settings).regenerate.model or DEFAULT_LOCAL_MODEL
+def served_model_name(settings: Settings) -> str:
+    return settings.regenerate.model or DEFAULT_LOCAL_MODEL
 
 
 @contextlib.contextmanager
-def serve_target(settings: Settings | dict[str, Any], source: str | None = None) -> Iterator[str]:
+def serve_target(settings: Settings, source: str | None = None) -> Iterator[str]:
     """Yield the target server's base URL: `regenerate.target_server`, or a local `dllmflow serve` of
     the dflash target started here and stopped on exit."""
     s = check_settings(settings)
@@ -179,9 +174,8 @@ def serve_target(settings: Settings | dict[str, Any], source: str | None = None)
 # ---- 3) regenerate --------------------------------------------------------------------------------
 
 
-def regenerate_config(settings: Settings | dict[str, Any], source: str):
+def regenerate_config(s: Settings, source: str):
     """The `RegenerateConfig` actually run: the exported source, and a model name for a local server."""
-    s = as_settings(settings)
     update: dict[str, Any] = {"input_data": source}
     if s.regenerate.target_server is None:
         update["model"] = served_model_name(s)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from dllmflow.errors import UserError
+from dllmflow.models.mask_id import find_mask_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -80,8 +81,7 @@ class Strategy(ABC):
     def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         """Validate the model/tokenizer against the settings, load auxiliary models, resolve the mask
         id (settings -> tokenizer). Raise `UserError` naming the field on a mismatch."""
-        if self.mask_token_id is None:
-            self.mask_token_id = getattr(tokenizer, "mask_token_id", None)
+        self.mask_token_id = find_mask_id(self.mask_token_id, tokenizer=tokenizer)
         if self.mask_token_id is None:
             raise UserError(
                 f"dllm.mask_token_id is not set and the tokenizer has no mask token (mode {self.name}); "

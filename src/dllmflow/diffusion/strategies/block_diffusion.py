@@ -38,6 +38,8 @@ from dllmflow.diffusion.masks.block_diffusion import (
 )
 from dllmflow.diffusion.seeding import CORRUPTION_STREAM
 from dllmflow.errors import UserError
+from dllmflow.models.mask_id import find_mask_id
+from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy, _model_vocab_size
 
@@ -164,7 +166,7 @@ class BlockDiffusionStrategy(Strategy):
     def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         from dllmflow.models.diffusion_gemma import sliding_window_of
 
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         if not hasattr(getattr(inner, "model", None), "decoder") or not hasattr(inner.model, "encoder"):
             raise UserError(
                 f"dllm.mode=block_diffusion needs a DiffusionGemma model (encoder + decoder), got "
@@ -177,7 +179,8 @@ class BlockDiffusionStrategy(Strategy):
                 f"set dllm.vocab_size: {vocab}"
             )
         # No [MASK] in this mode (random-token corruption): keep any id given, else a harmless 0.
-        self.mask_token_id = self.cfg.mask_token_id or getattr(tokenizer, "mask_token_id", None) or 0
+        found = find_mask_id(self.cfg.mask_token_id, tokenizer=tokenizer)
+        self.mask_token_id = 0 if found is None else found
         self.pad_token_id = next(
             (t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0
         )
@@ -279,7 +282,7 @@ class BlockDiffusionStrategy(Strategy):
         """Decoder tensors over the base when training from a checkpoint; the full model when tiny."""
         from dllmflow.models.diffusion_gemma import export_diffusion_gemma
 
-        inner = getattr(model, "module", model)
+        inner = unwrap(model)
         export_diffusion_gemma(
             inner, state_dict, tokenizer, out_dir, self.settings.model.pretrained_model_name_or_path
         )

@@ -46,15 +46,12 @@ from dllmflow.models.dflash_target import (
     resolve_target_layer_ids,
     resolve_target_path,
 )
+from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy
 
 BACKENDS = ("sdpa", "flex_attention")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DDP; FSDP2 modules are not wrapped
 
 
 class DFlashStrategy(Strategy):
@@ -136,7 +133,7 @@ class DFlashStrategy(Strategy):
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         """Load the frozen target once and resolve block size, gamma, layer ids and the mask id."""
-        draft = _unwrap(model)
+        draft = unwrap(model)
         mask_id = self._resolve_mask(tokenizer)
         if self.dcfg.attention_backend == "flex_attention":
             if torch.device(device).type != "cuda":
@@ -270,7 +267,7 @@ class DFlashStrategy(Strategy):
     def export(self, model: nn.Module, state_dict: dict[str, Tensor], tokenizer: Any, out_dir: Path) -> None:
         """Only the draft (the target stays where `target_model_id` points), with the DFlash fields
         in its config so it decodes and loads back on its own."""
-        draft = _unwrap(model)
+        draft = unwrap(model)
         cfg = draft.config
         fields = {
             "block_size": self.block_size,

@@ -24,6 +24,7 @@ from dllmflow.diffusion.corruption import corrupt_blockwise, corrupt_uniform, pe
 from dllmflow.diffusion.losses import mdlm_loss_sum, per_token_ce
 from dllmflow.errors import UserError
 from dllmflow.models.hybrid_adapter import HybridAdapter, accepts_masked_indices
+from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy
 
@@ -33,7 +34,7 @@ class HybridStrategy(Strategy):
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         super().setup(model, tokenizer, device)
-        inner = _unwrap(model)
+        inner = unwrap(model)
         if not (isinstance(inner, HybridAdapter) or accepts_masked_indices(inner)):
             raise UserError(
                 f"dllm.mode=hybrid: {type(inner).__name__} does not accept `masked_indices`; build it with "
@@ -76,7 +77,7 @@ class HybridStrategy(Strategy):
         logits, causal = split_hybrid_logits(out.logits, getattr(out, "causal_logits", None), x.shape[1])
         if causal is None:
             raise UserError(
-                f"dllm.mode=hybrid: {type(_unwrap(model)).__name__} returned no causal_logits (and no concatenated "
+                f"dllm.mode=hybrid: {type(unwrap(model)).__name__} returned no causal_logits (and no concatenated "
                 "[B, L+L_ar, V] logits); load Nemotron-Labs-Diffusion with dlm_paradigm: block_diff, or use a plain "
                 "causal LM so HybridStrategy.build_model can wrap it in the hybrid adapter"
             )
@@ -90,7 +91,7 @@ class HybridStrategy(Strategy):
         )
 
     def _model_inputs(self, model: nn.Module, batch: Batch) -> dict:
-        if isinstance(_unwrap(model), HybridAdapter):
+        if isinstance(unwrap(model), HybridAdapter):
             # Our adapter blocks padded keys in the bidirectional branch.
             return {
                 "input_ids": batch["input_ids"],
@@ -105,7 +106,7 @@ class HybridStrategy(Strategy):
             "labels": batch["input_ids"],
             "skip_loss": True,
         }
-        params = inspect.signature(_unwrap(model).forward).parameters
+        params = inspect.signature(unwrap(model).forward).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return kwargs
         return {k: v for k, v in kwargs.items() if k in params}
@@ -136,7 +137,3 @@ def hybrid_loss_sums(
     sup_next = (loss_mask[:, 1:] != 0).float()  # [B, L-1]
     ar = (per_token_ce(causal_logits[:, : L - 1], input_ids[:, 1:]) * sup_next).sum()
     return diffusion, ar
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DDP

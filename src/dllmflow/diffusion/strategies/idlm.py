@@ -31,6 +31,7 @@ from dllmflow.diffusion.losses import per_token_ce
 from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask
 from dllmflow.errors import UserError
 from dllmflow.models.attention import mask_dtype
+from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy, _model_vocab_size
 
@@ -119,7 +120,7 @@ class IDLMStrategy(Strategy):
         return (noisy / clean.clamp_min(1e-6)).detach()
 
     def _attention_mask(self, model: nn.Module, attention_mask: Tensor):
-        config = getattr(_unwrap(model), "config", None)
+        config = getattr(unwrap(model), "config", None)
         if getattr(config, "_attn_implementation", None) == "flex_attention":
             return idlm_block_mask(attention_mask, self.block_length)
         return idlm_dense_mask(
@@ -152,19 +153,20 @@ def curriculum_stages(settings: Settings) -> list[Settings]:
     """One settings object per `block_length` stage (a single-item list for an int).
 
     Stage i trains `block_length[i]` in `<run_dir>/stage_<i>`; stage i > 0 starts from stage i-1's
-    consolidated export `<run_dir>/stage_<i-1>/checkpoints/LATEST/model/consolidated`.
+    latest consolidated export (`RunLayout.latest_export`). Each stage holds new values: validated.
     """
+    from dllmflow.runs import RunLayout
     from dllmflow.settings import Settings, deep_merge
 
     lengths = settings.dllm.block_length
     if isinstance(lengths, int):
         return [settings]
-    base = settings.resolved_run_dir
+    run = RunLayout(settings.resolved_run_dir)
     stages: list[Settings] = []
     for i, b in enumerate(lengths):
-        update: dict = {"run_dir": str(base / f"stage_{i}"), "dllm": {"block_length": b}}
+        update: dict = {"run_dir": str(run.stage(i).root), "dllm": {"block_length": b}}
         if i > 0:
-            prev = base / f"stage_{i - 1}" / "checkpoints" / "LATEST" / "model" / "consolidated"
+            prev = run.stage(i - 1).latest_export
             update["model"] = {"pretrained_model_name_or_path": str(prev), "tiny": None, "gguf_file": None}
         stages.append(Settings.model_validate(deep_merge(settings.to_dict(), update)))
     return stages
@@ -172,7 +174,3 @@ def curriculum_stages(settings: Settings) -> list[Settings]:
 
 def _ce_sum(logits: Tensor, target: Tensor, weight: Tensor) -> Tensor:
     return (per_token_ce(logits, target) * weight).sum()
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DDP

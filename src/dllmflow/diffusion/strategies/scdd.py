@@ -19,6 +19,7 @@ from dllmflow.diffusion.corruption import corrupt_scdd, per_sample
 from dllmflow.diffusion.losses import scdd_loss_sum
 from dllmflow.errors import UserError
 from dllmflow.models.attention import forward_bidirectional
+from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy, _model_vocab_size
 from .mdlm import require_mask_id
@@ -33,7 +34,7 @@ class SCDDStrategy(Strategy):
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         super().setup(model, tokenizer, device)
-        vocab = _model_vocab_size(getattr(model, "module", model))
+        vocab = _model_vocab_size(unwrap(model))
         if vocab is not None and vocab != self.cfg.vocab_size:
             raise SCDDConfigError(
                 f"dllm.vocab_size={self.cfg.vocab_size} does not match the model's vocabulary size {vocab}; "

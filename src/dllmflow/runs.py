@@ -1,0 +1,286 @@
+"""The one owner of the run layout: run dirs, step dirs, LATEST, exports, stages, flow runs.
+
+    runs/<name>/                          Settings.resolved_run_dir (`run_dir`, default runs/<name>)
+      flow-<run_id>/                      one Metaflow run (`flow_run_dir`); `dllmflow train` uses the run dir itself
+        settings.json                     what ran (Settings.write_json); copied into every export
+        metrics.jsonl                     one record per step (rank 0)
+        logs/                             torchx/torchrun logs of the local schedulers
+        eval/<sampler>.json               one evaluation per sampler
+        checkpoints/
+          step_000040/model/              DCP state (see training/checkpoint.py)
+          step_000040/model/consolidated/ the Hugging Face export (config.json, weights, tokenizer)
+          LATEST -> step_000040           relative symlink, or LATEST.txt holding the name
+        stage_0/, stage_1/, ...           a curriculum (I-DLM block_length): one run dir per stage
+
+    layout = RunLayout("runs/tiny_mdlm/flow-12")
+    layout.metrics_jsonl, layout.eval_file("llada"), layout.latest_step(), layout.export()
+    resolve_checkpoint("runs/tiny_mdlm")  # -> the newest flow run's consolidated export
+
+Stdlib only (no torch): everything from settings up may ask it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from dllmflow.errors import UserError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "LATEST"
+LATEST_TXT = "LATEST.txt"
+MODEL = "model"
+CONSOLIDATED = "consolidated"
+SETTINGS_JSON = "settings.json"
+METRICS_JSONL = "metrics.jsonl"
+EVAL = "eval"
+LOGS = "logs"
+FLOW_PREFIX = "flow-"
+STAGE_PREFIX = "stage_"
+HF_CONFIG = "config.json"  # what makes a dir a loadable Hugging Face model
+
+TMP_STEP_GLOB = ".step_*.tmp"  # matches every `tmp_step_dir_name`
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+_STAGE_RE = re.compile(rf"^{STAGE_PREFIX}(\d+)$")
+
+
+# ---- step dirs and the LATEST pointer ------------------------------------------------------------
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def tmp_step_dir_name(step: int) -> str:
+    """Where a step dir is written before it is renamed into place (pruned when left by a crash)."""
+    return f".{step_dir_name(step)}.tmp"
+
+
+def read_latest(root: str | os.PathLike) -> Path | None:
+    """The dir `root/LATEST` (symlink) or `root/LATEST.txt` names, or None when there is none. The
+    path goes through the link (`root/LATEST`), so callers see the stable name."""
+    root = Path(root)
+    link = root / LATEST
+    if link.is_symlink() or link.is_dir():
+        return link if link.is_dir() else None
+    txt = root / LATEST_TXT
+    if txt.is_file():
+        target = root / txt.read_text().strip()
+        return target if target.is_dir() else None
+    return None
+
+
+def latest_target(root: str | os.PathLike) -> Path | None:
+    """Like `read_latest`, but the real step dir (`root/step_XXXXXX`), not the link."""
+    latest = read_latest(root)
+    if latest is None or latest.name != LATEST:
+        return latest
+    return Path(root) / os.readlink(latest) if latest.is_symlink() else latest
+
+
+def write_latest(root: str | os.PathLike, name: str) -> None:
+    """Point LATEST at `root/name` atomically: a relative symlink (the run dir can move), or LATEST.txt
+    where symlinks fail."""
+    from dllmflow.common.files import atomic_write_text, fsync_dir
+
+    root = Path(root)
+    tmp = root / f".{LATEST}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(name, tmp)
+        os.replace(tmp, root / LATEST)
+        (root / LATEST_TXT).unlink(missing_ok=True)  # a stale fallback must not win
+        fsync_dir(root)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        atomic_write_text(root / LATEST_TXT, name + "\n")
+
+
+def export_dir(step_dir: str | os.PathLike) -> Path:
+    """The consolidated Hugging Face export inside a step dir."""
+    return Path(step_dir) / MODEL / CONSOLIDATED
+
+
+# ---- one run dir ---------------------------------------------------------------------------------
+
+
+class RunLayout:
+    """Paths of one run dir (a `dllmflow train` run, a flow run or one curriculum stage)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.root = Path(run_dir)
+
+    def __repr__(self) -> str:
+        return f"RunLayout({str(self.root)!r})"
+
+    @property
+    def settings_json(self) -> Path:
+        return self.root / SETTINGS_JSON
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.root / METRICS_JSONL
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / LOGS
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.root / EVAL
+
+    def eval_file(self, sampler: str) -> Path:
+        return self.eval_dir / f"{sampler}.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    def step_dir(self, step: int) -> Path:
+        return self.checkpoints / step_dir_name(step)
+
+    def latest_step(self) -> Path | None:
+        """The complete step dir LATEST points at (its real name), or None."""
+        return latest_target(self.checkpoints)
+
+    @property
+    def latest_export(self) -> Path:
+        """`checkpoints/LATEST/model/consolidated`: where the newest export will be, written before it
+        exists (the next curriculum stage starts from it)."""
+        return export_dir(self.checkpoints / LATEST)
+
+    def export(self) -> Path | None:
+        """The consolidated export LATEST points at, when it was written."""
+        latest = read_latest(self.checkpoints)
+        return export_dir(latest) if latest is not None and _is_hf_dir(export_dir(latest)) else None
+
+    def is_finished(self, max_steps: int) -> bool:
+        """LATEST is the final step and holds its export: nothing is left to train."""
+        latest = self.latest_step()
+        return latest is not None and latest.name == step_dir_name(max_steps) and export_dir(latest).is_dir()
+
+    def stage(self, index: int) -> RunLayout:
+        return RunLayout(self.root / f"{STAGE_PREFIX}{index}")
+
+    def stages(self) -> list[RunLayout]:
+        """Curriculum stage dirs present, in stage order."""
+        return [RunLayout(p) for _, p in _numbered_children(self.root, _STAGE_RE)]
+
+    def flow_runs(self) -> list[RunLayout]:
+        """`flow-*` run dirs below this recipe dir."""
+        if not self.root.is_dir():
+            return []
+        return [RunLayout(p) for p in sorted(self.root.glob(f"{FLOW_PREFIX}*")) if p.is_dir()]
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a run's metrics.jsonl (`path`: the run dir or the file itself); [] before the
+    first step, a line cut by a killed writer skipped."""
+    from dllmflow.common.files import read_jsonl
+
+    path = Path(path)
+    return read_jsonl(RunLayout(path).metrics_jsonl if path.is_dir() else path)
+
+
+def flow_run_dir(base: str | os.PathLike, run_id: str) -> Path:
+    """One run dir per flow run under the recipe's run dir; a resumed flow (origin run id) reuses it."""
+    return Path(base) / f"{FLOW_PREFIX}{run_id}"
+
+
+# ---- checkpoint resolution ---------------------------------------------------------------------------
+
+
+def checkpoint_candidates(path: str | os.PathLike) -> list[Path]:
+    """Spec §1.6 order, then our run-dir layout (`<run>/checkpoints/LATEST/model/consolidated`)."""
+    p = Path(path)
+    out = [p / CONSOLIDATED, p]
+    latest = read_latest(p)
+    if latest is not None:
+        out += [export_dir(latest), latest / MODEL]
+    out += [export_dir(p), p / MODEL]
+    run_latest = read_latest(p / CHECKPOINTS)
+    if run_latest is not None:
+        out += [export_dir(run_latest), run_latest / MODEL]
+    return out
+
+
+def find_export(path: str | os.PathLike) -> Path | None:
+    """The Hugging Face dir `path` stands for, or None. In order: a consolidated dir as is, a step dir,
+    a checkpoint root (LATEST), a run dir (checkpoints/LATEST), a curriculum run (its last stage with an
+    export), a recipe dir of flow runs (the newest flow run with an export)."""
+    p = Path(path)
+    for cand in checkpoint_candidates(p):
+        if _is_hf_dir(cand):
+            return cand
+    for stage in reversed(RunLayout(p).stages()):
+        found = find_export(stage.root)
+        if found is not None:
+            return found
+    return newest_flow_export(p)
+
+
+def newest_flow_export(base: str | os.PathLike) -> Path | None:
+    """The export of the newest `flow-*` run under `base` that has one (newest = mtime of its LATEST
+    target, else of the flow dir)."""
+    best: tuple[float, str, Path] | None = None
+    for run in RunLayout(base).flow_runs():
+        found = find_export(run.root)
+        if found is not None:
+            key = (_export_time(found, run.root), run.root.name, found)
+            best = max(best, key) if best else key
+    return best[2] if best else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """`find_export`, or a UserError naming the path and what was looked for."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(
+            f"checkpoint {p} does not exist; pass a consolidated dir, a step dir, a checkpoint root or a run dir"
+        )
+    found = find_export(p)
+    if found is None:
+        raise UserError(
+            f"checkpoint {p} holds no HF model ({HF_CONFIG}) in any of: consolidated/, ./, "
+            "LATEST/model/consolidated/, LATEST/model/, model/consolidated/, model/, "
+            "checkpoints/LATEST/model/consolidated/, stage_<i>/..., flow-<id>/... "
+            "(was the consolidated export written? checkpoint.save_consolidated)"
+        )
+    return found
+
+
+def find_consolidated(run_dir: str | os.PathLike) -> Path:
+    """The consolidated export of a finished run dir (checkpoints/LATEST/model/consolidated)."""
+    return resolve_checkpoint(RunLayout(run_dir).checkpoints)
+
+
+def recorded_settings(export: str | os.PathLike):
+    """The training `Settings` recorded next to an export's weights (settings.json), or None."""
+    from dllmflow.settings import load_settings_json
+
+    path = Path(export) / SETTINGS_JSON
+    return load_settings_json(path) if path.is_file() else None
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / HF_CONFIG).is_file()
+
+
+def _export_time(export: Path, run_root: Path) -> float:
+    step = export.parent.parent if export.parent.name == MODEL else None
+    if step is not None and step.parent.name == CHECKPOINTS:
+        return step.resolve().stat().st_mtime
+    return run_root.stat().st_mtime
+
+
+def _numbered_children(root: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := pattern.match(p.name))]
+    return sorted(found)
+
+
+def checkpoint_steps(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete step dirs under a checkpoint root, oldest first."""
+    return _numbered_children(Path(root), _STEP_RE)
