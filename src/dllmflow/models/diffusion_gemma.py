@@ -46,6 +46,7 @@ from transformers.models.diffusion_gemma.modeling_diffusion_gemma import (
 )
 
 from dllmflow.errors import UserError
+from dllmflow.models.meta import pretrained_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -237,6 +238,7 @@ def _from_pretrained(settings: Settings) -> DiffusionGemmaForBlockDiffusionTrain
     kwargs: dict[str, Any] = {
         "dtype": _DTYPES[cfg.torch_dtype],
         "attn_implementation": cfg.attn_implementation,
+        **pretrained_kwargs(),  # under models.meta.build_on_meta: the skeleton only
     }
     if cfg.canvas_length is not None:
         kwargs["canvas_length"] = cfg.canvas_length
