@@ -15,9 +15,7 @@ TOP_MODULES = {"__init__.py", "cli.py", "errors.py", "runs.py", "py.typed"}
 
 def test_import_layers_hold():
     exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
-    proc = subprocess.run(
-        [exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True
-    )
+    proc = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "1 kept, 0 broken" in proc.stdout
 
