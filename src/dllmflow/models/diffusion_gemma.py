@@ -139,6 +139,11 @@ class DiffusionGemmaForBlockDiffusionTraining(DiffusionGemmaForBlockDiffusion):
         pairs = zip(self.model.encoder.language_model.layers, self.model.decoder.layers)
         return [[enc, dec] for enc, dec in pairs]
 
+    def checkpoint_blocks(self) -> list[torch.nn.Module]:
+        """Blocks activation checkpointing may recompute: the decoder layers. An encoder layer writes the
+        KV cache as it runs, so recomputing it in backward would append its keys/values a second time."""
+        return list(self.model.decoder.layers)
+
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any):
         """Save as the plain HF class, so `AutoModel`/`DiffusionGemmaForBlockDiffusion` load it."""
         out = super().save_pretrained(save_directory, *args, **kwargs)

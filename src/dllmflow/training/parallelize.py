@@ -103,10 +103,12 @@ def apply_fsdp(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.M
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     """Activation checkpointing per decoder block: `full` (every block), `selective` (every other
     block, starting with the first), `none`. The block keeps its name and parameters (its `forward`
-    is wrapped), so state dicts and checkpoints are unchanged."""
+    is wrapped), so state dicts and checkpoints are unchanged. A model whose blocks have side effects
+    lists the safe ones in `checkpoint_blocks()` (DiffusionGemma: the decoder, not the cache-writing encoder)."""
     if mode == "none":
         return model
-    for i, block in enumerate(decoder_blocks(model)):
+    blocks = model.checkpoint_blocks() if hasattr(model, "checkpoint_blocks") else decoder_blocks(model)
+    for i, block in enumerate(blocks):
         if mode == "full" or i % 2 == 0:
             block.forward = _checkpointed(block.forward)
     return model
