@@ -51,8 +51,9 @@ def _params(prep: Path, run_dir: Path, tmp: Path, **extra) -> Path:
         "distributed": {"strategy": "fsdp2"},
         "launch": {"nproc_per_node": 2},
         "run_dir": str(run_dir),
-        **extra,
     }
+    for name, values in extra.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
     path = tmp / f"{run_dir.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
