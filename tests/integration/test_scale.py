@@ -82,7 +82,9 @@ def test_fsdp2_meta_bf16_ac_trains_and_resumes_exactly(prep, tmp_path):
     resumed = _train(params, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(_losses(tmp_path / "cut")), torch.tensor(want), rtol=1e-6, atol=0)
-    assert (tmp_path / "cut" / "checkpoints" / "LATEST" / "model" / "consolidated" / "model.safetensors").is_file()
+    assert (
+        tmp_path / "cut" / "checkpoints" / "LATEST" / "model" / "consolidated" / "model.safetensors"
+    ).is_file()
 
 
 def test_fsdp2_from_pretrained_broadcast_matches_one_process(prep, tmp_path):
@@ -104,4 +106,6 @@ def test_fsdp2_from_pretrained_broadcast_matches_one_process(prep, tmp_path):
         checkpoint={"every_steps": 2, "save_consolidated": "false"},
     )
     want = run_training(one, tmp_path / "one").losses
-    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pre")), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(_losses(tmp_path / "pre")), torch.tensor(want), rtol=1e-5, atol=1e-5
+    )

@@ -13,23 +13,20 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dllmflow.settings.loader import SettingsError
+from _dflash_common import NUM_WORDS, make_batch, make_settings, make_tokenizer
 
 from dllmflow.diffusion.modes import MODES
 from dllmflow.diffusion.seeding import sample_seed
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
+from dllmflow.settings.loader import SettingsError
 from dllmflow.training.parallel import DistInfo
 from dllmflow.training.parallelize import apply_ac, build_parallel_model, check_dtype
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _dflash_common import NUM_WORDS, make_batch, make_settings, make_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = DistInfo(0, 0, 1, torch.device("cpu"), False)
@@ -83,7 +80,8 @@ def test_pretrained_dir_loads_into_the_meta_skeleton(tmp_path):
     torch.manual_seed(3)
     MODES["mdlm"].build_model(_settings("mdlm"), tok).save_pretrained(tmp_path / "base")
     settings = load_settings(
-        ROOT / "params" / "tiny_mdlm.yaml", model={"tiny": None, "pretrained_model_name_or_path": str(tmp_path / "base")}
+        ROOT / "params" / "tiny_mdlm.yaml",
+        model={"tiny": None, "pretrained_model_name_or_path": str(tmp_path / "base")},
     )
     eager, built = _eager_and_meta(build_strategy(settings), tok, settings)
     _same(eager, built)
@@ -108,7 +106,9 @@ def _loss_and_grads(mode: str, ac: str, tmp_path: Path):
     out = strategy.loss(model.train(), batch)
     total = sum(out.weight(k) * s for k, s in out.sums.items())
     total.backward()
-    return float(total.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(total.detach()), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("mode", ["mdlm", "hybrid", "block_diffusion", "dflash"])
@@ -129,7 +129,9 @@ def test_dtype_settings_are_checked(monkeypatch):
     with pytest.raises(SettingsError, match="train.dtype"):
         load_settings(ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "float16"})
     with pytest.raises(SettingsError, match="autocast_dtype is deprecated"):
-        load_settings(ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "bfloat16", "autocast_dtype": "float16"})
+        load_settings(
+            ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "bfloat16", "autocast_dtype": "float16"}
+        )
     settings = load_settings(ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "bfloat16"})
     check_dtype(settings, torch.device("cpu"))  # this CPU computes in bf16
 
