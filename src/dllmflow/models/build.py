@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllmflow.errors import UserError
+from dllmflow.models.meta import pretrained_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -72,7 +73,8 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
     field = "model.pretrained_model_name_or_path"
     if _looks_local(name) and not Path(name).expanduser().exists():
         raise UserError(f"{field}={name!r}: no such directory; point it at a model dir or a hub id")
-    kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    # under models.meta.build_on_meta: the skeleton only, no weight read
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **pretrained_kwargs()}
     if cfg.gguf_file:
         if Path(name).is_dir() and not (Path(name) / cfg.gguf_file).is_file():
             raise UserError(f"model.gguf_file={cfg.gguf_file!r} is not a file inside {name}")

@@ -32,6 +32,7 @@ from transformers import initialization as init
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dllmflow.errors import UserError
+from dllmflow.models.meta import pretrained_kwargs
 
 
 class DFlashDraftConfig(Qwen3Config):
@@ -262,8 +263,9 @@ def load_draft(
     """Load a draft dir: ours (`model_type: dflash_draft`), a checkpoint with its own class
     (`auto_map`) through `AutoModel` only when `trust_remote_code`, else its weights into our class."""
     raw = read_draft_config_dict(path)
+    kwargs = {"dtype": dtype, **pretrained_kwargs()}  # under models.meta.build_on_meta: no weight read
     if raw.get("model_type") == DFlashDraftConfig.model_type:
-        return DFlashDraftModel.from_pretrained(path, dtype=dtype)
+        return DFlashDraftModel.from_pretrained(path, **kwargs)
     if raw.get("auto_map") and trust_remote_code:
-        return AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype)
-    return DFlashDraftModel.from_pretrained(path, config=draft_config_from_dict(raw), dtype=dtype)
+        return AutoModel.from_pretrained(path, trust_remote_code=True, **kwargs)
+    return DFlashDraftModel.from_pretrained(path, config=draft_config_from_dict(raw), **kwargs)

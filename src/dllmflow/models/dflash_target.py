@@ -24,6 +24,7 @@ from torch import nn
 from dllmflow.errors import UserError
 from dllmflow.models.dflash_draft import build_target_layer_ids
 from dllmflow.models.mask_id import find_mask_id
+from dllmflow.models.meta import off_meta
 
 TINY_TARGET_PREFIX = "tiny:"
 MASK_TOKEN = "<|MASK|>"
@@ -82,7 +83,8 @@ def build_tiny_target(
         intermediate_size=2 * hidden_size,
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
+    # A real CPU model even when the caller builds its own model on the meta device.
+    with torch.random.fork_rng(devices=[]), off_meta():
         torch.manual_seed(seed)
         model = build_tiny_model(tiny, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)

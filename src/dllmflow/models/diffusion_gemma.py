@@ -46,6 +46,7 @@ from transformers.models.diffusion_gemma.modeling_diffusion_gemma import (
 )
 
 from dllmflow.errors import UserError
+from dllmflow.models.meta import pretrained_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -137,6 +138,11 @@ class DiffusionGemmaForBlockDiffusionTraining(DiffusionGemmaForBlockDiffusion):
         sharded together (`fully_shard([enc_i, dec_i])`); torch refuses tied weights split across groups."""
         pairs = zip(self.model.encoder.language_model.layers, self.model.decoder.layers)
         return [[enc, dec] for enc, dec in pairs]
+
+    def checkpoint_blocks(self) -> list[torch.nn.Module]:
+        """Blocks activation checkpointing may recompute: the decoder layers. An encoder layer writes the
+        KV cache as it runs, so recomputing it in backward would append its keys/values a second time."""
+        return list(self.model.decoder.layers)
 
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any):
         """Save as the plain HF class, so `AutoModel`/`DiffusionGemmaForBlockDiffusion` load it."""
@@ -237,6 +243,7 @@ def _from_pretrained(settings: Settings) -> DiffusionGemmaForBlockDiffusionTrain
     kwargs: dict[str, Any] = {
         "dtype": _DTYPES[cfg.torch_dtype],
         "attn_implementation": cfg.attn_implementation,
+        **pretrained_kwargs(),  # under models.meta.build_on_meta: the skeleton only
     }
     if cfg.canvas_length is not None:
         kwargs["canvas_length"] = cfg.canvas_length

@@ -180,13 +180,41 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0.0)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
-    autocast_dtype: Literal["bfloat16", "float16", "none"] = Field("bfloat16", description="GPU only.")
+    autocast_dtype: Literal["bfloat16", "float16", "none"] = Field(
+        "bfloat16", description="Deprecated, GPU only: autocast when train.dtype is float32; use train.dtype."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype: bfloat16 = FSDP2 mixed precision (fp32 reduce) or autocast; "
+        "master weights stay in model.torch_dtype.",
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Recompute decoder blocks in backward: every block (full) or every other one."
+    )
+    compile: bool = Field(False, description="torch.compile each decoder block.")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="aot_eager where inductor cannot build (no C++ compiler)."
+    )
     log_every: PositiveInt = 1
     peak_tflops: float | None = Field(None, gt=0.0, description="Per-device peak; enables the mfu metric.")
     num_workers: NonNegativeInt = 0
     max_nonfinite_skips: NonNegativeInt = Field(
         0, description="Steps with a NaN/inf loss or grad norm to skip (no update) before the run fails."
     )
+
+    @model_validator(mode="after")
+    def _one_dtype_knob(self) -> TrainConfig:
+        legacy = self.autocast_dtype
+        if (
+            self.dtype != "float32"
+            and "autocast_dtype" in self.model_fields_set
+            and legacy not in ("none", self.dtype)
+        ):
+            raise ValueError(
+                f"train.autocast_dtype={legacy} conflicts with train.dtype={self.dtype}: autocast_dtype is "
+                "deprecated (GPU only), set train.dtype alone"
+            )
+        return self
 
 
 class CheckpointConfig(Section):

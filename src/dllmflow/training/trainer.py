@@ -36,10 +36,10 @@ from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallel import (
     DistInfo,
     all_reduce_sum,
-    apply_parallel,
     grad_sync,
     init_distributed,
 )
+from dllmflow.training.parallelize import build_parallel_model, compute_context
 
 # Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
 FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"
@@ -109,10 +109,10 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     )
     torch.manual_seed(t.seed)
     strategy = build_strategy(settings)
-    model = strategy.build_model(tokenizer).to(info.device)
+    # meta build -> activation checkpointing / compile / FSDP2 -> materialise -> init or load (-> DDP)
+    model = build_parallel_model(strategy, tokenizer, settings, info)
     strategy.setup(model, tokenizer, info.device)
     num_params = sum(p.numel() for p in model.parameters())
-    model = apply_parallel(model, settings, info)
     model.train()
     optimizer = build_optimizer(model, settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, settings))
@@ -131,7 +131,7 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
 
     # 3) loop
     result = TrainResult(run_dir=run_dir, final_step=start)
-    autocast = _autocast(settings, info)
+    autocast = compute_context(settings, info)
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
     fail_rank = os.environ.get(FAIL_RANK_ENV)
     tick = time.perf_counter()
@@ -270,13 +270,6 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
     if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
         norm = norm.full_tensor()
     return float(norm)
-
-
-def _autocast(settings, info: DistInfo):
-    dtype = settings.train.autocast_dtype
-    if info.device.type != "cuda" or dtype == "none":
-        return torch.autocast("cpu", enabled=False)
-    return torch.autocast("cuda", dtype=getattr(torch, dtype))
 
 
 def _exporter(model, strategy, tokenizer, run_dir: Path, info: DistInfo):

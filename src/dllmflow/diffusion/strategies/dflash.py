@@ -121,15 +121,21 @@ class DFlashStrategy(Strategy):
         return DFlashDraftModel(cfg).to(_DTYPES[mcfg.torch_dtype])
 
     def load_target(self, path: str, device: torch.device) -> nn.Module:
+        """The frozen target in `dflash.target_torch_dtype`, replicated, no grads, never in the optimizer:
+        under a process group rank 0 reads it and broadcasts into the others' meta-built skeletons."""
         from transformers import AutoModelForCausalLM
 
-        target = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=_DTYPES[self.dcfg.target_torch_dtype],
-            trust_remote_code=self.settings.model.trust_remote_code,
-        )
-        target.eval().requires_grad_(False)
-        return target.to(device)
+        from dllmflow.models.meta import load_frozen, pretrained_kwargs
+
+        def load() -> nn.Module:
+            return AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=_DTYPES[self.dcfg.target_torch_dtype],
+                trust_remote_code=self.settings.model.trust_remote_code,
+                **pretrained_kwargs(),
+            )
+
+        return load_frozen(load, device)
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         """Load the frozen target once and resolve block size, gamma, layer ids and the mask id."""

@@ -1,0 +1,187 @@
+"""Training memory on 2 CPU ranks (FSDP2, gloo, torchrun): every figure a ratio measured in this run.
+
+    OMP_NUM_THREADS=1 python bench/memory.py                  # ~0.41B Qwen3 (hidden 1024, 24 layers, vocab 32k)
+    python bench/memory.py --layers 8 --act-layers 2 --seq 512   # smaller, on a busy machine
+
+1. build: peak RSS per rank (the larger of the two) over the fp32 bytes of the full model, for the
+   eager build (whole fp32 model on every rank, then `fully_shard`) and the meta-device build
+   (`models.meta.build_on_meta` -> `apply_fsdp` -> `materialize` with the seeded init). Each build runs
+   in its own torchrun launch, so one's freed memory cannot hide the other's peak.
+2. activations: RSS held after one forward at `--seq` tokens (batch 1; what backward will read),
+   activation checkpointing `full` over `none`, on a model of the same width with `--act-layers` layers
+   (a forward of the whole 0.4B model at L=1024 takes minutes per rank on 2 shared cores; the ratio is
+   per layer). The logits ([L, 32k] fp32) are in both.
+3. step: peak RSS of one training step (forward, backward, AdamW) above the materialised model,
+   `train.dtype` bfloat16 (FSDP2 MixedPrecisionPolicy) over float32, on the `--act-layers` model.
+
+glibc is told to serve large blocks with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
+RSS and deltas measure what is live; peaks come from /proc/self/status VmHWM (reset via clear_refs).
+Does not assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def rss() -> int:
+    return _status("VmRSS")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def peak() -> int:
+    return _status("VmHWM")
+
+
+def qwen3_config(layers: int):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build(layers: int, how: str, param_dtype=None, ac: str = "none"):
+    from transformers import AutoModelForCausalLM
+
+    from dllmflow.models.meta import build_on_meta, materialize
+    from dllmflow.training.parallelize import apply_ac, apply_fsdp
+
+    torch.manual_seed(0)
+    rng = torch.get_rng_state()
+    if how == "eager":
+        model = AutoModelForCausalLM.from_config(qwen3_config(layers), dtype=torch.float32)
+        return apply_fsdp(apply_ac(model, ac), param_dtype)
+    with build_on_meta():
+        model = AutoModelForCausalLM.from_config(qwen3_config(layers), dtype=torch.float32)
+    apply_fsdp(apply_ac(model, ac), param_dtype)
+    return materialize(model, torch.device("cpu"), rng=rng)
+
+
+def worker(args) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out: dict = {}
+    build(1, args.build)  # warm-up: imports and lazy module loads are not the model's memory
+    # 1) the build
+    gc.collect()
+    base = rss()
+    reset_peak()
+    model = build(args.layers, args.build)
+    out["build_peak"] = peak() - base
+    out["params"] = sum(p.numel() for p in model.parameters())
+    del model
+    gc.collect()
+    if args.build == "meta" and args.act_layers:
+        ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
+        # 2) activations held after a forward, AC none vs full
+        for ac in ("none", "full"):
+            model = build(args.act_layers, "meta", ac=ac)
+            gc.collect()
+            before = rss()
+            loss = model(input_ids=ids).logits.float().sum()
+            out[f"act_{ac}"] = rss() - before
+            del loss, model
+            gc.collect()
+        # 3) one training step, fp32 vs bf16 compute
+        for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
+            model = build(args.act_layers, "meta", param_dtype=dtype)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            gc.collect()
+            base = rss()
+            reset_peak()
+            model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+            opt.step()
+            out[f"step_{name}"] = peak() - base
+            del model, opt
+            gc.collect()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    dist.destroy_process_group()
+    return {k: max(g[k] for g in gathered) for k in out}
+
+
+def launch(args, how: str) -> dict:
+    """One torchrun launch of 2 ranks for one build; returns rank 0's JSON line."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "out.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(args.port),
+            __file__, "--worker", "--build", how, "--layers", str(args.layers),
+            "--act-layers", str(args.act_layers if how == "meta" else 0), "--seq", str(args.seq),
+            "--out", str(result),
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, env=env)
+        return json.loads(result.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--act-layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--build", default="meta")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.worker:
+        res = worker(args)
+        if int(os.environ["RANK"]) == 0:
+            Path(args.out).write_text(json.dumps(res))
+        return
+    eager, meta = launch(args, "eager"), launch(args, "meta")
+    full = 4 * meta["params"]
+    gib = 2**30
+    rows = [
+        ("model", f"{meta['params'] / 1e9:.3f}B params, fp32 {full / gib:.2f} GiB, 2 ranks FSDP2"),
+        ("build peak RSS / fp32 model, eager", f"{eager['build_peak'] / full:.2f}"),
+        ("build peak RSS / fp32 model, meta", f"{meta['build_peak'] / full:.2f}   (goal <= 0.65)"),
+    ]
+    if args.act_layers:
+        rows += [
+            (f"activations AC full / none ({args.act_layers} layers, L={args.seq})",
+             f"{meta['act_full'] / meta['act_none']:.2f}   (goal <= 0.5; "
+             f"{meta['act_none'] / gib:.2f} -> {meta['act_full'] / gib:.2f} GiB)"),
+            ("step peak RSS bf16 / fp32",
+             f"{meta['step_bfloat16'] / meta['step_float32']:.2f}   "
+             f"({meta['step_float32'] / gib:.2f} -> {meta['step_bfloat16'] / gib:.2f} GiB)"),
+        ]  # fmt: skip
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()
