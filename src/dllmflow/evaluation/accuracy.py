@@ -121,7 +121,9 @@ def evaluate(
     # 1) what to run
     validate_sampler_request(sampler)
     overrides = dict(overrides or {})
-    model, tokenizer, trained = load_for_generation(checkpoint, mask_id=overrides.pop("mask_id", None))
+    model, tokenizer, trained = load_for_generation(
+        checkpoint, mask_id=overrides.pop("mask_id", None), adapter=overrides.pop("adapter", None)
+    )
     settings = settings or trained
     check_sampler_fits(sampler, trained or settings)
     eval_cfg = settings.eval if settings is not None else None
@@ -219,6 +221,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="eval")
     parser.add_argument("--prepared_dir", help="default: dataset.prepared_dir of the settings")
     parser.add_argument("--output", help="write metrics, protocol and predictions to this JSON file")
+    parser.add_argument("--adapter", help="LoRA adapter dir (peft layout) to load onto --checkpoint")
     add_sampler_args(parser, seed_default=None)
 
 
@@ -249,7 +252,7 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     settings = load_settings(args.params) if args.params else None
-    overrides = {**sampler_overrides(args), "mask_id": args.mask_id}
+    overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter}
     results = evaluate(
         args.checkpoint, settings, sampler=args.sampler, split=args.split, limit=args.limit,
         overrides=overrides, prepared_dir=args.prepared_dir,

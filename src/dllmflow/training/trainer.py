@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dllmflow.errors import UserError
+from dllmflow.models.lora import apply_lora, export_with_lora
 from dllmflow.training import checkpoint as ckpt
 from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallel import (
@@ -106,6 +107,7 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     torch.manual_seed(t.seed)
     strategy = build_strategy(settings)
     model = strategy.build_model(tokenizer).to(info.device)
+    model = apply_lora(model, settings)  # adapters before DDP/FSDP2; no-op without `peft:`
     strategy.setup(model, tokenizer, info.device)
     num_params = sum(p.numel() for p in model.parameters())
     model = apply_parallel(model, settings, info)
@@ -284,7 +286,7 @@ def _exporter(model, strategy, tokenizer, run_dir: Path, info: DistInfo):
         if info.is_main:
             out = model_dir / "consolidated"
             out.mkdir(parents=True, exist_ok=True)
-            strategy.export(unwrap(model), state, tokenizer, out)
+            export_with_lora(strategy.export, unwrap(model), state, tokenizer, out, strategy.settings)
             shutil.copy2(run_dir / "settings.json", out / "settings.json")
 
     return export
