@@ -91,7 +91,10 @@ def load_for_generation(
     from dllmflow.settings import load_settings_json
 
     ckpt = resolve_checkpoint(path)
-    settings = load_settings_json(ckpt / "settings.json") if (ckpt / "settings.json").is_file() else None
+    # With an adapter, its run's settings (next to it in the export) say how it was trained.
+    found = [d / "settings.json" for d in ([Path(adapter).parent] if adapter else []) + [ckpt]]
+    found = [f for f in found if f.is_file()]
+    settings = load_settings_json(found[0]) if found else None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     trust = bool(settings and settings.model.trust_remote_code)

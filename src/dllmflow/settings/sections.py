@@ -169,7 +169,12 @@ class PeftSection(Section):
     enabled: bool = True
     r: PositiveInt = 16
     alpha: float = Field(32.0, gt=0.0, description="lora_alpha; the update is scaled by alpha / r.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="> 0 draws from the global RNG: resume-exact, not world-size independent.",
+    )
     target_modules: list[str] | None = Field(
         None,
         description="Linear module names (or dotted suffixes); None = the family's attention + MLP projections.",
