@@ -126,7 +126,10 @@ def build_eval_runner(
     validate_sampler_request(sampler)
     overrides = dict(overrides or {})
     model, tokenizer, trained = load_for_generation(
-        checkpoint, mask_id=overrides.pop("mask_id", None), device=device
+        checkpoint,
+        mask_id=overrides.pop("mask_id", None),
+        adapter=overrides.pop("adapter", None),
+        device=device,
     )
     settings = settings or trained
     check_sampler_fits(sampler, trained or settings)
@@ -264,6 +267,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--harness", metavar="TASK", help="score with lm-evaluation-harness instead (gsm8k; docs/lm_eval.md)"
     )
+    parser.add_argument("--adapter", help="LoRA adapter dir (peft layout) to load onto --checkpoint")
     add_sampler_args(parser, seed_default=None)
 
 
@@ -295,7 +299,7 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     settings = load_settings(args.params) if args.params else None
-    overrides = {**sampler_overrides(args), "mask_id": args.mask_id}
+    overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter}
     run = evaluate
     if args.harness:
         try:

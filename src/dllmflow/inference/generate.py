@@ -39,16 +39,21 @@ def resolve_generation_mask_id(explicit: int | None, settings: Any, tokenizer: A
     return resolve_mask_id(explicit if explicit is not None else trained, tokenizer, model)
 
 
-def load_for_generation(path: str | Path, mask_id: int | None = None, device: str | None = None, dtype=None):
+def load_for_generation(
+    path: str | Path, mask_id: int | None = None, device: str | None = None, dtype=None, adapter=None
+):
     """-> (model in eval mode, tokenizer, training Settings or None). The resolved mask id is stored in
-    `model.config.mask_token_id`; UserError if none resolves."""
+    `model.config.mask_token_id`; UserError if none resolves. `adapter`: a peft LoRA dir loaded onto
+    the checkpoint (`dllmflow.models.lora.load_adapter`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
 
     ckpt = resolve_checkpoint(path)
-    settings = recorded_settings(ckpt)
+    # With an adapter, its run's settings (next to it in the export) say how it was trained.
+    settings = recorded_settings(Path(adapter).parent) if adapter else None
+    settings = settings or recorded_settings(ckpt)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     trust = bool(settings and settings.model.trust_remote_code)
@@ -61,6 +66,10 @@ def load_for_generation(path: str | Path, mask_id: int | None = None, device: st
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, trust_remote_code=trust)
     except (OSError, ValueError) as e:
         raise UserError(f"checkpoint {ckpt}: cannot load the tokenizer/model ({e})") from None
+    if adapter is not None:
+        from dllmflow.models.lora import load_adapter
+
+        model = load_adapter(model, adapter)
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
     # Samplers read the training values they must match (scdd's schedule) from here.
     setattr(model, TRAINING_SETTINGS_ATTR, settings)
@@ -181,6 +190,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler", default="llada", help="llada, scdd, llada2, nemotron, gemma, idlm")
     parser.add_argument("--infill", action="store_true", help="fill each [MASK] span of the prompt")
     parser.add_argument("--raw", action="store_true", help="encode prompts as plain text (no chat template)")
+    parser.add_argument("--adapter", help="LoRA adapter dir (peft layout) to load onto --checkpoint")
     add_sampler_args(parser)
 
 
@@ -195,7 +205,9 @@ def cli_main(args: argparse.Namespace) -> int:
     config = build_sampler_config(args.sampler, sampler_overrides(args))  # EOS "tokenizer": the sampler's
     resolve_checkpoint(args.checkpoint)
     torch.manual_seed(args.seed)
-    model, tokenizer, settings = load_for_generation(args.checkpoint, mask_id=args.mask_id)
+    model, tokenizer, settings = load_for_generation(
+        args.checkpoint, mask_id=args.mask_id, adapter=args.adapter
+    )
     check_sampler_fits(args.sampler, settings)
     sampler = SAMPLERS[args.sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
     ids = [encode_prompt(tokenizer, p, raw=args.raw, infill=args.infill) for p in args.prompt]

@@ -43,6 +43,9 @@ def export_smollm2(out_dir: str | os.PathLike) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
     plain = type(loaded)(loaded.config)
     plain.load_state_dict(loaded.state_dict())
+    # The weights are plain fp32 now; a `quantization_config: gguf` left in config.json would make every
+    # later `from_pretrained` of the dir a GGUF-"quantized" model that refuses `save_pretrained` (exports).
+    plain.config.__dict__.pop("quantization_config", None)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)

@@ -38,6 +38,7 @@ from .sections import (
     FlowConfig,
     LaunchConfig,
     ModelConfig,
+    PeftSection,
     RegenerateConfig,
     RegistryConfig,
     SafeName,
@@ -100,6 +101,7 @@ class Settings(BaseSettings):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     flow: FlowConfig = Field(default_factory=FlowConfig)
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    peft: PeftSection | None = Field(None, description="LoRA adapters; the section's presence enables them.")
 
     @classmethod
     def settings_customise_sources(

@@ -1,5 +1,5 @@
 """Settings sections other than `dllm:`: model, tokenizer, dataset, train, checkpoint, launch, eval,
-registry, flow, regenerate. Each is a frozen pydantic `BaseModel` with `extra="forbid"` and
+registry, flow, regenerate, peft (LoRA). Each is a frozen pydantic `BaseModel` with `extra="forbid"` and
 `allow_inf_nan=False` (an `inf` learning rate would pass `gt=0` and train to NaN); defaults live here,
 YAML under `params/` only overrides them. Imports no torch.
 """
@@ -17,6 +17,7 @@ from pydantic import (
     NonNegativeFloat,
     NonNegativeInt,
     PositiveInt,
+    field_validator,
     model_validator,
 )
 
@@ -215,6 +216,42 @@ class TrainConfig(Section):
                 "deprecated (GPU only), set train.dtype alone"
             )
         return self
+
+
+class PeftSection(Section):
+    """LoRA adapters (peft) on the trainable model: the section's presence turns LoRA on (`enabled: false`
+    turns a recipe's section off, e.g. `DLLMFLOW_PEFT__ENABLED=false`). Applied by
+    `dllmflow.models.lora.apply_lora` after the build and before DDP/FSDP2; only the adapters and
+    `modules_to_save` train. A model whose tokenizer gained tokens (a new <mask>) may need its embeddings
+    trained too: list them in `modules_to_save` (e.g. [embed_tokens, lm_head])."""
+
+    enabled: bool = True
+    r: PositiveInt = 16
+    alpha: float = Field(32.0, gt=0.0, description="lora_alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="> 0 draws from the global RNG: resume-exact, not world-size independent.",
+    )
+    target_modules: list[str] | None = Field(
+        None,
+        description="Linear module names (or dotted suffixes); None = the family's attention + MLP projections.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="Modules trained in full next to the adapters (e.g. embed_tokens)."
+    )
+    parts: list[Literal["decoder", "encoder"]] | None = Field(
+        None,
+        description="Encoder-decoder models (block_diffusion): where adapters go; None = both (one shared adapter).",
+    )
+
+    @field_validator("target_modules", "parts")
+    @classmethod
+    def _non_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or not all(value) or len(set(value)) != len(value)):
+            raise ValueError("must be a non-empty list of names without repeats (or null for the default)")
+        return value
 
 
 class CheckpointConfig(Section):

@@ -33,6 +33,7 @@ from torch import nn
 
 from dllmflow.errors import UserError
 from dllmflow.models import meta
+from dllmflow.models.lora import apply_lora, init_lora_weights
 from dllmflow.training.parallel import DistInfo, apply_ddp, decoder_blocks
 
 if TYPE_CHECKING:
@@ -47,23 +48,24 @@ def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info
     check_dtype(settings, info.device)
     rng = torch.get_rng_state()  # where the eager build would start drawing
     if settings.model.gguf_file:  # transformers has no meta loader for GGUF: the eager build, as before
-        return _wrap(
-            _transform(strategy.build_model(tokenizer).to(info.device), settings, info), settings, info
-        )
+        eager = apply_lora(strategy.build_model(tokenizer).to(info.device), settings)
+        return _wrap(_transform(eager, settings, info), settings, info)
     # 1) pretrained: rank 0 reads the checkpoint (seeded, so resized embedding rows match the eager build)
     state = buffers = None
     if settings.model.pretrained_model_name_or_path is not None:
         state, buffers = {}, {}
         if info.is_main:
-            eager = strategy.build_model(tokenizer)
+            eager = apply_lora(strategy.build_model(tokenizer), settings)
             state, buffers = eager.state_dict(), meta.non_persistent_buffers(eager)
             del eager
     # 2) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
-        model = strategy.build_model(tokenizer)
+        model = apply_lora(strategy.build_model(tokenizer), settings)  # adapters before any sharding
     model = _transform(model, settings, info)
     # 3) allocate this rank's part and fill it
     meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers)
+    if state is None:
+        init_lora_weights(model)  # the replayed init drew B like any Linear: LoRA starts from B = 0
     del state, buffers
     return _wrap(model, settings, info)
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dllmflow.errors import UserError
+from dllmflow.models.lora import export_with_lora
 from dllmflow.models.wrappers import unwrap
 from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
 from dllmflow.training import checkpoint as ckpt
@@ -109,7 +110,8 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     )
     torch.manual_seed(t.seed)
     strategy = build_strategy(settings)
-    # meta build -> activation checkpointing / compile / FSDP2 -> materialise -> init or load (-> DDP)
+    # meta build -> LoRA adapters -> activation checkpointing / compile / FSDP2 -> materialise -> init or
+    # load (-> DDP)
     model = build_parallel_model(strategy, tokenizer, settings, info)
     strategy.setup(model, tokenizer, info.device)
     num_params = sum(p.numel() for p in model.parameters())
@@ -281,7 +283,7 @@ def _exporter(model, strategy, tokenizer, run_dir: Path, info: DistInfo):
         if info.is_main:
             out = model_dir / CONSOLIDATED
             out.mkdir(parents=True, exist_ok=True)
-            strategy.export(unwrap(model), state, tokenizer, out)
+            export_with_lora(strategy.export, unwrap(model), state, tokenizer, out, strategy.settings)
             settings_json = RunLayout(run_dir).settings_json
             shutil.copy2(settings_json, out / settings_json.name)
 
