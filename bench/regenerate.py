@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from dllmflow.data.regenerate import regenerate
+from dllmflow.data.regen_client import regenerate
 from dllmflow.inference.serve import local_server
 from dllmflow.settings import RegenerateConfig
 

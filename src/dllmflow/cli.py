@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dllmflow.inference.generate", "Generate text from a checkpoint with a sampler."),
     "evaluate": ("dllmflow.evaluation.accuracy", "GSM8K exact match and speed of a checkpoint."),
     "regenerate": (
-        "dllmflow.data.regenerate",
+        "dllmflow.data.regen_client",
         "Regenerate assistant turns through an OpenAI-compatible server.",
     ),
     "serve": ("dllmflow.inference.serve", "Serve a local causal LM as an OpenAI-compatible chat endpoint."),

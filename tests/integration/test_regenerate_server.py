@@ -17,7 +17,7 @@ import pytest
 
 from dllmflow.cli import main
 from dllmflow.common.net import free_port
-from dllmflow.data.regenerate import scan_shards
+from dllmflow.data.regen_client import scan_shards
 from dllmflow.inference.serve import local_server
 
 pytestmark = pytest.mark.slow  # servers in subprocesses
@@ -280,7 +280,7 @@ def test_server_endpoints(server):
 def test_library_call_with_a_local_server_url_resumes_across_ports(server, tmp_path):
     """A flow's local server gets a fresh port each time: with target_server unset and the URL passed as
     server_url, the manifest does not pin the port, so a resume still matches."""
-    from dllmflow.data.regenerate import regenerate
+    from dllmflow.data.regen_client import regenerate
     from dllmflow.settings import RegenerateConfig
 
     inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))

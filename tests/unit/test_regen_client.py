@@ -1,4 +1,4 @@
-"""Unit tests of `dllmflow.data.regenerate`: prompt extraction, input slicing, shard scanning, manifest
+"""Unit tests of `dllmflow.data.regen_client`: prompt extraction, input slicing, shard scanning, manifest
 rules, atomic shard writing, payloads, backoff, retries (Retry-After, via in-process servers) and CLI/YAML
 settings. The requests themselves are tested
 against the real local server in tests/integration/test_regenerate.py."""
@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dllmflow.data import regenerate as rg
+from dllmflow.data import regen_client as rg
 from dllmflow.errors import UserError
 from dllmflow.settings import RegenerateConfig
 
