@@ -52,30 +52,14 @@ def global_sample_index(
 
 
 def sample_seeds(
-    base_seed: int,
-    step: int,
-    global_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    microbatch_idx: int,
-    local_batch_size: int,
-    num_rows: int | None = None,
-    stream: int = CORRUPTION_STREAM,
+    base_seed: int, *position: int, num_rows: int | None = None, stream: int = CORRUPTION_STREAM
 ) -> list[int]:
-    """Seeds of the rows of one micro-batch (`num_rows` defaults to `local_batch_size`; a shorter
-    final batch passes its real row count)."""
+    """Seeds of the rows of one micro-batch. `position` = (step, global_batch_size, dp_rank, dp_size,
+    microbatch_idx, local_batch_size): where the micro-batch sits, as `global_sample_index` takes it.
+    `num_rows` defaults to `local_batch_size`; a shorter final batch passes its real row count."""
+    step, local_batch_size = position[0], position[5]
     n = local_batch_size if num_rows is None else num_rows
-    return [
-        sample_seed(
-            base_seed,
-            step,
-            global_sample_index(
-                step, global_batch_size, dp_rank, dp_size, microbatch_idx, local_batch_size, i
-            ),
-            stream,
-        )
-        for i in range(n)
-    ]
+    return [sample_seed(base_seed, step, global_sample_index(*position, i), stream) for i in range(n)]
 
 
 def seeds_from_indices(base_seed: int, step: int, global_index: Sequence[int] | torch.Tensor) -> list[int]:

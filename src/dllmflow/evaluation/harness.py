@@ -303,13 +303,14 @@ def check_harness_task(name: str) -> None:
 def run_harness(
     checkpoint: str | Path,
     settings: Any = None,
+    *,
+    task: str = "gsm8k",
+    lm: DLLMFlowLM | None = None,
     sampler: str = "llada",
     split: str = "eval",
     limit: int | None = None,
     overrides: dict[str, Any] | None = None,
     prepared_dir: str | Path | None = None,
-    task: str = "gsm8k",
-    lm: DLLMFlowLM | None = None,
 ) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` of `checkpoint` on the local `task` (a HARNESS_TASKS name); the same
     arguments and result shape as `evaluate` ({"metrics", "protocol", "predictions"}) plus the

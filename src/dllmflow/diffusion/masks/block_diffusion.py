@@ -27,6 +27,8 @@ and finfo.min (not -inf) keeps a fully masked row finite.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -95,20 +97,10 @@ def to_additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
     return out.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
 
-def build_block_diffusion_mask(
-    prefix_lengths: Tensor,
-    response_lengths: Tensor,
-    attention_mask: Tensor,
-    canvas_length: int,
-    block_size: int,
-    sliding_window: int | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """Additive [B, 1, R, S+R] decoder mask (full attention, or the sliding variant when given)."""
-    vis = block_diffusion_visibility(
-        prefix_lengths, response_lengths, attention_mask, canvas_length, block_size, sliding_window
-    )
-    return to_additive(vis, dtype)
+def build_block_diffusion_mask(*visibility_args: Any, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive [B, 1, R, S+R] decoder mask (full attention, or the sliding variant when given): the
+    arguments of `block_diffusion_visibility`, as an additive mask of `dtype`."""
+    return to_additive(block_diffusion_visibility(*visibility_args), dtype)
 
 
 def build_decoder_masks(
@@ -123,8 +115,8 @@ def build_decoder_masks(
     """The per-layer-type mapping the DiffusionGemma decoder takes as `decoder_attention_mask`."""
     args = (prefix_lengths, response_lengths, attention_mask, canvas_length, block_size)
     return {
-        "full_attention": build_block_diffusion_mask(*args, None, dtype),
-        "sliding_attention": build_block_diffusion_mask(*args, sliding_window, dtype),
+        "full_attention": build_block_diffusion_mask(*args, None, dtype=dtype),
+        "sliding_attention": build_block_diffusion_mask(*args, sliding_window, dtype=dtype),
     }
 
 
