@@ -17,7 +17,7 @@ import torch
 
 from dllmflow.models.lora import ADAPTER_DIR, LORA_INFO, apply_lora
 from dllmflow.settings import load_settings
-from dllmflow.training.metrics import read_metrics
+from dllmflow.runs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm")
