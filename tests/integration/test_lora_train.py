@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dllmflow.models.lora import ADAPTER_DIR, LORA_INFO, apply_lora
-from dllmflow.settings import load_settings
 from dllmflow.runs import read_metrics
+from dllmflow.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm")

@@ -18,8 +18,8 @@ import pytest
 import torch
 import yaml
 
+from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
-from dllmflow.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
