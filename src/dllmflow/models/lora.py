@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -129,12 +130,30 @@ def apply_lora(model: nn.Module, settings: Settings) -> nn.Module:
     return model
 
 
+def is_adapter_module(name: str) -> bool:
+    """Child names peft adds to a model (adapters and trainable copies), not part of the base build."""
+    return name.startswith("lora_") or name == "modules_to_save"
+
+
 def init_lora_weights(model: nn.Module) -> None:
-    """LoRA's start after a materialised (random) init: B = 0, so the adapted model equals its base."""
+    """Fill adapters of a model materialised by a seeded replay that skipped them (`is_adapter_module`):
+    A ~ kaiming-uniform (peft's init) drawn from the global RNG in module order on full CPU tensors,
+    B = 0 (so training starts from the base model), and each trainable copy = its original module."""
+    from dllmflow.models.meta import copy_full
+
     with torch.no_grad():
         for module in model.modules():
+            for a in getattr(module, "lora_A", {}).values():
+                full = torch.empty(a.weight.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+                copy_full(a.weight, full)
             for b in getattr(module, "lora_B", {}).values():
                 b.weight.zero_()
+            copies = getattr(module, "modules_to_save", None)
+            if isinstance(copies, nn.ModuleDict) and hasattr(module, "original_module"):
+                for copy in copies.values():
+                    for dst, src in zip(copy.parameters(), module.original_module.parameters()):
+                        dst.copy_(src)
 
 
 def tie_shared_adapters(model: nn.Module) -> list[list[str]]:

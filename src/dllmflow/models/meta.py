@@ -82,6 +82,7 @@ def materialize(
     rng: Tensor | None = None,
     state_dict: dict[str, Tensor] | None = None,
     buffers: dict[str, Tensor] | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> nn.Module:
     """Allocate the (possibly sharded) meta model on `device` and fill it: the full `state_dict`
     (rank 0's under a process group, broadcast to the others; `buffers` = rank 0's non-persistent
@@ -96,7 +97,7 @@ def materialize(
         for module, other in rest:
             setattr(module, other, getattr(owner, name))
     if state_dict is None:
-        apply_seeded_init(model, rng)
+        apply_seeded_init(model, rng, skip)
         return model
     load_full_state_dict(model, state_dict, buffers or {})
     return model
@@ -158,9 +159,14 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def apply_seeded_init(model: nn.Module, rng: Tensor | None = None) -> None:
+def apply_seeded_init(
+    model: nn.Module, rng: Tensor | None = None, skip: Callable[[str], bool] | None = None
+) -> None:
     """Fill a materialised model with the weights its eager build draws from the global RNG in state
-    `rng` (default: the current state); leaves the global RNG where the eager build leaves it."""
+    `rng` (default: the current state); leaves the global RNG where the eager build leaves it.
+    `skip(child_name)`: submodules added after the eager build (LoRA adapters), left for their owner
+    to fill, so they do not shift the base model's draws."""
+    skip = skip or (lambda name: False)
     from transformers import PreTrainedModel
 
     if rng is not None:
@@ -175,12 +181,12 @@ def apply_seeded_init(model: nn.Module, rng: Tensor | None = None) -> None:
             return
         constructed.add(id(module))
         for name, child in module._modules.items():
-            if child is not None:
+            if child is not None and not skip(name):
                 construct(child, f"{prefix}{name}.")
         if _own_reset(module):
             _on_full_tensors(module, prefix, tied, lambda m: m.reset_parameters())
         if isinstance(module, PreTrainedModel):
-            _post_init_weights(module, prefix, tied)
+            _post_init_weights(module, prefix, tied, skip)
 
     construct(model, "")
 
@@ -190,7 +196,7 @@ def _own_reset(module: nn.Module) -> bool:
     return hasattr(module, "reset_parameters") and not module._modules and bool(module._parameters)
 
 
-def _post_init_weights(root: nn.Module, prefix: str, tied: set[str]) -> None:
+def _post_init_weights(root: nn.Module, prefix: str, tied: set[str], skip: Callable[[str], bool]) -> None:
     """`root.init_weights()` (transformers' smart_apply: children first, each sub-model with its own
     `_initialize_weights`), run on full CPU copies of each module's tensors."""
     from transformers import PreTrainedModel
@@ -198,6 +204,8 @@ def _post_init_weights(root: nn.Module, prefix: str, tied: set[str]) -> None:
 
     def visit(module: nn.Module, fn: Callable, prefix: str) -> None:
         for name, child in module.named_children():
+            if skip(name):
+                continue
             sub = child._initialize_weights if isinstance(child, PreTrainedModel) else fn
             visit(child, sub, f"{prefix}{name}.")
         if getattr(module, "_is_hf_initialized", False):  # done by an inner post_init: eager skips it too
@@ -236,14 +244,14 @@ def _on_full_tensors(module: nn.Module, prefix: str, tied: set[str], fn: Callabl
             (module._parameters if k in module._parameters else module._buffers)[k] = v
     for k, v in real.items():
         if prefix + k not in tied:
-            _copy_full(v, done[k])
+            copy_full(v, done[k])
 
 
 def _init_dtype(t: Tensor) -> torch.dtype:
     return torch.float32 if t.is_floating_point() else t.dtype
 
 
-def _copy_full(dst: Tensor, full: Tensor) -> None:
+def copy_full(dst: Tensor, full: Tensor) -> None:
     """Write a full tensor into `dst`: its local shard for an FSDP2 DTensor, else the whole."""
     if hasattr(dst, "device_mesh"):  # DTensor: every rank holds the same full value, no comms
         from torch.distributed.tensor import distribute_tensor

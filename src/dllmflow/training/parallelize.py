@@ -33,7 +33,7 @@ from torch import nn
 
 from dllmflow.errors import UserError
 from dllmflow.models import meta
-from dllmflow.models.lora import apply_lora, init_lora_weights
+from dllmflow.models.lora import apply_lora, init_lora_weights, is_adapter_module
 from dllmflow.training.parallel import DistInfo, apply_ddp, decoder_blocks
 
 if TYPE_CHECKING:
@@ -63,9 +63,9 @@ def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info
         model = apply_lora(strategy.build_model(tokenizer), settings)  # adapters before any sharding
     model = _transform(model, settings, info)
     # 3) allocate this rank's part and fill it
-    meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers)
+    meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module)
     if state is None:
-        init_lora_weights(model)  # the replayed init drew B like any Linear: LoRA starts from B = 0
+        init_lora_weights(model)  # after the base draws, as an eager build then apply_lora draws them
     del state, buffers
     return _wrap(model, settings, info)
 
