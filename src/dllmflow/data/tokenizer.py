@@ -5,6 +5,10 @@
     tok = build_tokenizer(settings, texts)        # during `dllmflow prepare`
     tok = load_tokenizer("data/prepared/tiny")     # the one saved with the prepared data
     ids, loss_mask = encode_chat(tok, messages, mask_history=True)
+
+A directory without tokenizer files loads in transformers as an empty tokenizer (every text encodes
+to nothing): `check_tokenizer_files` refuses it where a tokenizer enters (here and at generation),
+`check_tokenizer_fits` refuses one whose ids the model cannot look up.
 """
 
 from __future__ import annotations
@@ -137,7 +141,43 @@ def load_tokenizer(prepared_dir: str | os.PathLike):
     path = Path(prepared_dir) / "tokenizer"
     if not path.is_dir():
         raise UserError(f"{path}: no prepared tokenizer; run `dllmflow prepare --params <recipe.yaml>` first")
+    check_tokenizer_files(path, fix="run `dllmflow prepare --params <recipe.yaml>` again")
     return AutoTokenizer.from_pretrained(str(path))
+
+
+# Any one of these holds a tokenizer's vocabulary: the fast serialisation, or a slow tokenizer's file.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.json", "vocab.txt", "tekken.json")  # fmt: skip
+
+
+def check_tokenizer_files(path: str | os.PathLike, fix: str | None = None) -> None:
+    """UserError naming `path` when it holds no tokenizer vocabulary file."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        fix = fix or "save the model's tokenizer next to its weights (`tokenizer.save_pretrained(dir)`)"
+        raise UserError(
+            f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); transformers would load "
+            f"an empty tokenizer and generate garbage; {fix}"
+        )
+
+
+def check_tokenizer_fits(tok, num_rows: int | None, where: str | os.PathLike) -> None:
+    """UserError when the tokenizer has more tokens than the model's embedding has rows, or a special
+    id (mask, eos, pad) the model cannot look up: a tokenizer that is not this model's."""
+    if num_rows is None:
+        return
+    if len(tok) > num_rows:
+        raise UserError(
+            f"{where}: the tokenizer has {len(tok)} tokens but the model's embedding only {num_rows} rows; "
+            "the tokenizer files are not the model's (save the tokenizer it was trained with next to it)"
+        )
+    for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+        token_id = getattr(tok, name, None)
+        if token_id is not None and not 0 <= token_id < num_rows:
+            raise UserError(
+                f"{where}: the tokenizer's {name}={token_id} is outside the model's embedding "
+                f"(0..{num_rows - 1}); the tokenizer files are not the model's"
+            )
 
 
 # ---- chat -> (input_ids, loss_mask) --------------------------------------------------------------

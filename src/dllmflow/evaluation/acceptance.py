@@ -180,20 +180,31 @@ def acceptance_metrics(
 # ---- checkpoint loading and the evaluation entry --------------------------------------------------
 
 
-def load_dflash_pair(checkpoint: str | Path, target: str | None = None, device: str | None = None):
-    """-> (draft, target, tokenizer, training Settings or None, draft config). Both in eval mode."""
+def load_dflash_pair(
+    checkpoint: str | Path,
+    target: str | None = None,
+    device: str | None = None,
+    trust_remote_code: bool = False,
+):
+    """-> (draft, target, tokenizer, training Settings or None, draft config). Both in eval mode.
+    `trust_remote_code` is the caller's (its settings or the registered model's record), never the
+    checkpoint's own settings.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dllmflow.data.tokenizer import check_tokenizer_files, check_tokenizer_fits
+    from dllmflow.inference.generate import remote_code_refusal
     from dllmflow.models.dflash_draft import load_draft
     from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
+    from dllmflow.models.limits import vocab_rows
     from dllmflow.runs import recorded_settings, resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     settings = recorded_settings(ckpt)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    trust = bool(settings and settings.model.trust_remote_code)
-    draft = load_draft(ckpt, trust_remote_code=trust, dtype=dtype)
+    trust = trust_remote_code
+    check_tokenizer_files(ckpt)
+    draft = load_draft(ckpt, trust_remote_code=trust, dtype=dtype)  # untrusted: weights into our class
     cfg = draft.config
     target_id = target or getattr(cfg, "target_model_id", None)
     if not target_id:
@@ -202,8 +213,14 @@ def load_dflash_pair(checkpoint: str | Path, target: str | None = None, device: 
         target_id = target_id[len(TINY_TARGET_PREFIX) :]
         if not (Path(target_id) / "config.json").is_file():
             raise UserError(f"tiny target {target_id} not found; run from the directory training ran in")
-    tgt = AutoModelForCausalLM.from_pretrained(target_id, dtype=dtype, trust_remote_code=trust)
+    try:
+        tgt = AutoModelForCausalLM.from_pretrained(target_id, dtype=dtype, trust_remote_code=trust)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise UserError(remote_code_refusal(target_id)) from None
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    check_tokenizer_fits(tokenizer, vocab_rows(tgt), ckpt)
     return draft.to(device).eval(), tgt.to(device).eval(), tokenizer, settings, cfg
 
 
@@ -221,7 +238,8 @@ def evaluate_dflash(
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.evaluation.accuracy import prompt_messages
 
-    draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target)
+    trust = bool(settings and settings.model.trust_remote_code)  # the caller's settings only
+    draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target, trust_remote_code=trust)
     settings = settings or trained
     if prepared_dir is None:
         if settings is None:

@@ -125,11 +125,16 @@ def build_eval_runner(
 
     validate_sampler_request(sampler)
     overrides = dict(overrides or {})
+    # A checkpoint's code runs only if the caller trusts it: --trust-remote-code or the settings passed.
+    trust = bool(overrides.pop("trust_remote_code", False)) or bool(
+        settings and settings.model.trust_remote_code
+    )
     model, tokenizer, trained = load_for_generation(
         checkpoint,
         mask_id=overrides.pop("mask_id", None),
         adapter=overrides.pop("adapter", None),
         device=device,
+        trust_remote_code=trust,
     )
     settings = settings or trained
     check_sampler_fits(sampler, trained or settings)
@@ -251,7 +256,7 @@ def evaluate(
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from dllmflow.inference.generate import add_sampler_args
+    from dllmflow.inference.generate import add_sampler_args, add_trust_arg
 
     parser.add_argument(
         "--checkpoint", required=True, help="consolidated dir, step dir, checkpoint root or run dir"
@@ -268,6 +273,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--harness", metavar="TASK", help="score with lm-evaluation-harness instead (gsm8k; docs/lm_eval.md)"
     )
     parser.add_argument("--adapter", help="LoRA adapter dir (peft layout) to load onto --checkpoint")
+    add_trust_arg(parser)
     add_sampler_args(parser, seed_default=None)
 
 
@@ -299,7 +305,8 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     settings = load_settings(args.params) if args.params else None
-    overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter}
+    overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter,
+                 "trust_remote_code": getattr(args, "trust_remote_code", False)}  # fmt: skip
     run = evaluate
     if args.harness:
         try:

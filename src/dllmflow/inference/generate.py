@@ -11,6 +11,11 @@ sampler's preset is its config class (`LLaDAConfig` in `samplers/llada.py`, ...)
 and a flag the sampler does not take is an error. In Python: `model, tok, settings =
 load_for_generation(path)` then `SAMPLERS[name](model, tok, build_sampler_config(name, overrides),
 mask_id=model.config.mask_token_id)`.
+
+A checkpoint never switches on its own code: `trust_remote_code` comes only from the caller
+(`--trust-remote-code`, or the settings a flow passes), never from the settings.json inside the
+checkpoint (docs/security.md). The tokenizer is checked where it enters: its files present, its
+vocabulary and special ids within the model's embedding.
 """
 
 from __future__ import annotations
@@ -40,15 +45,23 @@ def resolve_generation_mask_id(explicit: int | None, settings: Any, tokenizer: A
 
 
 def load_for_generation(
-    path: str | Path, mask_id: int | None = None, device: str | None = None, dtype=None, adapter=None
+    path: str | Path,
+    mask_id: int | None = None,
+    device: str | None = None,
+    dtype=None,
+    adapter=None,
+    trust_remote_code: bool = False,
 ):
     """-> (model in eval mode, tokenizer, training Settings or None). The resolved mask id is stored in
     `model.config.mask_token_id`; UserError if none resolves. `adapter`: a peft LoRA dir loaded onto
-    the checkpoint (`dllmflow.models.lora.load_adapter`)."""
+    the checkpoint (`dllmflow.models.lora.load_adapter`). `trust_remote_code`: the caller's decision
+    (a checkpoint that needs its own code without it is refused with an error naming the flag)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dllmflow.data.tokenizer import check_tokenizer_files, check_tokenizer_fits
     from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
+    from dllmflow.models.limits import vocab_rows
 
     ckpt = resolve_checkpoint(path)
     # With an adapter, its run's settings (next to it in the export) say how it was trained.
@@ -56,24 +69,59 @@ def load_for_generation(
     settings = settings or recorded_settings(ckpt)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    trust = bool(settings and settings.model.trust_remote_code)
+    loader = _MODEL_LOADERS.get(_model_type(ckpt))
+    if loader is None:
+        check_remote_code(ckpt, trust_remote_code)
+    check_tokenizer_files(ckpt)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-        loader = _MODEL_LOADERS.get(_model_type(ckpt))
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust_remote_code)
         if loader is not None:  # families AutoModelForCausalLM does not know (encoder + canvas decoders)
             model = loader(ckpt, dtype=dtype, device=device)
         else:
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, trust_remote_code=trust)
+            model = AutoModelForCausalLM.from_pretrained(
+                ckpt, dtype=dtype, trust_remote_code=trust_remote_code
+            )
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):  # transformers' wording; ours names the flag
+            raise UserError(remote_code_refusal(ckpt)) from None
         raise UserError(f"checkpoint {ckpt}: cannot load the tokenizer/model ({e})") from None
     if adapter is not None:
         from dllmflow.models.lora import load_adapter
 
         model = load_adapter(model, adapter)
+    check_tokenizer_fits(tokenizer, vocab_rows(model), ckpt)
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
     # Samplers read the training values they must match (scdd's schedule) from here.
     setattr(model, TRAINING_SETTINGS_ATTR, settings)
     return model.to(device).eval(), tokenizer, settings
+
+
+def remote_code_refusal(ckpt: Path) -> str:
+    return (
+        f"checkpoint {ckpt} needs its own Python code to load (`auto_map` in config.json) and dllmflow "
+        "runs a checkpoint's code only when the caller trusts it: pass --trust-remote-code (generate, "
+        "evaluate) or set model.trust_remote_code in the settings you pass, and only for a checkpoint "
+        "you trust. Checkpoints from elsewhere enter through the consolidated safetensors export "
+        "(docs/security.md)"
+    )
+
+
+def check_remote_code(ckpt: Path, trust_remote_code: bool) -> None:
+    """Refuse, before transformers is asked, a checkpoint whose model type exists only in its own code
+    (`auto_map`) when the caller did not trust it. A known model type with an `auto_map` loads
+    transformers' own class without running anything, as transformers does."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    if trust_remote_code:
+        return
+    try:
+        config = json.loads((ckpt / HF_CONFIG).read_text())
+    except (OSError, ValueError):
+        return  # the load reports it
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        raise UserError(remote_code_refusal(ckpt))
 
 
 def _load_diffusion_gemma(path, dtype, device):
@@ -95,16 +143,21 @@ def _model_type(ckpt: Path) -> str | None:
         return None
 
 
-def check_sampler_fits(sampler: str, settings: Any) -> str | None:
-    """A warning (also emitted) when the checkpoint's training mode is not one `sampler` decodes."""
+def sampler_misfit(sampler: str, mode: str | None) -> str | None:
+    """Why `sampler` does not decode a model trained with `mode` (naming the samplers that do), or None."""
     from dllmflow.diffusion.modes import SAMPLERS_FOR_MODE
 
-    mode = getattr(getattr(settings, "dllm", None), "mode", None)
     if mode is None or sampler in SAMPLERS_FOR_MODE.get(mode, ()):
         return None
     fits = ", ".join(SAMPLERS_FOR_MODE.get(mode, ())) or "none (evaluate it with `dllmflow evaluate`)"
-    msg = f"checkpoint was trained with dllm.mode={mode}; sampler {sampler!r} does not fit it. Samplers that fit: {fits}"
-    warnings.warn(msg, UserWarning, stacklevel=2)
+    return f"checkpoint was trained with dllm.mode={mode}; sampler {sampler!r} does not fit it. Samplers that fit: {fits}"
+
+
+def check_sampler_fits(sampler: str, settings: Any) -> str | None:
+    """A warning (also emitted) when the checkpoint's training mode is not one `sampler` decodes."""
+    msg = sampler_misfit(sampler, getattr(getattr(settings, "dllm", None), "mode", None))
+    if msg is not None:
+        warnings.warn(msg, UserWarning, stacklevel=2)
     return msg
 
 
@@ -191,7 +244,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--infill", action="store_true", help="fill each [MASK] span of the prompt")
     parser.add_argument("--raw", action="store_true", help="encode prompts as plain text (no chat template)")
     parser.add_argument("--adapter", help="LoRA adapter dir (peft layout) to load onto --checkpoint")
+    add_trust_arg(parser)
     add_sampler_args(parser)
+
+
+def add_trust_arg(parser: argparse.ArgumentParser) -> None:
+    """`--trust-remote-code`, shared by `generate` and `evaluate`: the only way a checkpoint's own code
+    (`auto_map`) runs from the CLI; a settings.json inside the checkpoint does not count."""
+    parser.add_argument(
+        "--trust-remote-code",
+        dest="trust_remote_code",
+        action="store_true",
+        help="run the checkpoint's own Python code (auto_map); only for checkpoints you trust",
+    )
 
 
 def cli_main(args: argparse.Namespace) -> int:
@@ -206,7 +271,10 @@ def cli_main(args: argparse.Namespace) -> int:
     resolve_checkpoint(args.checkpoint)
     torch.manual_seed(args.seed)
     model, tokenizer, settings = load_for_generation(
-        args.checkpoint, mask_id=args.mask_id, adapter=args.adapter
+        args.checkpoint,
+        mask_id=args.mask_id,
+        adapter=args.adapter,
+        trust_remote_code=getattr(args, "trust_remote_code", False),
     )
     check_sampler_fits(args.sampler, settings)
     sampler = SAMPLERS[args.sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)

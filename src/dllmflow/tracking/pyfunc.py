@@ -5,7 +5,9 @@
     m.predict(["What is 2 + 3?"], params={"steps": 32, "threshold": 0.9})
 
 Artifacts: `checkpoint` (the consolidated HF dir) and `generation` (sampler name + settings recorded at
-training/evaluation time). Logged by `dllmflow.tracking.registry.register_model`.
+training/evaluation time). Logged by `dllmflow.tracking.registry.register_model`. The checkpoint's own
+code (`auto_map`) runs only if the registering run trusted it (`trust_remote_code` in `generation`,
+written at registration), never because of the settings.json inside the checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import mlflow
 from mlflow.pyfunc import PythonModel
 
+from dllmflow.errors import UserError
 from dllmflow.tracking.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
 
 
@@ -25,20 +28,39 @@ class DllmGenerator(PythonModel):
 
     def load_context(self, context):
         self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
+        trust = bool(self.generation.get("trust_remote_code", False))
         if self.generation["sampler"] == SPECULATIVE:  # a DFlash draft + its frozen target
             from dllmflow.evaluation.acceptance import load_dflash_pair
 
             target = context.artifacts.get("target") or self.generation.get("target")
-            self.pair = load_dflash_pair(context.artifacts["checkpoint"], target=target)
+            self.pair = load_dflash_pair(
+                context.artifacts["checkpoint"], target=target, trust_remote_code=trust
+            )
         else:
             from dllmflow.inference.generate import load_for_generation
 
-            self.model, self.tokenizer, _ = load_for_generation(context.artifacts["checkpoint"])
+            self.model, self.tokenizer, _ = load_for_generation(
+                context.artifacts["checkpoint"], trust_remote_code=trust
+            )
 
     def predict(self, context, model_input, params=None):
-        from dllmflow.tracking.registry import generate_texts, prompts_of, speculative_texts, split_params
+        from dllmflow.tracking.registry import (
+            check_sampler_mode,
+            generate_texts,
+            prompts_of,
+            speculative_texts,
+            split_params,
+        )
 
         sampler, settings, overrides = split_params(self.generation, params)
+        registered = self.generation["sampler"]
+        if sampler == SPECULATIVE != registered:  # only a DFlash registration loads a draft + target
+            raise UserError(
+                f"sampler {SPECULATIVE!r} decodes a DFlash draft with its target; this model was "
+                f"registered with sampler {registered!r}"
+            )
+        if sampler != SPECULATIVE:  # the registered sampler or the caller's: it must fit the mode
+            check_sampler_mode(sampler, self.generation.get("mode"))
         if sampler == SPECULATIVE:
             options = {**settings, **overrides}
             return speculative_texts(self.pair, prompts_of(model_input), options.get("max_new_tokens", 128))

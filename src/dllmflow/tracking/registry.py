@@ -58,7 +58,30 @@ def connect(settings: Settings | None = None) -> str:
             ) from None
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
+    if uri.startswith("sqlite:///"):
+        _init_sqlite_store(uri)
     return uri
+
+
+_INITIALISED_STORES: set[str] = set()
+
+
+def _init_sqlite_store(uri: str) -> None:
+    """Create/migrate a SQLite store once, under a file lock: two processes opening a fresh store at
+    once both run MLflow's schema migration and one fails (`duplicate column name`). Touching both
+    stores (tracking, registry) here migrates them; later opens find the tables and skip it."""
+    if uri in _INITIALISED_STORES:
+        return
+    from filelock import FileLock
+    from mlflow import MlflowClient
+
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{db}.lock"):
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        client.search_experiments(max_results=1)
+        client.search_registered_models(max_results=1)
+    _INITIALISED_STORES.add(uri)
 
 
 def git_sha(cwd: str | os.PathLike | None = None) -> str:
@@ -149,19 +172,35 @@ def generate_texts(
     """Chat-templated prompts -> generated texts with `sampler`: its preset, then the recorded
     `settings` (knobs it does not take are dropped: models registered before the per-sampler configs
     recorded every knob of every sampler), then the caller's `overrides` (one it does not take is an
-    error naming it)."""
+    error naming it). A sampler that does not fit the checkpoint's training mode, or prompts + new
+    tokens beyond the model's positions, are refused."""
     import torch
 
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR, build_sampler_config
     from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
+    from dllmflow.models.limits import check_generation_fits
 
     validate_sampler_request(sampler)
+    trained = getattr(model, TRAINING_SETTINGS_ATTR, None)  # set by load_for_generation
+    check_sampler_mode(sampler, getattr(getattr(trained, "dllm", None), "mode", None))
     config = build_sampler_config(sampler, overrides, tokenizer, defaults=settings)
     torch.manual_seed(config.seed)
     runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
-    result = runner.generate([encode_prompt(tokenizer, p) for p in prompts])
-    return [decode_response(tokenizer, ids) for ids in result.sequences]
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    check_generation_fits(model, max(map(len, ids), default=0), config.max_new_tokens, runner.mask_id)
+    result = runner.generate(ids)
+    return [decode_response(tokenizer, seq) for seq in result.sequences]
+
+
+def check_sampler_mode(sampler: str, mode: str | None) -> None:
+    """UserError naming the sampler, the mode and the samplers that fit it (`dllmflow generate` only
+    warns; a served model must not answer with a sampler that decodes another mode's model)."""
+    from dllmflow.inference.generate import sampler_misfit
+
+    misfit = sampler_misfit(sampler, mode)
+    if misfit is not None:
+        raise UserError(misfit)
 
 
 def recorded_params(sampler: str, sampler_settings: dict[str, Any]) -> dict[str, Any]:
@@ -284,6 +323,8 @@ def register_model(
 
     sampler_settings = {k: v for k, v in (sampler_settings or {}).items() if v is not None}
     generation = {"sampler": sampler, "sampler_settings": sampler_settings, "mode": settings.dllm.mode}
+    if settings.model.trust_remote_code:  # the registering run's decision; the pyfunc loads with it
+        generation["trust_remote_code"] = True
     artifacts = {"checkpoint": str(consolidated_dir)}
     if sampler == SPECULATIVE:  # the draft is useless without its target: ship a local target along
         target = _local_target(settings)

@@ -1,0 +1,212 @@
+"""What a checkpoint may not decide for itself, and what a served model may not be asked: a checkpoint
+whose config.json names its own code (`auto_map`) is refused unless the caller passes
+`--trust-remote-code` (its own settings.json saying `trust_remote_code: true` does not count); a
+checkpoint without tokenizer files, or with a tokenizer that is not the model's, is refused where it
+enters; the pyfunc refuses a sampler that does not fit the registered mode and a generation beyond the
+model's positions or vocabulary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dllmflow.cli import main
+from dllmflow.data.tokenizer import check_tokenizer_fits, load_tokenizer, train_bpe_tokenizer
+from dllmflow.errors import UserError
+from dllmflow.inference.generate import load_for_generation
+from dllmflow.settings import load_settings
+
+TEXT = ["What is 2 + 3? The answer is 5. #### 5"] * 5
+
+# Imported by transformers only when the checkpoint's code is trusted: its trace is the marker file.
+MARKER_MODULE = """
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+from transformers import PretrainedConfig, PreTrainedModel
+class MarkerConfig(PretrainedConfig):
+    model_type = "dllmflow_marker"
+class MarkerModel(PreTrainedModel):
+    config_class = MarkerConfig
+"""
+
+
+def _tokenizer():
+    return train_bpe_tokenizer(TEXT, 300, "<mask>", "<pad>", "<eos>")
+
+
+def _save_model(path: Path, vocab_size: int, max_positions: int = 64) -> None:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                      max_position_embeddings=max_positions)  # fmt: skip
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    """A consolidated checkpoint with its tokenizer and (mdlm) settings.json."""
+    out = tmp_path_factory.mktemp("good") / "consolidated"
+    tok = _tokenizer()
+    _save_model(out, len(tok))
+    tok.save_pretrained(out)
+    load_settings().write_json(out / "settings.json")
+    return out
+
+
+@pytest.fixture
+def remote(tmp_path) -> tuple[Path, Path]:
+    """A checkpoint whose model type exists only in its own module (marker.py), whose settings.json
+    asks for trust: -> (checkpoint dir, marker path the module writes when imported)."""
+    ckpt, marker = tmp_path / "remote", tmp_path / "MARKER"
+    ckpt.mkdir()
+    _tokenizer().save_pretrained(ckpt)
+    (ckpt / "marker.py").write_text(MARKER_MODULE.format(marker=str(marker)))
+    config = {
+        "model_type": "dllmflow_marker",
+        "architectures": ["MarkerModel"],
+        "auto_map": {"AutoConfig": "marker.MarkerConfig", "AutoModelForCausalLM": "marker.MarkerModel"},
+    }
+    (ckpt / "config.json").write_text(json.dumps(config))
+    load_settings(model={"tiny": {}, "trust_remote_code": True}).write_json(ckpt / "settings.json")
+    return ckpt, marker
+
+
+# ---- 1) a checkpoint does not switch on its own code -------------------------------------------------
+
+
+def test_generate_refuses_a_checkpoint_with_its_own_code(remote, capsys):
+    ckpt, marker = remote
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "hi", "--raw"]) == 2
+    err = capsys.readouterr().err
+    assert "--trust-remote-code" in err and "auto_map" in err and str(ckpt) in err
+    assert not marker.exists()  # its module never ran
+
+
+def test_evaluate_and_the_pyfunc_refuse_it_too(remote, tmp_path):
+    from dllmflow.evaluation.accuracy import build_eval_runner
+    from dllmflow.tracking.pyfunc import DllmGenerator
+
+    ckpt, marker = remote
+    with pytest.raises(UserError, match="--trust-remote-code"):
+        build_eval_runner(ckpt)  # no settings passed: the checkpoint's own do not count
+    gen = tmp_path / "generation.json"
+    gen.write_text(json.dumps({"sampler": "llada", "sampler_settings": {}, "mode": "mdlm"}))
+    with pytest.raises(UserError, match="--trust-remote-code"):
+        DllmGenerator().load_context(
+            SimpleNamespace(artifacts={"checkpoint": str(ckpt), "generation": str(gen)})
+        )
+    assert not marker.exists()
+
+
+def test_the_flag_is_the_callers_way_in(remote, tmp_path):
+    """With --trust-remote-code transformers imports the module (the marker appears); the model class
+    here is a stub, so the load itself fails after that: the point is who decided."""
+    ckpt, marker = remote
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    code = "from dllmflow.cli import main; import sys; sys.exit(main(sys.argv[1:]))"
+    args = ["generate", "--checkpoint", str(ckpt), "--prompt", "hi", "--raw", "--trust-remote-code"]
+    subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, timeout=300)
+    assert marker.exists()
+
+
+def test_evaluate_takes_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    assert "--trust-remote-code" in capsys.readouterr().out
+
+
+# ---- 2) tokenizer files present and the model's ------------------------------------------------------
+
+
+def test_missing_tokenizer_files_are_refused_not_an_empty_tokenizer(tmp_path, capsys):
+    ckpt = tmp_path / "no_tokenizer"
+    _save_model(ckpt, 300)
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "hi", "--raw"]) == 2
+    err = capsys.readouterr().err
+    assert str(ckpt) in err and "no tokenizer files" in err and "tokenizer.json" in err
+
+
+def test_prepared_dir_without_tokenizer_files(tmp_path):
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(UserError, match="no tokenizer files.*dllmflow prepare"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_not_the_models(tmp_path):
+    ckpt = tmp_path / "mismatch"
+    tok = _tokenizer()
+    _save_model(ckpt, len(tok))
+    tok.add_tokens([f"<extra_{i}>" for i in range(50)])
+    tok.save_pretrained(ckpt)
+    with pytest.raises(UserError, match=rf"{len(tok)} tokens but the model's embedding only {len(tok) - 50}"):
+        load_for_generation(ckpt)
+
+
+def test_special_ids_must_be_rows_of_the_embedding():
+    tok = _tokenizer()
+    check_tokenizer_fits(tok, len(tok), "ckpt")  # fits
+    with pytest.raises(UserError, match="tokens but the model's embedding only"):
+        check_tokenizer_fits(tok, len(tok) - 1, "ckpt")
+    tok.add_special_tokens({"pad_token": "<pad2>"})  # a new row the model does not have
+    with pytest.raises(UserError, match=r"ckpt.*(tokens|pad_token_id)"):
+        check_tokenizer_fits(tok, len(tok) - 1, "ckpt")
+
+
+def test_dflash_pair_checks_the_tokenizer_files_first(tmp_path):
+    from dllmflow.evaluation.acceptance import load_dflash_pair
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="no tokenizer files"):
+        load_dflash_pair(tmp_path)
+
+
+# ---- 3) + 4) the pyfunc: sampler fits the mode, generation fits the model ----------------------------
+
+
+@pytest.fixture(scope="module")
+def generator(good, tmp_path_factory):
+    from dllmflow.tracking.pyfunc import DllmGenerator
+
+    gen = tmp_path_factory.mktemp("gen") / "generation.json"
+    gen.write_text(json.dumps({"sampler": "llada", "sampler_settings": {"steps": 2, "max_new_tokens": 4,
+                                                                        "block_size": 4}, "mode": "mdlm"}))  # fmt: skip
+    model = DllmGenerator()
+    model.load_context(SimpleNamespace(artifacts={"checkpoint": str(good), "generation": str(gen)}))
+    return model
+
+
+def test_pyfunc_refuses_a_sampler_that_does_not_fit_the_mode(generator):
+    with pytest.raises(UserError, match=r"dllm.mode=mdlm; sampler 'gemma'.*Samplers that fit: llada, llada2"):
+        generator.predict(None, ["hi"], params={"sampler": "gemma"})
+    with pytest.raises(UserError, match="'acceptance' decodes a DFlash draft"):
+        generator.predict(None, ["hi"], params={"sampler": "acceptance"})
+    assert len(generator.predict(None, ["hi"], params={"sampler": "llada2"})) == 1  # fits mdlm
+
+
+def test_generate_texts_refuses_by_the_checkpoints_mode(generator):
+    from dllmflow.tracking.registry import generate_texts
+
+    with pytest.raises(UserError, match="sampler 'idlm' does not fit"):
+        generate_texts(generator.model, generator.tokenizer, ["hi"], sampler="idlm")
+
+
+def test_pyfunc_generation_must_fit_positions_and_vocabulary(generator):
+    with pytest.raises(UserError, match="max_position_embeddings \\(64\\)"):
+        generator.predict(None, ["hi"], params={"max_new_tokens": 1000, "block_size": 8})
+    model = generator.model
+    good_mask = model.config.mask_token_id
+    model.config.mask_token_id = 10_000
+    try:
+        with pytest.raises(UserError, match="outside the model's vocabulary"):
+            generator.predict(None, ["hi"])
+    finally:
+        model.config.mask_token_id = good_mask
