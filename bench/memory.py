@@ -17,9 +17,9 @@
 glibc is told to serve large blocks with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
 RSS and deltas measure what is live; peaks come from /proc/self/status VmHWM (reset via clear_refs).
 Beside each measured row it prints the memory planner's prediction (`dllmflow.training.planner`,
-docs/memory_planner.md) and measured / predicted: activations (+ the FSDP2 root's unsharded embedding and
-head, which stay gathered through forward) and the first step's peak above the materialised model. Build
-peaks are not planned. Does not assert.
+docs/memory_planner.md) and measured / predicted: the activations one forward keeps and the first step's
+peak above the materialised model (`MemoryPlan.first_step_above_weights`). Build peaks are not planned.
+Does not assert.
 """
 
 from __future__ import annotations
@@ -100,9 +100,8 @@ def predictions(args) -> dict:
     with build_on_meta():
         count = count_built(AutoModelForCausalLM.from_config(qwen3_config(args.act_layers)))
     out = {}
-    for ac in ("none", "full"):  # a forward whose logits are kept (no loss), fp32
-        root = count.root_params * 4  # FSDP2 keeps the root's params unsharded through forward
-        out[f"act_{ac}"] = activation_bytes(count.shape, args.seq, 4, ac, loss=False) + root
+    for ac in ("none", "full"):  # what one fp32 forward keeps (its logits, no loss)
+        out[f"act_{ac}"] = activation_bytes(count.shape, args.seq, 4, ac, backward=False)
     for name, c in (("float32", 4), ("bfloat16", 2)):
         plan = memory_plan(
             count, world=2, fsdp=True, master_bytes=4, compute_bytes=c, ac="none", tokens=args.seq

@@ -74,15 +74,18 @@ def test_activation_formula_reference():
     shape = planner.ModelShape(
         hidden=1024, intermediate=4096, q_dim=1024, kv_dim=512, num_blocks=4, vocab=32000
     )
-    per_block = (4 * 1024 + 3 * 1024 + 3 * 512 + 4 * 4096) * 4
+    per_block = (4 * 1024 + 5 * 1024 + 5 * 512 + 4 * 4096) * 4
     assert planner.block_activation_bytes(shape, 4) == per_block
     assert planner.block_activation_bytes(shape, 2) == per_block // 2 + 2 * 1024 * 4
-    head = 1024 * 4 + 32000 * 4
-    assert planner.activation_bytes(shape, 10, 4, "none", loss=False) == 10 * (4 * per_block + head)
-    full = 4 * 1024 * 4 + per_block  # block inputs + the one being recomputed
-    assert planner.activation_bytes(shape, 10, 4, "full", loss=False) == 10 * (full + head)
-    sel = planner.activation_bytes(shape, 10, 4, "selective", loss=False)
-    assert planner.activation_bytes(shape, 10, 4, "full", loss=False) < sel < 10 * (4 * per_block + head)
+    head = 1024 * 4 + 32000 * 4  # embedding output + fp32 logits
+    none = planner.activation_bytes(shape, 10, 4, "none", backward=False)
+    assert none == 10 * (4 * per_block + head)
+    full = planner.activation_bytes(shape, 10, 4, "full", backward=False)
+    assert full == 10 * (4 * 1024 * 4 + head)  # block inputs only
+    # a training step adds the logits' gradient and, under AC, the block recomputed in backward
+    assert planner.activation_bytes(shape, 10, 4, "none") == none + 10 * 32000 * 4
+    assert planner.activation_bytes(shape, 10, 4, "full") == full + 10 * (per_block + 32000 * 4)
+    assert full < planner.activation_bytes(shape, 10, 4, "selective", backward=False) < none
 
 
 def test_modes_scale_the_sequence(tmp_path):

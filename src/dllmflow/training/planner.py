@@ -16,14 +16,16 @@
    head) and of two blocks (current + prefetched), plus one block's fp32 gradient before reduce-scatter.
 3) Activations (`activation_bytes`), per token of the micro-batch (`train.local_batch_size` x
    `dataset.seq_length`), for a dense decoder block with SDPA (no s x s matrix stored, no dropout):
-   elements = 4h (two RMSNorms: input + output) + 3q + 3kv (q/k before their norms, q/k/v into SDPA, SDPA
-   output) + 4i (gate, up, act(gate), act·up), times c bytes, plus the norms' fp32 upcast (2h·4 bytes when
-   c = 2). This is Korthikanti et al.'s s·b·h·34 (fp16 bytes, GPT 4h MLP) re-derived for SwiGLU + GQA
-   without the 5·a·s/h attention-matrix term. AC `full` keeps only each block's input (h·c) plus one
-   block recomputed in backward; `selective` checkpoints every other block. Outside the blocks: the
-   embedding output (h·c) and the logits, s·b·V in c bytes plus the fp32 copy the loss reads
-   (s·b·V·4) and its gradient (s·b·V·4). Modes scale this (`MODE_ACTIVATIONS`: idlm's [x_t | x_0]
+   elements = 4h (two RMSNorms: input + normalised) + 5q + 5kv (q/k before and after their per-head norms,
+   q/k/v into SDPA, SDPA's output and o_proj's contiguous copy of it) + 4i (gate, up, act(gate), act·up),
+   times c bytes, plus the norms' fp32 upcast (2h·4 bytes when c = 2). This is Korthikanti et al.'s
+   s·b·h·34 (fp16 bytes, GPT 4h MLP) re-derived for Qwen3's SwiGLU + GQA + qk-norm, without the 5·a·s/h
+   attention-matrix term. AC `full` keeps only each block's input (h·c) plus, in backward, one block
+   recomputed; `selective` checkpoints every other block. Outside the blocks: the embedding output (h·c)
+   and the logits, s·b·V in c bytes, plus the fp32 copy the loss reads (s·b·V·4, when c = 2) and, in
+   backward, their fp32 gradient (s·b·V·4). Modes scale this (`MODE_ACTIVATIONS`: idlm's [x_t | x_0]
    doubles the sequence, hybrid runs two forwards); dflash adds its frozen target (`FROZEN_TERMS`).
+   Checked against bench/memory.py (docs/memory_planner.md).
 4) Peak per rank = weights + optimizer + max(activations, gradients) + transients: activations are freed
    through backward while the gradients appear. The first step (no optimizer state yet) peaks at
    max(activations + transients, gradients + optimizer) above the weights (`first_step_above_weights`).
@@ -346,21 +348,24 @@ def offline_skeletons() -> Iterator[None]:
 
 def block_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
     """Bytes one dense decoder block keeps for backward, per token (SDPA, no dropout)."""
-    elements = 4 * shape.hidden + 3 * shape.q_dim + 3 * shape.kv_dim + 4 * shape.intermediate
+    elements = 4 * shape.hidden + 5 * shape.q_dim + 5 * shape.kv_dim + 4 * shape.intermediate
     upcast = 2 * shape.hidden * 4 if compute_bytes < 4 else 0  # RMSNorm's fp32 copies under bf16
     return elements * compute_bytes + upcast
 
 
-def activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, ac: str, loss: bool = True) -> int:
-    """Activation bytes of one forward over `tokens` (batch x sequence), kept for backward. `loss`: the
-    logits' fp32 copy and gradient of a training loss (off: a forward whose logits are just kept)."""
+def activation_bytes(
+    shape: ModelShape, tokens: int, compute_bytes: int, ac: str, backward: bool = True
+) -> int:
+    """Activation bytes of one forward over `tokens` (batch x sequence), kept for backward. `backward`:
+    a training step's peak (the block recomputed under AC, the logits' gradient); off: what one forward
+    keeps (bench/memory.py's activation rows)."""
     per_block = block_activation_bytes(shape, compute_bytes)
     inputs = shape.hidden * compute_bytes  # a checkpointed block keeps only its input
     kept = {"none": shape.num_blocks, "full": 0, "selective": shape.num_blocks // 2}[ac]
     blocks = kept * per_block + (shape.num_blocks - kept) * inputs
-    if kept < shape.num_blocks:
+    if backward and kept < shape.num_blocks:
         blocks += per_block  # the block being recomputed in backward
-    logits = shape.vocab * (compute_bytes + (4 if compute_bytes < 4 else 0) + (4 if loss else 0))
+    logits = shape.vocab * (compute_bytes + (4 if compute_bytes < 4 else 0) + (4 if backward else 0))
     return tokens * (blocks + shape.hidden * compute_bytes + logits)
 
 
