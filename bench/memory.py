@@ -16,6 +16,9 @@
 
 glibc is told to serve large blocks with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
 RSS and deltas measure what is live; peaks come from /proc/self/status VmHWM (reset via clear_refs).
+Beside each measured row it prints the memory planner's prediction (`dllmflow.training.planner`,
+docs/memory_planner.md) and measured / predicted: the activations one forward keeps and the first step's
+peak above the materialised model (`MemoryPlan.first_step_above_weights`). Build peaks are not planned.
 Does not assert.
 """
 
@@ -85,6 +88,26 @@ def build(layers: int, how: str, param_dtype=None, ac: str = "none"):
         model = AutoModelForCausalLM.from_config(qwen3_config(layers), dtype=torch.float32)
     apply_fsdp(apply_ac(model, ac), param_dtype)
     return materialize(model, torch.device("cpu"), rng=rng)
+
+
+def predictions(args) -> dict:
+    """The planner's bytes for the rows it predicts, on the bench's own model (2 ranks, FSDP2, batch 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from dllmflow.models.meta import build_on_meta
+    from dllmflow.training.planner import activation_bytes, count_built, memory_plan
+
+    with build_on_meta():
+        count = count_built(AutoModelForCausalLM.from_config(qwen3_config(args.act_layers)))
+    out = {}
+    for ac in ("none", "full"):  # what one fp32 forward keeps (its logits, no loss)
+        out[f"act_{ac}"] = activation_bytes(count.shape, args.seq, 4, ac, backward=False)
+    for name, c in (("float32", 4), ("bfloat16", 2)):
+        plan = memory_plan(
+            count, world=2, fsdp=True, master_bytes=4, compute_bytes=c, ac="none", tokens=args.seq
+        )
+        out[f"step_{name}"] = plan.first_step_above_weights
+    return out
 
 
 def worker(args) -> dict:
@@ -164,6 +187,7 @@ def main() -> None:
     eager, meta = launch(args, "eager"), launch(args, "meta")
     full = 4 * meta["params"]
     gib = 2**30
+    pred = predictions(args) if args.act_layers else {}
     rows = [
         ("model", f"{meta['params'] / 1e9:.3f}B params, fp32 {full / gib:.2f} GiB, 2 ranks FSDP2"),
         ("build peak RSS / fp32 model, eager", f"{eager['build_peak'] / full:.2f}"),
@@ -178,6 +202,15 @@ def main() -> None:
              f"{meta['step_bfloat16'] / meta['step_float32']:.2f}   "
              f"({meta['step_float32'] / gib:.2f} -> {meta['step_bfloat16'] / gib:.2f} GiB)"),
         ]  # fmt: skip
+        rows.append(("planner (measured / predicted GiB = ratio):", ""))
+        for key, label in (
+            ("act_none", "activations AC none"),
+            ("act_full", "activations AC full"),
+            ("step_float32", "step peak fp32"),
+            ("step_bfloat16", "step peak bf16"),
+        ):
+            rows.append((f"  {label}", f"{meta[key] / gib:.3f} / {pred[key] / gib:.3f} = "
+                                       f"{meta[key] / pred[key]:.2f}"))  # fmt: skip
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

@@ -1,9 +1,10 @@
-"""The `dllmflow` command: prepare | train | generate | evaluate | regenerate | serve.
+"""The `dllmflow` command: prepare | train | generate | evaluate | regenerate | serve | register | plan.
 
     dllmflow prepare --params params/tiny_mdlm.yaml
     dllmflow train   --params params/tiny_mdlm.yaml
     dllmflow generate --checkpoint runs/tiny_mdlm/checkpoints --prompt "What is 2+3?" --sampler llada
     dllmflow evaluate --checkpoint runs/tiny_mdlm/checkpoints --limit 8
+    dllmflow plan --params params/qwen3_8b_idlm.yaml --world-size 8 --device-memory-gib 141
 
 Each subcommand lives in its own module, which exposes `add_cli_args(parser)` and `cli_main(args) -> int`;
 this file only dispatches (modules are imported lazily so `dllmflow --help` is fast). Bad input
@@ -29,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("dllmflow.inference.serve", "Serve a local causal LM as an OpenAI-compatible chat endpoint."),
     "register": ("dllmflow.tracking.registry", "Log a finished run to MLflow and register its model."),
+    "plan": ("dllmflow.training.planner", "Per-rank training memory of a recipe (no weights, no GPU)."),
 }
 
 
