@@ -286,6 +286,7 @@ class BlockDiffusionStrategy(Strategy):
         export_diffusion_gemma(
             inner, state_dict, tokenizer, out_dir, self.settings.model.pretrained_model_name_or_path
         )
+        self.export_card(out_dir)
 
 
 def _ar_pairs(batch: Batch) -> Tensor:
