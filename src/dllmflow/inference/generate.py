@@ -233,7 +233,11 @@ def cli_main(args: argparse.Namespace) -> int:
 
     # every check that needs no model first (the load is the slow part)
     if args.sampler is None:
-        args.sampler = resolve_default_sampler(resolve_checkpoint(args.checkpoint))
+        try:
+            ckpt = resolve_checkpoint(args.checkpoint)
+        except UserError:  # reported below, after the flag checks (as with --sampler given)
+            ckpt = None
+        args.sampler = resolve_default_sampler(ckpt) if ckpt is not None else "llada"
     validate_sampler_request(args.sampler, args.infill)
     config = build_sampler_config(args.sampler, sampler_overrides(args))  # EOS "tokenizer": the sampler's
     resolve_checkpoint(args.checkpoint)

@@ -15,11 +15,13 @@ import argparse
 import json
 from typing import Any
 
+import yaml
+
 from .loader import load_settings_with_origins, parse_overrides
 
 
 def render_yaml(values: dict[str, Any], origins: dict[str, str]) -> str:
-    """Nested YAML, each leaf `key: value  # origin` (values as JSON, a subset of YAML flow style)."""
+    """Nested YAML, each leaf `key: value  # origin` (lists and mappings in flow style)."""
     rows: list[tuple[str, str | None]] = []
 
     def walk(d: dict[str, Any], prefix: str, depth: int) -> None:
@@ -30,11 +32,17 @@ def render_yaml(values: dict[str, Any], origins: dict[str, str]) -> str:
                 rows.append((f"{pad}{key}:", None))
                 walk(value, dotted + ".", depth + 1)
             else:
-                rows.append((f"{pad}{key}: {json.dumps(value)}", origins.get(dotted, "default")))
+                rows.append((f"{pad}{key}: {_flow(value)}", origins.get(dotted, "default")))
 
     walk(values, "", 0)
     width = max(len(text) for text, origin in rows if origin is not None)
     return "\n".join(text if origin is None else f"{text:<{width}}  # {origin}" for text, origin in rows)
+
+
+def _flow(value: Any) -> str:
+    """One value as a single line of YAML (PyYAML's own floats: `1.0e-05`, which it reads back)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"))
+    return text.removesuffix("\n...\n").strip()
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
