@@ -86,8 +86,8 @@ def _link_or_copy(src: Path, out: Path, link: bool) -> None:
 
 
 def _write_missing_card(ckpt: Path, staged: Path) -> None:
-    """A card for an export written before cards existed. The staged config.json is a fresh file
-    (written by rename), never the hard-linked original."""
+    """A card for an export written before cards existed, and the `dllm` block in its config.json: a
+    fresh file (written by rename), never the hard-linked original."""
     from dllmflow.diffusion.strategies.base import export_facts
     from dllmflow.models.model_card import write_export_card
 
@@ -97,7 +97,9 @@ def _write_missing_card(ckpt: Path, staged: Path) -> None:
             f"{ckpt} has no README.md and no settings.json: not a dllmflow export "
             "(export a checkpoint that `dllmflow train` or the finetune flow wrote)"
         )
-    write_export_card(staged, export_facts(settings, settings.dllm.mask_token_id))
+    # config.json only: some families' generation config classes refuse unknown keys
+    facts = export_facts(settings, settings.dllm.mask_token_id)
+    write_export_card(staged, facts, generation_config=False)
 
 
 def _sha256(path: Path) -> str:

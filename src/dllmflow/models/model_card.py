@@ -7,7 +7,7 @@ of `Strategy.export`):
                             datasets, pipeline_tag, dllm: {mode, default_sampler, data_content_hash})
                             + what it is, how to generate, the default sampler's settings, evaluations
     config.json             "dllm": {"mode", "default_sampler", "mask_token_id", "sampler_settings"}
-    generation_config.json  the same block (when the model wrote one)
+    generation_config.json  the same block (when the model wrote one and its class takes extra keys)
 
     write_export_card(out_dir, facts)             # at export (training does not know eval results)
     update_model_card(out_dir, {"llada": result}) # later: the flow's register step adds evaluations
@@ -64,10 +64,11 @@ class ExportFacts:
 # ---- writing -------------------------------------------------------------------------------------
 
 
-def write_export_card(out_dir: str | os.PathLike, facts: ExportFacts) -> Path:
-    """README.md plus the `dllm` block in config.json (and generation_config.json when present)."""
+def write_export_card(out_dir: str | os.PathLike, facts: ExportFacts, generation_config: bool = True) -> Path:
+    """README.md plus the `dllm` block in config.json (and generation_config.json when present and
+    `generation_config`: some families' generation config classes refuse unknown keys)."""
     out_dir = Path(out_dir)
-    for name in CONFIG_FILES:
+    for name in CONFIG_FILES if generation_config else CONFIG_FILES[:1]:
         path = out_dir / name
         if path.is_file():
             data = json.loads(path.read_text())

@@ -120,12 +120,16 @@ class Strategy(ABC):
         tokenizer.save_pretrained(out_dir)
         self.export_card(out_dir)
 
-    def export_card(self, out_dir: Path) -> None:
+    def export_card(self, out_dir: Path, generation_config: bool = True) -> None:
         """The model card (README.md) and the `dllm` block of config.json naming the mode, the default
-        sampler and the mask id (`dllmflow.models.model_card`), after the weights and configs."""
+        sampler and the mask id (`dllmflow.models.model_card`), after the weights and configs. Also
+        in generation_config.json unless `generation_config=False` (a family whose generation config
+        class refuses unknown keys)."""
         from dllmflow.models.model_card import write_export_card
 
-        write_export_card(out_dir, export_facts(self.settings, self.mask_token_id))
+        write_export_card(
+            out_dir, export_facts(self.settings, self.mask_token_id), generation_config=generation_config
+        )
 
 
 def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
@@ -145,6 +149,7 @@ def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
                                                      "temperature"})  # fmt: skip
         sampler_settings = build_sampler_config(sampler, defaults=defaults).model_dump(mode="json")
     manifest = read_manifest(settings.dataset.prepared_dir) or {}
+    mixture = settings.dataset.mixture
     return ExportFacts(
         name=settings.name,
         mode=mode,
@@ -152,9 +157,7 @@ def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
         mask_token_id=mask_token_id,
         sampler_settings=sampler_settings,
         base_model=settings.model.pretrained_model_name_or_path,
-        dataset=", ".join(m.path for m in mixture)
-        if (mixture := settings.dataset.mixture)
-        else settings.dataset.path_or_dataset_id,
+        dataset=", ".join(m.path for m in mixture) if mixture else settings.dataset.path_or_dataset_id,
         data_content_hash=manifest.get("content_hash"),
         target_model=settings.dflash.target_model_id if settings.dflash is not None else None,
     )
