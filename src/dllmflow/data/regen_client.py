@@ -44,6 +44,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dllmflow.common.cli_args import add_flag
 from dllmflow.common.files import atomic_path, atomic_write_json
 from dllmflow.errors import UserError
 from dllmflow.settings import RegenerateConfig
@@ -637,36 +638,37 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--params", help="Params YAML whose `regenerate:` section gives the defaults; flags override it."
     )
-    p.add_argument(
+    add_flag(
+        p,
         "--input-data",
         help="HF dataset id, or a local parquet/JSONL/JSON file or dir with a messages column.",
     )
-    p.add_argument("--output-dir", help="Where shard-%%06d.parquet and manifest.json go.")
-    p.add_argument("--target-server", help=f"OpenAI-compatible base URL (default {DEFAULT_TARGET_SERVER}).")
+    add_flag(p, "--output-dir", help="Where shard-%%06d.parquet and manifest.json go.")
+    add_flag(p, "--target-server", help=f"OpenAI-compatible base URL (default {DEFAULT_TARGET_SERVER}).")
     p.add_argument("--model", help="`model` field of each request (the server's served model name).")
-    p.add_argument("--messages-column", help="Column holding the chat (default messages).")
+    add_flag(p, "--messages-column", help="Column holding the chat (default messages).")
     p.add_argument("--split", help="Split with optional slice, e.g. train[:1000] (default train).")
-    p.add_argument("--dataset-name", help="HF dataset config name.")
-    p.add_argument("--shuffle-seed", type=int, help="Shuffle the base split with this seed before slicing.")
-    p.add_argument("--shard-size", type=int, help="Rows per parquet shard (default 1000).")
+    add_flag(p, "--dataset-name", help="HF dataset config name.")
+    add_flag(p, "--shuffle-seed", type=int, help="Shuffle the base split with this seed before slicing.")
+    add_flag(p, "--shard-size", type=int, help="Rows per parquet shard (default 1000).")
     p.add_argument("--concurrency", type=int, help="Most requests in flight (default 32).")
-    p.add_argument("--max-new-tokens", type=int, help="max_tokens of each request (default 1024).")
+    add_flag(p, "--max-new-tokens", type=int, help="max_tokens of each request (default 1024).")
     p.add_argument(
         "--temperature", type=float, help="Sampling temperature (default 0.0; DFlash docs use 0.8)."
     )
-    p.add_argument("--top-p", type=float, help="Nucleus sampling (default 1.0).")
-    p.add_argument("--timeout-s", type=float, help="Per-request timeout in seconds (default 600).")
-    p.add_argument("--max-retries", type=int, help="Retries per request on 5xx/429/timeouts (default 3).")
+    add_flag(p, "--top-p", type=float, help="Nucleus sampling (default 1.0).")
+    add_flag(p, "--timeout-s", type=float, help="Per-request timeout in seconds (default 600).")
+    add_flag(p, "--max-retries", type=int, help="Retries per request on 5xx/429/timeouts (default 3).")
     p.add_argument(
         "--reasoning", choices=["none", "save", "disable"], help="Reasoning: drop, save, or disable."
     )
     p.add_argument("--resume", action="store_true", help="Continue a run: skip shards already written.")
-    p.add_argument(
-        "--backoff-base-s", type=float, default=1.0, help="Retry backoff base: min(base*2^attempt, cap)."
+    add_flag(
+        p, "--backoff-base-s", type=float, default=1.0, help="Retry backoff base: min(base*2^attempt, cap)."
     )
-    p.add_argument("--backoff-cap-s", type=float, default=30.0, help="Retry backoff cap in seconds.")
-    p.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    p.add_argument("--log-level", default="INFO")
+    add_flag(p, "--backoff-cap-s", type=float, default=30.0, help="Retry backoff cap in seconds.")
+    add_flag(p, "--no-progress", action="store_true", help="No progress bar.")
+    add_flag(p, "--log-level", default="INFO")
 
 
 def config_from_args(args: argparse.Namespace) -> RegenerateConfig:

@@ -256,6 +256,7 @@ def evaluate(
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from dllmflow.common.cli_args import add_flag
     from dllmflow.inference.generate import add_sampler_args, add_trust_arg
 
     parser.add_argument(
@@ -267,7 +268,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler", default="llada")
     parser.add_argument("--limit", type=int, help="evaluate only the first N examples")
     parser.add_argument("--split", default="eval")
-    parser.add_argument("--prepared_dir", help="default: dataset.prepared_dir of the settings")
+    add_flag(parser, "--prepared-dir", help="default: dataset.prepared_dir of the settings")
     parser.add_argument("--output", help="write metrics, protocol and predictions to this JSON file")
     parser.add_argument(
         "--harness", metavar="TASK", help="score with lm-evaluation-harness instead (gsm8k; docs/lm_eval.md)"

@@ -1,8 +1,12 @@
 """`dllmflow generate`: text from a checkpoint with a diffusion sampler (guide "Run Inference").
 
     dllmflow generate --checkpoint runs/tiny_mdlm --prompt "What is 2+3?" --sampler llada
-    dllmflow generate --checkpoint CKPT --prompt "a" --prompt "b" --threshold 0.9 --max_new_tokens 64
+    dllmflow generate --checkpoint CKPT --prompt "a" --prompt "b" --threshold 0.9 --max-new-tokens 64
     dllmflow generate --checkpoint CKPT --infill --prompt "2 + 3 = [MASK]."
+
+Flags are kebab-case; the guide's snake_case spellings (`--max_new_tokens`, `--mask_id`) also parse.
+Without `--sampler` the export's default is used (`dllm.default_sampler` in its config.json, written
+at export), else the first sampler of its recorded mode (`diffusion/modes.py`).
 
 `--checkpoint` takes a consolidated HF dir, a step dir, the checkpoint root (through `LATEST`), a
 run dir (`checkpoints/LATEST/...`), a curriculum run (its last stage) or a recipe dir such as
@@ -26,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from dllmflow.common.cli_args import add_flag
 from dllmflow.errors import UserError
 from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
 
@@ -161,6 +166,28 @@ def check_sampler_fits(sampler: str, settings: Any) -> str | None:
     return msg
 
 
+def resolve_default_sampler(ckpt: str | Path) -> str:
+    """The sampler an export decodes with when none is asked for: its `dllm.default_sampler`
+    (config.json, written at export), else the first sampler of its recorded mode, else llada (an
+    export from before either was recorded)."""
+    from dllmflow.diffusion.modes import MODES
+    from dllmflow.models.model_card import default_sampler
+
+    recorded = default_sampler(ckpt)
+    if recorded:
+        return recorded
+    settings = recorded_settings(ckpt)
+    if settings is None:
+        return "llada"
+    mode = settings.dllm.mode
+    if MODES[mode].default_sampler is None:
+        raise UserError(
+            f"checkpoint {ckpt} was trained with dllm.mode={mode}; no sampler decodes it alone "
+            "(evaluate a DFlash draft with its target: the flow's acceptance evaluation); or pass --sampler"
+        )
+    return MODES[mode].default_sampler
+
+
 # ---- prompts and responses ----------------------------------------------------------------------
 
 
@@ -195,20 +222,20 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     """Sampler overrides shared by `generate` and `evaluate` (None = keep the preset; a flag set for a
     sampler that does not take it is an error)."""
     g = parser.add_argument_group("sampler settings (override the preset)")
-    g.add_argument("--steps", type=int)
-    g.add_argument("--max_new_tokens", type=int)
-    g.add_argument("--block_size", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--remasking", choices=["low_confidence", "random"])
-    g.add_argument("--threshold", type=float)
-    g.add_argument("--uniform_ratio", type=float, help="scdd: must match training")
-    g.add_argument("--schedule_shape", type=float, help="scdd: must match training")
-    g.add_argument("--schedule_peak", type=float, help="scdd: must match training")
-    g.add_argument("--editing_threshold", type=float, help="llada2: LLaDA2.1 token editing, 0 = off")
-    g.add_argument("--max_post_steps", type=int, help="llada2: editing-only steps after a block is full")
-    g.add_argument("--no_kv_cache", action="store_true", help="also turns off the causal context")
-    g.add_argument("--mask_id", type=int)
-    g.add_argument("--seed", type=int, default=seed_default)
+    add_flag(g, "--steps", type=int)
+    add_flag(g, "--max-new-tokens", type=int)
+    add_flag(g, "--block-size", type=int)
+    add_flag(g, "--temperature", type=float)
+    add_flag(g, "--remasking", choices=["low_confidence", "random"])
+    add_flag(g, "--threshold", type=float)
+    add_flag(g, "--uniform-ratio", type=float, help="scdd: must match training")
+    add_flag(g, "--schedule-shape", type=float, help="scdd: must match training")
+    add_flag(g, "--schedule-peak", type=float, help="scdd: must match training")
+    add_flag(g, "--editing-threshold", type=float, help="llada2: LLaDA2.1 token editing, 0 = off")
+    add_flag(g, "--max-post-steps", type=int, help="llada2: editing-only steps after a block is full")
+    add_flag(g, "--no-kv-cache", action="store_true", help="also turns off the causal context")
+    add_flag(g, "--mask-id", type=int)
+    add_flag(g, "--seed", type=int, default=seed_default)
 
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
@@ -240,7 +267,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--checkpoint", required=True, help="consolidated dir, step dir, checkpoint root or run dir"
     )
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    parser.add_argument("--sampler", default="llada", help="llada, scdd, llada2, nemotron, gemma, idlm")
+    parser.add_argument(
+        "--sampler",
+        help="llada, scdd, llada2, nemotron, gemma, idlm; default: the export's (config.json dllm block), "
+        "else the first that fits its mode",
+    )
     parser.add_argument("--infill", action="store_true", help="fill each [MASK] span of the prompt")
     parser.add_argument("--raw", action="store_true", help="encode prompts as plain text (no chat template)")
     parser.add_argument("--adapter", help="LoRA adapter dir (peft layout) to load onto --checkpoint")
@@ -266,6 +297,12 @@ def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.diffusion.samplers.base import build_sampler_config
 
     # every check that needs no model first (the load is the slow part)
+    if args.sampler is None:
+        try:
+            ckpt = resolve_checkpoint(args.checkpoint)
+        except UserError:  # reported below, after the flag checks (as with --sampler given)
+            ckpt = None
+        args.sampler = resolve_default_sampler(ckpt) if ckpt is not None else "llada"
     validate_sampler_request(args.sampler, args.infill)
     config = build_sampler_config(args.sampler, sampler_overrides(args))  # EOS "tokenizer": the sampler's
     resolve_checkpoint(args.checkpoint)

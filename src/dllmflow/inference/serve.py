@@ -50,6 +50,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dllmflow.common.cli_args import add_flag
 from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
 from dllmflow.runs import find_export
@@ -655,48 +656,53 @@ def build_app(
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    add_flag(
+        p,
         "--model-path",
         required=True,
         help="Local HF model dir (config, weights, tokenizer with a chat template).",
     )
     p.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument(
-        "--served-model-name", default=None, help="The `model` clients must send (default: the dir name)."
+    add_flag(
+        p, "--served-model-name", default=None, help="The `model` clients must send (default: the dir name)."
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-batch-size", type=int, default=16, help="Most requests generated together.")
-    p.add_argument(
+    add_flag(p, "--max-batch-size", type=int, default=16, help="Most requests generated together.")
+    add_flag(
+        p,
         "--max-tokens-cap",
         type=int,
         default=1024,
         help="Largest max_tokens a request may ask for (400 above).",
     )
-    p.add_argument(
+    add_flag(
+        p,
         "--request-timeout-s",
         type=float,
         default=300.0,
         help="A request unanswered after this long gets HTTP 504 and leaves its batch (default 300).",
     )
-    p.add_argument(
+    add_flag(
+        p,
         "--chunk-tokens",
         type=int,
         default=8,
         help="New tokens per batch per scheduling turn: smaller lets short requests past long ones sooner.",
     )
-    p.add_argument(
+    add_flag(
+        p,
         "--api-key",
         default=None,
         help="Require this Bearer token on every route but /health (default $DLLMFLOW_SERVE_API_KEY).",
     )
-    p.add_argument("--log-level", default="INFO")
+    add_flag(p, "--log-level", default="INFO")
     # Fault injection for tests, hidden from --help: the first N chat requests fail with --fail-status
     # (500, 502, 503 or 429, or a list such as 500,429), --delay-s per request, --turn-delay-s per turn.
-    p.add_argument("--fail-first", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--fail-status", default="500", help=argparse.SUPPRESS)
-    p.add_argument("--delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--turn-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    add_flag(p, "--fail-first", type=int, default=0, help=argparse.SUPPRESS)
+    add_flag(p, "--fail-status", default="500", help=argparse.SUPPRESS)
+    add_flag(p, "--delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    add_flag(p, "--turn-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
 def cli_main(args: argparse.Namespace) -> int:
@@ -840,7 +846,11 @@ def local_server(
 if (
     __name__ == "__main__"
 ):  # `python -m dllmflow.inference.serve ...` = `dllmflow serve ...` (no cli import: layers)
-    parser = argparse.ArgumentParser(prog="dllmflow serve", description=__doc__.split("\n")[0])
+    from dllmflow.common.cli_args import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="dllmflow serve", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     add_cli_args(parser)
     try:
         sys.exit(cli_main(parser.parse_args()))

@@ -21,6 +21,8 @@ from .loader import (
     load_settings,
     load_settings_json,
     load_settings_text,
+    load_settings_with_origins,
+    parse_overrides,
     read_yaml,
 )
 from .sections import (
@@ -70,6 +72,8 @@ __all__ = [
     "load_settings",
     "load_settings_json",
     "load_settings_text",
+    "load_settings_with_origins",
+    "parse_overrides",
     "read_yaml",
     "register_mode_config",
 ]

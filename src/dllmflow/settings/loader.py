@@ -192,18 +192,59 @@ def load_settings(*yaml_paths: str | os.PathLike, **overrides: Any) -> Settings:
     return _load([(str(p), read_yaml(p)) for p in yaml_paths], overrides)
 
 
-def _load(documents: list[tuple[str, dict[str, Any]]], overrides: dict[str, Any]) -> Settings:
-    merged: dict[str, Any] = {}
+def load_settings_with_origins(
+    *yaml_paths: str | os.PathLike, **overrides: Any
+) -> tuple[Settings, dict[str, str]]:
+    """`load_settings`, plus where each leaf value came from (`dllmflow config show`): dotted key ->
+    "default", the YAML path, "env DLLMFLOW_TRAIN__LR" or "override". Later sources win, as in the load."""
+    documents = [(str(p), read_yaml(p)) for p in yaml_paths]
+    settings = _load(documents, overrides)
+    given = _origins(documents, _expand_dotted(overrides), leaves_only=True)
+    shown = {}
+    for key in _flatten(settings.to_dict()):
+        probe = key  # a value set whole (a list, a section from one env var) marks every leaf below it
+        while probe and probe not in given:
+            probe = probe.rpartition(".")[0]
+        shown[key] = given[probe] if probe else "default"
+    return settings, {k: "override" if v == "overrides" else v for k, v in shown.items()}
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set a.b=1` pairs -> {"a.b": 1}; values parse as JSON, else YAML (numbers incl. 1e-4, bools,
+    lists, strings)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _origins(
+    documents: list[tuple[str, dict[str, Any]]], expanded: dict[str, Any], leaves_only: bool = False
+) -> dict[str, str]:
+    """Dotted key -> the source that set it last (YAML path, env var, "overrides")."""
     origins: dict[str, str] = {}
     for source, data in documents:
-        for key in _flatten(data, leaves_only=False):
+        for key in _flatten(data, leaves_only=leaves_only):
             origins[key] = source
-        merged = deep_merge(merged, data)
     for key in _env_paths():
         origins[key] = f"env {ENV_PREFIX}{key.upper().replace('.', ENV_DELIMITER)}"
-    expanded = _expand_dotted(overrides)
-    for key in _flatten(expanded, leaves_only=False):
+    for key in _flatten(expanded, leaves_only=leaves_only):
         origins[key] = "overrides"
+    return origins
+
+
+def _load(documents: list[tuple[str, dict[str, Any]]], overrides: dict[str, Any]) -> Settings:
+    merged: dict[str, Any] = {}
+    for _, data in documents:
+        merged = deep_merge(merged, data)
+    expanded = _expand_dotted(overrides)
+    origins = _origins(documents, expanded)
     token = _YAML_DATA.set(merged)
     try:
         return Settings(**expanded)

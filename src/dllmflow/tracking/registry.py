@@ -451,8 +451,10 @@ def apply_gate(
 
 
 def add_cli_args(parser) -> None:
-    parser.add_argument(
-        "--run-dir", required=True, help="A finished training run directory (holds settings.json)."
+    from dllmflow.common.cli_args import add_flag
+
+    add_flag(
+        parser, "--run-dir", required=True, help="A finished training run directory (holds settings.json)."
     )
     parser.add_argument(
         "--eval", dest="eval_files", action="append", default=[], help="evaluate --output JSON files."

@@ -16,7 +16,6 @@ local_cwd), never torchx's default (local_docker). Edit ./.torchxconfig to leave
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -26,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from dllmflow.common.cli_args import add_flag
 from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout
+from dllmflow.settings.loader import parse_overrides  # re-exported: component.py, bench, tests
 from dllmflow.training.main import FAIL_MARKER
 
 ROLE = "trainer"
@@ -254,24 +253,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--params", nargs="+", required=True, metavar="YAML", help="recipe(s); later ones override"
     )
     parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
-    parser.add_argument("--run-dir", default=None, help="override run_dir (default runs/<name>)")
+    add_flag(parser, "--run-dir", default=None, help="override run_dir (default runs/<name>)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. train.lr=1e-4"
     )
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`a.b=1` -> {"a.b": 1}; values parse as JSON, else YAML (numbers incl. 1e-4, bools, lists, strings)."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UserError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = yaml.safe_load(value)
-    return out
 
 
 def cli_main(args: argparse.Namespace) -> int:

@@ -258,10 +258,13 @@ def regenerate_data(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dllmflow.common.cli_args import HelpFormatter, add_flag
     from dllmflow.settings import load_settings
 
     p = argparse.ArgumentParser(
-        prog="python -m dllmflow.workflow.regenerate", description=__doc__.split("\n")[0]
+        prog="python -m dllmflow.workflow.regenerate",
+        description=__doc__.split("\n")[0],
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--params", nargs="+", required=True, metavar="YAML", help="Recipe YAML(s), later override earlier."
@@ -269,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fresh", action="store_true", help="Never resume (fails if the output dir holds shards)."
     )
-    p.add_argument("--log-level", default="INFO")
+    add_flag(p, "--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -28,6 +28,7 @@ from dllmflow.models.mask_id import find_mask_id
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from dllmflow.models.model_card import ExportFacts
     from dllmflow.settings import Settings
 
 Batch = dict[str, Tensor]
@@ -113,9 +114,53 @@ class Strategy(ABC):
         return {}
 
     def export(self, model: nn.Module, state_dict: dict[str, Tensor], tokenizer: Any, out_dir: Path) -> None:
-        """Write a consolidated Hugging Face directory from a full (unsharded, CPU) state dict."""
+        """Write a consolidated Hugging Face directory from a full (unsharded, CPU) state dict. An
+        override ends with `self.export_card(out_dir)` too."""
         model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
+        self.export_card(out_dir)
+
+    def export_card(self, out_dir: Path, generation_config: bool = True) -> None:
+        """The model card (README.md) and the `dllm` block of config.json naming the mode, the default
+        sampler and the mask id (`dllmflow.models.model_card`), after the weights and configs. Also
+        in generation_config.json unless `generation_config=False` (a family whose generation config
+        class refuses unknown keys)."""
+        from dllmflow.models.model_card import write_export_card
+
+        write_export_card(
+            out_dir, export_facts(self.settings, self.mask_token_id), generation_config=generation_config
+        )
+
+
+def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
+    """What the card of an export trained with `settings` says: the mode's default sampler
+    (`MODES[mode].samplers[0]`) with the settings evaluation would use (its preset < the eval
+    section), and the prepared data's content hash."""
+    from dllmflow.data.prepare import read_manifest
+    from dllmflow.diffusion.modes import MODES
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.models.model_card import ExportFacts
+
+    mode = settings.dllm.mode
+    sampler = MODES[mode].default_sampler
+    sampler_settings = {}
+    if sampler is not None:
+        defaults = settings.eval.model_dump(include={"max_new_tokens", "steps", "block_size", "threshold",
+                                                     "temperature"})  # fmt: skip
+        sampler_settings = build_sampler_config(sampler, defaults=defaults).model_dump(mode="json")
+    manifest = read_manifest(settings.dataset.prepared_dir) or {}
+    mixture = settings.dataset.mixture
+    return ExportFacts(
+        name=settings.name,
+        mode=mode,
+        default_sampler=sampler,
+        mask_token_id=mask_token_id,
+        sampler_settings=sampler_settings,
+        base_model=settings.model.pretrained_model_name_or_path,
+        dataset=", ".join(m.path for m in mixture) if mixture else settings.dataset.path_or_dataset_id,
+        data_content_hash=manifest.get("content_hash"),
+        target_model=settings.dflash.target_model_id if settings.dflash is not None else None,
+    )
 
 
 def _model_vocab_size(model: nn.Module) -> int | None:

@@ -286,6 +286,8 @@ class BlockDiffusionStrategy(Strategy):
         export_diffusion_gemma(
             inner, state_dict, tokenizer, out_dir, self.settings.model.pretrained_model_name_or_path
         )
+        # DiffusionGemmaGenerationConfig raises on unknown keys: the dllm block goes in config.json only
+        self.export_card(out_dir, generation_config=False)
 
 
 def _ar_pairs(batch: Batch) -> Tensor:

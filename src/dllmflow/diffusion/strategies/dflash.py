@@ -287,6 +287,7 @@ class DFlashStrategy(Strategy):
         cfg.target_model_id = self.dcfg.target_model_id
         draft.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
+        self.export_card(out_dir)
 
 
 __all__ = ["DFlashStrategy"]
