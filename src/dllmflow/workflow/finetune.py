@@ -343,7 +343,7 @@ def next_steps_message(
 ) -> str:
     """What the flow prints last: the results table (with `evals`), the champion decision and its
     reason, then the commands to try the model (generate on the run dir, the card, the champion)."""
-    s = Settings.coerce(settings)
+    Settings.coerce(settings)  # validates the artifact, as every step function does
     uri = registration["tracking_uri"]
     flow_file = "flows/finetune.py"
     status = (
@@ -369,6 +369,6 @@ def next_steps_message(
         f"  Card:        python {flow_file} card view end --id report     ({pathspec})",
         f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)",
         '  Champion:    python -c "import mlflow; m = mlflow.pyfunc.load_model('
-        f"'models:/{s.registry.model_name}@champion'); print(m.predict([{example!r}]))\"",
+        f"'models:/{registration['model_name']}@champion'); print(m.predict([{example!r}]))\"",
     ]
     return "\n".join(lines)
