@@ -1,6 +1,6 @@
 """FinetuneFlow: prepare -> train (torchx/torchrun) -> evaluate (one branch per sampler) -> register.
 
-    python flows/finetune.py --config recipe params/tiny_mdlm.yaml run
+    python flows/finetune.py run                         # the demo recipe: params/tiny_addition.yaml
     python flows/finetune.py --config recipe params/tiny_mdlm.yaml run --max-steps 20 --eval-limit 8
     python flows/finetune.py resume                      # after a failure: reruns from the failed step
     python flows/finetune.py --config recipe params/tiny_mdlm.yaml card view end
@@ -23,7 +23,7 @@ from dllmflow.workflow.deploy import deployment, run_tags
 class FinetuneFlow(FlowSpec):
     # Named `recipe`: Metaflow 2.19 reserves the parameter name `params`.
     recipe = Config(
-        "recipe", default="params/tiny_mdlm.yaml", parser="dllmflow.workflow.finetune.parse_params_config"
+        "recipe", default="params/tiny_addition.yaml", parser="dllmflow.workflow.finetune.parse_params_config"
     )
 
     max_steps = Parameter(
@@ -114,7 +114,15 @@ class FinetuneFlow(FlowSpec):
             self.training,
             self.registration,
         )
-        print(workflow.next_steps_message(settings, self.registration, current.pathspec))
+        print(
+            workflow.next_steps_message(
+                settings,
+                self.registration,
+                current.pathspec,
+                evals=self.evals,
+                run_dir=self.training["run_dir"],
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -3,12 +3,15 @@ eval JSON): the tables hold the run's numbers, the figures plot them, lineage na
 
 from __future__ import annotations
 
+import base64
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 
 from dllmflow.settings import load_settings
-from dllmflow.workflow.card import build_card_components, eval_rows, loss_figure
+from dllmflow.workflow.card import build_card_components, eval_rows, loss_figure, sample_row
 
 LOSSES = [5.0, 4.25, 3.5]
 
@@ -23,7 +26,9 @@ def run(tmp_path):
         "llada": {
             "metrics": {"exact_match_strict": 0.25, "exact_match_flexible": 0.375, "tokens_per_s": 123.456,
                         "nfe": 16, "tokens_per_forward": 2.0},
-            "predictions": [{"prompt": "What is 2 + 3?", "prediction": "It is   5.", "answer_number": 5}] * 4,
+            # the keys evaluation.accuracy.evaluate writes
+            "predictions": [{"id": "eval-7", "prompt": "What is 2 + 3?", "prediction": "It is   5.", "answer": "5",
+                             "correct_flexible": True}] * 4,
         },
         "acceptance": {"metrics": {"tokens_per_s": 10.0, "tau": 3.25}},
     }  # fmt: skip
@@ -94,3 +99,46 @@ def test_card_without_evaluations_has_no_eval_figure_or_samples(run):
     assert len(tables) == 2 and tables[0]["data"] in ([], [[]])  # metaflow renders no rows as [[]]
     assert dict(map(tuple, tables[1]["data"]))["gate"] == "promoted: None"
     assert sum(p["type"] == "image" for p in parts) == 1
+
+
+def _card_html_data(parts) -> str:
+    """The card as the flow's `@card(type="blank")` renders it (HTML), decoded to its JSON payload."""
+    from metaflow.plugins.cards.card_modules.basic import BlankCard
+
+    html = BlankCard(components=parts).render(SimpleNamespace(pathspec="FinetuneFlow/1/end/3"))
+    assert html.lstrip().lower().startswith("<!doctype html") or "<html" in html.lower()
+    m = re.search(r'__MF_DATA__\["[^"]+"\] = "([^"]+)"', html)
+    return base64.b64decode(m.group(1)).decode()
+
+
+def _tables_in(node):
+    if isinstance(node, dict):
+        if node.get("type") == "table":
+            yield node
+        for v in node.values():
+            yield from _tables_in(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _tables_in(v)
+
+
+def test_card_html_sample_columns_hold_prompt_generation_reference(run):
+    run_dir, evals = run
+    parts = build_card_components(load_settings(), str(run_dir), evals, {}, {}, {"gate_promoted": True})
+    payload = json.loads(_card_html_data(parts))
+    samples = next(t for t in _tables_in(payload) if t.get("columns", [None])[1:2] == ["prompt"])
+    assert samples["columns"] == ["sampler", "prompt", "generation", "reference"]
+    for row in samples["data"]:
+        sampler, prompt, generation, reference = row
+        assert (sampler, prompt, generation, reference) == ("llada", "What is 2 + 3?", "It is 5.", "5")
+
+
+def test_sample_row_reads_what_evaluate_writes_and_older_eval_files():
+    assert sample_row("llada", {"id": "eval-1", "prediction": "#### 7", "answer": "7"}) == [
+        "llada",
+        "eval-1",
+        "#### 7",
+        "7",
+    ]  # an eval JSON from before `prompt` was recorded: the row id stands in
+    assert sample_row("s", {"prompt": "q", "prediction": "a", "answer_number": 3})[3] == "3"
+    assert sample_row("s", {"prompt": "q", "prediction": "a", "answer": None})[3] == ""

@@ -101,3 +101,29 @@ def test_eval_samplers_explicit_list_and_unknown_names():
         eval_samplers(load_settings(TINY, eval={"samplers": ["llada", "nope"]}))
     with pytest.raises(UserError, match="acceptance"):  # acceptance is a DFlash evaluation only
         eval_samplers(load_settings(TINY, eval={"samplers": ["acceptance"]}))
+
+
+# ---- end: the results table and the next commands --------------------------------------------------------
+
+
+def test_next_steps_message_shows_untrained_vs_trained_the_decision_and_commands():
+    from dllmflow.workflow.finetune import next_steps_message
+
+    evals = {
+        "llada": {
+            "metrics": {"exact_match_flexible": 0.97, "tokens_per_s": 4100.0, "nfe": 8.0, "num_examples": 64},
+            "baseline": {"metrics": {"exact_match_flexible": 0.0}},
+            "predictions": [{"prompt": "What is 47 + 38?"}],
+        }
+    }
+    registration = {
+        "tracking_uri": "sqlite:///m.db", "model_name": "m", "version": 2, "sampler": "llada",
+        "gate_promoted": False, "gate_reason": "exact_match_flexible 0.0100 below the floor 0.05",
+    }  # fmt: skip
+    text = next_steps_message(load_settings(), registration, "F/1/end/3", evals=evals, run_dir="runs/x")
+    row = next(line for line in text.splitlines() if "llada" in line and "64" in line)
+    assert [c.strip() for c in row.split("│")[1:6]] == ["llada", "64", "0.000", "0.970", "4,100"]
+    assert "8.0" in row and "\x1b[" not in text  # no colour codes: a CI log reads it too
+    assert "m v2 kept as @candidate (not champion)" in text and "below the floor 0.05" in text
+    assert "dllmflow generate --checkpoint runs/x --prompt 'What is 47 + 38?'" in text
+    assert "card view end --id report" in text and "models:/m@champion" in text

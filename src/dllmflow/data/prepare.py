@@ -19,6 +19,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 
 from .chat import ChatSource, load_chat_rows
@@ -237,13 +238,15 @@ def prepare(settings, force: bool = False) -> dict:
     prompt_lengths: list[int] = []
     for name, rows in splits.items():
         kept = []
-        for row in rows:
-            out = tokenize_row(tok, row, dcfg.seq_length, dcfg.mask_history, dcfg.drop_truncated)
-            if out is None:
-                ids, mask = encode_row(tok, row, dcfg.mask_history)
-                prompt_lengths.append(mask.index(1) if any(mask) else len(ids))
-            else:
-                kept.append(out)
+        with Progress(f"prepare {name}", len(rows), unit="rows") as bar:
+            for row in rows:
+                out = tokenize_row(tok, row, dcfg.seq_length, dcfg.mask_history, dcfg.drop_truncated)
+                if out is None:
+                    ids, mask = encode_row(tok, row, dcfg.mask_history)
+                    prompt_lengths.append(mask.index(1) if any(mask) else len(ids))
+                else:
+                    kept.append(out)
+                bar.advance()
         tokenized[name], truncated[name] = kept, len(rows) - len(kept)
     dropped = Counter({"malformed": 0, "empty": 0, "truncated": sum(truncated.values())})
     for reason, n in src.dropped.items():

@@ -46,6 +46,7 @@ from pydantic import ValidationError
 
 from dllmflow.common.cli_args import add_flag
 from dllmflow.common.files import atomic_path, atomic_write_json
+from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 from dllmflow.settings import RegenerateConfig
 
@@ -473,18 +474,9 @@ async def check_server(client, base_url: str, model: str) -> None:
 
 
 def _progress_bar(total: int, initial: int, enabled: bool | None):
-    from tqdm.auto import tqdm
-
-    # enabled=None: tqdm decides (a bar on a terminal, nothing in a pipe or a flow log).
-    bar = tqdm(
-        total=total,
-        initial=initial,
-        unit="row",
-        desc="regenerate",
-        disable=None if enabled is None else not enabled,
-    )
-    bar.set_postfix(retries=0, refresh=False)
-    return bar
+    # enabled=None: a live bar on a terminal, plain periodic lines in a pipe or a flow log
+    # (dllmflow.common.progress; DLLMFLOW_QUIET=1 forces the lines); False: nothing.
+    return Progress("regenerate", total, unit="rows", start=initial, enabled=enabled is not False)
 
 
 async def _run_shards(cfg, prompts, todo, base_url, api_key, counters, bar, backoff_base_s, backoff_cap_s):
@@ -496,9 +488,6 @@ async def _run_shards(cfg, prompts, todo, base_url, api_key, counters, bar, back
         await check_server(client, base_url, cfg.model)
         sem = asyncio.Semaphore(cfg.concurrency)
 
-        def on_retry():
-            bar.set_postfix(retries=counters.retries, refresh=False)
-
         async def one(p: Prompt) -> dict[str, Any]:
             async with sem:
                 reply = await post_chat(
@@ -509,9 +498,8 @@ async def _run_shards(cfg, prompts, todo, base_url, api_key, counters, bar, back
                     backoff_base_s=backoff_base_s,
                     backoff_cap_s=backoff_cap_s,
                     counters=counters,
-                    on_retry=on_retry,
                 )
-            bar.update(1)
+            bar.advance(retries=counters.retries)
             return {
                 "messages": p.messages + [assistant_turn(reply, cfg.reasoning)],
                 "original_messages": p.original,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.common.files import atomic_write_json
+from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 
 _NUMBER = r"-?\$?\s?\d[\d,]*(?:\.\d+)?"
@@ -197,9 +198,10 @@ def evaluate(
     rows = PreparedDataset(prepared_dir, split).rows(limit)
     if not rows:
         raise UserError(f"{prepared_dir}: split {split!r} has no rows to evaluate")
+    chats = eval_chats(prepared_dir, rows, n_shot)
     prompts = [
         list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
-        for chat in eval_chats(prepared_dir, rows, n_shot)
+        for chat in chats
     ]
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
     check_generation_fits(model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
@@ -207,12 +209,14 @@ def evaluate(
     # 3) generate in batches
     outputs: dict[int, list[int]] = {}
     elapsed, row_nfe = 0.0, 0
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        result = runner.generate([prompts[i] for i in idx])
-        outputs.update(zip(idx, result.sequences))
-        elapsed += result.elapsed_s
-        row_nfe += sum(result.row_nfe) if result.row_nfe else result.nfe * len(idx)
+    with Progress(f"evaluate {sampler}", len(order), unit="examples", every=batch_size) as bar:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            result = runner.generate([prompts[i] for i in idx])
+            outputs.update(zip(idx, result.sequences))
+            elapsed += result.elapsed_s
+            row_nfe += sum(result.row_nfe) if result.row_nfe else result.nfe * len(idx)
+            bar.advance(len(idx))
 
     # 4) score
     predictions = []
@@ -221,7 +225,8 @@ def evaluate(
         gold = gold_answer(r["answer"])
         strict, flexible = gsm8k_extract_strict(text), gsm8k_extract_flexible(text)
         predictions.append(
-            dict(id=r["id"], prediction=text, answer=gold, pred_strict=strict, pred_flexible=flexible,
+            dict(id=r["id"], prompt=chats[i][-1]["content"] if chats[i] else "", prediction=text, answer=gold,
+                 pred_strict=strict, pred_flexible=flexible,
                  correct_strict=strict is not None and strict == gold,
                  correct_flexible=flexible is not None and flexible == gold, num_tokens=len(outputs[i]))
         )  # fmt: skip

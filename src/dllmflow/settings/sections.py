@@ -196,7 +196,9 @@ class TrainConfig(Section):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         "inductor", description="aot_eager where inductor cannot build (no C++ compiler)."
     )
-    log_every: PositiveInt = 1
+    log_every: PositiveInt = Field(
+        10, description="Console line every N steps (metrics.jsonl records every step)."
+    )
     peak_tflops: float | None = Field(None, gt=0.0, description="Per-device peak; enables the mfu metric.")
     num_workers: NonNegativeInt = 0
     max_nonfinite_skips: NonNegativeInt = Field(
@@ -311,13 +313,22 @@ class EvalConfig(Section):
 
 
 class GateConfig(Section):
-    """When `champion` may move to a new version."""
+    """When `champion` may move to a new version. Below the absolute floor of its metric a version is
+    registered (alias `candidate`) but never becomes champion, the first one included: `min_accuracy`
+    for an accuracy metric (exact_match_*), `min_tau` when the metric is `tau` (DFlash's mean acceptance
+    length, 1.0 = the draft never helps; `dllmflow.tracking.registry.gate_floor`)."""
 
     metric: str = "exact_match_flexible"
     tolerance: NonNegativeFloat = Field(
         0.0, description="New accuracy may be this much below the champion's."
     )
     min_tokens_per_s: NonNegativeFloat = Field(0.0, description="Speed floor for the gated sampler.")
+    min_accuracy: float = Field(
+        0.05, ge=0.0, le=1.0, description="Accuracy floor: below it a version is never champion."
+    )
+    min_tau: float = Field(
+        1.1, ge=1.0, description="Floor when metric is tau: >= 1 accepted draft token per 10 target forwards."
+    )
 
 
 class RegistryConfig(Section):

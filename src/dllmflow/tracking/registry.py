@@ -384,12 +384,56 @@ def _pip_requirements() -> list[str]:
 # ---- the gate ------------------------------------------------------------------------------------------
 
 
+def gate_floor(gate: Any) -> float:
+    """The absolute floor of the gate metric: `min_tau` for DFlash's acceptance length `tau`,
+    `min_accuracy` for every other (accuracy) metric."""
+    return gate.min_tau if gate.metric == "tau" else gate.min_accuracy
+
+
+def gate_decision(
+    gate: Any,
+    value: float,
+    tokens_per_s: float,
+    *,
+    sampler: str,
+    version: str | int,
+    champion_version: str | int | None = None,
+    champion_value: float = float("nan"),
+) -> tuple[bool, str]:
+    """(promote, reason) for a version scoring `value` on `gate.metric` (a `GateConfig`), against the
+    current champion (None = none yet). Checked in order: the metric exists, the speed floor, the
+    metric's absolute floor (`gate_floor`: a version below it never becomes champion, the first one
+    included), then no champion / already champion / not worse than the champion minus the tolerance."""
+    floor = gate_floor(gate)
+    if not math.isfinite(value):
+        return False, f"metric {gate.metric} missing for sampler {sampler}"
+    if tokens_per_s < gate.min_tokens_per_s:
+        return False, f"tokens_per_s {tokens_per_s:.2f} below the floor {gate.min_tokens_per_s}"
+    if value < floor:
+        return (
+            False,
+            f"{gate.metric} {value:.4f} below the floor {floor} (registry.gate: not champion material)",
+        )
+    if champion_version is None:
+        return True, f"no champion yet ({gate.metric} {value:.4f} >= floor {floor})"
+    if str(champion_version) == str(version):
+        return True, "already champion"
+    if not math.isfinite(champion_value) or value >= champion_value - gate.tolerance:
+        return True, (
+            f"{gate.metric} {value:.4f} >= champion v{champion_version} {champion_value:.4f} - {gate.tolerance}"
+        )
+    return False, (
+        f"{gate.metric} {value:.4f} < champion v{champion_version} {champion_value:.4f} - {gate.tolerance}"
+    )
+
+
 def apply_gate(
     settings: Settings, version: Any, evals: dict[str, dict[str, Any]], sampler: str
 ) -> dict[str, Any]:
-    """Move `champion` to `version` when its accuracy is not below the current champion's minus
-    `registry.gate.tolerance` and its speed is not below `registry.gate.min_tokens_per_s`. The decision
-    and its reason are written as tags on the model version and on its run."""
+    """Move `champion` to `version` when `gate_decision` says so (its metric at or above the absolute
+    floor, not below the current champion's minus `registry.gate.tolerance`, its speed at or above
+    `registry.gate.min_tokens_per_s`). The decision and its reason are written as tags on the model
+    version and on its run."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -404,27 +448,15 @@ def apply_gate(
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
         champion = None
-
-    if not math.isfinite(acc):
-        promote, reason = False, f"metric {gate.metric} missing for sampler {sampler}"
-    elif speed < gate.min_tokens_per_s:
-        promote, reason = False, f"tokens_per_s {speed:.2f} below the floor {gate.min_tokens_per_s}"
-    elif champion is None:
-        promote, reason = True, "no champion yet"
-    elif champion.version == version.version:
-        promote, reason = True, "already champion"
-    else:
-        champ_acc = float(champion.tags.get(f"eval.{gate.metric}", "nan"))
-        if not math.isfinite(champ_acc) or acc >= champ_acc - gate.tolerance:
-            promote = True
-            reason = (
-                f"{gate.metric} {acc:.4f} >= champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
-            )
-        else:
-            promote = False
-            reason = (
-                f"{gate.metric} {acc:.4f} < champion v{champion.version} {champ_acc:.4f} - {gate.tolerance}"
-            )
+    promote, reason = gate_decision(
+        gate,
+        acc,
+        speed,
+        sampler=sampler,
+        version=version.version,
+        champion_version=champion.version if champion is not None else None,
+        champion_value=float(champion.tags.get(f"eval.{gate.metric}", "nan")) if champion else float("nan"),
+    )
 
     client.set_model_version_tag(name, version.version, f"eval.{gate.metric}", f"{acc:.6f}")
     client.set_model_version_tag(name, version.version, "eval.tokens_per_s", f"{speed:.4f}")

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 from dllmflow.models.lora import export_with_lora
 from dllmflow.models.wrappers import unwrap
@@ -138,6 +139,8 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     fail_rank = os.environ.get(FAIL_RANK_ENV)
     tick = time.perf_counter()
     skips = 0
+    # Rank 0: a live bar on a terminal, else (torchrun under the launcher, CI) a line every log_every steps.
+    bar = Progress("train", t.max_steps, unit="steps", every=t.log_every, start=start, enabled=info.is_main)
     for step in range(start, t.max_steps):
         record = train_step(model, strategy, batches, step, settings, info, autocast)
         record["grad_norm"] = _clip(model, t.max_grad_norm)
@@ -166,8 +169,7 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
             record["mfu"] = 100.0 * flops / 1e12 / (info.world_size * dt) / t.peak_tflops
         result.losses.append(record["loss"])
         log.write(record)
-        if info.is_main and (done % t.log_every == 0 or done == t.max_steps):
-            print(console_line(record, t.max_steps), flush=True)
+        bar.advance(line=console_line(record, t.max_steps), loss=record["loss"], tok_s=record["tps"])
 
         # 4) checkpoint (the final step always saves, with the consolidated export)
         last = done == t.max_steps
@@ -192,6 +194,7 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
         result.final_step = done
         if fail_at == done and fail_rank in (None, "", str(info.rank)):
             raise RuntimeError(f"injected failure after step {done} ({FAIL_AT_STEP_ENV}={fail_at})")
+    bar.close()
     return result
 
 

@@ -68,6 +68,20 @@ def eval_rows(evals: dict[str, dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def sample_row(sampler: str, prediction: dict[str, Any]) -> list[str]:
+    """[sampler, prompt, generation, reference] of one prediction as `evaluation.accuracy.evaluate`
+    writes it (`prompt` = the question, `answer` = the gold number; an eval JSON from before `prompt`
+    was recorded shows its row `id`)."""
+    p = prediction
+    reference = p.get("answer", p.get("answer_number"))
+    return [
+        sampler,
+        _clip(p.get("prompt") or p.get("id") or ""),
+        _clip(p.get("prediction", "")),
+        "" if reference is None else str(reference),
+    ]
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -93,17 +107,23 @@ def build_card_components(
     ]
     if evals:
         parts.append(Image.from_matplotlib(eval_figure(evals)))
-    samples = []
-    for name, result in evals.items():
-        for p in result.get("predictions", [])[:3]:
-            samples.append(
-                [
-                    name,
-                    _clip(p.get("prompt", "")),
-                    _clip(p.get("prediction", "")),
-                    str(p.get("answer_number", "")),
-                ]
-            )
+    learned = [
+        [
+            name,
+            _fmt(r["baseline"]["metrics"].get("exact_match_flexible")),
+            _fmt(r["metrics"].get("exact_match_flexible")),
+        ]
+        for name, r in evals.items()
+        if r.get("baseline")
+    ]
+    if learned:  # a tiny model's untrained twin (same seed, same examples): what training added
+        parts += [
+            Markdown("## Untrained vs trained"),
+            Table(learned, headers=["sampler", "exact match untrained (same seed)", "exact match trained"]),
+        ]
+    samples = [
+        sample_row(name, p) for name, result in evals.items() for p in result.get("predictions", [])[:3]
+    ]
     if samples:
         parts += [
             Markdown("## Sample generations"),

@@ -14,9 +14,11 @@ a run come from `dllmflow.runs`.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -190,8 +192,39 @@ def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict
         result = evaluate_dflash(runs.find_consolidated(run_dir), settings=s, limit=s.eval.limit)
     else:
         result = evaluate(runs.find_consolidated(run_dir), settings=s, sampler=sampler, limit=s.eval.limit)
+        baseline = untrained_baseline(s, sampler)
+        if baseline is not None:
+            result["baseline"] = baseline
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
     return result
+
+
+def untrained_baseline(settings: SettingsLike, sampler: str) -> dict[str, Any] | None:
+    """The same evaluation (sampler, examples, settings) of the model as it was before training: built
+    fresh from `train.seed` as the trainer builds it, exported to a temp dir. What the results table shows
+    as "untrained", so a reader sees what training added. Only for a tiny random model, where it costs
+    seconds; a pretrained model's baseline is the base model (`dllmflow evaluate --checkpoint <base>`)."""
+    import tempfile
+
+    import torch
+
+    from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.diffusion.strategies import build_strategy
+    from dllmflow.evaluation.accuracy import evaluate
+
+    s = Settings.coerce(settings)
+    if s.model.tiny is None:
+        return None
+    print(f"untrained baseline (train.seed {s.train.seed}), sampler {sampler}:", flush=True)
+    tokenizer = load_tokenizer(s.dataset.prepared_dir)
+    torch.manual_seed(s.train.seed)  # as the trainer seeds before its build
+    strategy = build_strategy(s)
+    model = strategy.build_model(tokenizer)
+    with tempfile.TemporaryDirectory(prefix="dllmflow-untrained-") as tmp:
+        strategy.export(model, model.state_dict(), tokenizer, Path(tmp))
+        s.write_json(Path(tmp) / "settings.json")
+        result = evaluate(tmp, settings=s, sampler=sampler, limit=s.eval.limit)
+    return {"metrics": result["metrics"], "model": f"untrained (train.seed {s.train.seed})"}
 
 
 # ---- register --------------------------------------------------------------------------------------------
@@ -260,18 +293,82 @@ def fill_card(card, settings, run_dir, evals, data, training, registration) -> N
         card.append(component)
 
 
-def next_steps_message(settings: SettingsLike, registration: dict[str, Any], pathspec: str) -> str:
-    s = Settings.coerce(settings)
+RESULT_COLUMNS = (("EM", "exact_match_flexible"), ("tok/s", "tokens_per_s"), ("NFE", "nfe"))
+
+
+def results_table(evals: dict[str, dict[str, Any]]) -> str:
+    """Per sampler: exact match (flexible) of the untrained model (same seed, same examples, when
+    measured) and of the trained one, tokens/s, NFE per example; DFlash's acceptance shows tau. Plain
+    text (no colour codes), for a terminal and a CI log alike."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Evaluation (held-out examples)", title_justify="left")
+    for header in ("sampler", "examples", "EM untrained", "EM trained", "tok/s", "NFE", "tau"):
+        table.add_column(header, justify="left" if header == "sampler" else "right")
+    for name, result in evals.items():
+        m = result.get("metrics", {})
+        base = result.get("baseline", {}).get("metrics", {})
+        table.add_row(
+            name,
+            _cell(m.get("num_examples")),
+            _cell(base.get("exact_match_flexible")),
+            _cell(m.get("exact_match_flexible")),
+            _cell(m.get("tokens_per_s"), "{:,.0f}"),
+            _cell(m.get("nfe"), "{:.1f}"),
+            _cell(m.get("tau"), "{:.2f}"),
+        )
+    console = Console(file=io.StringIO(), width=100, force_terminal=False, color_system=None)
+    console.print(table)
+    return console.file.getvalue().rstrip()
+
+
+def _cell(value: Any, fmt: str = "{:.3f}") -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value) if isinstance(value, float) else str(value)
+
+
+def _pastable(text: str | None) -> bool:
+    return bool(text) and len(text) <= 80 and not any(c in text for c in "'\"\\$`\n")
+
+
+def next_steps_message(
+    settings: SettingsLike,
+    registration: dict[str, Any],
+    pathspec: str,
+    *,
+    evals: dict[str, dict[str, Any]] | None = None,
+    run_dir: str | None = None,
+) -> str:
+    """What the flow prints last: the results table (with `evals`), the champion decision and its
+    reason, then the commands to try the model (generate on the run dir, the card, the champion)."""
+    Settings.coerce(settings)  # validates the artifact, as every step function does
     uri = registration["tracking_uri"]
     flow_file = "flows/finetune.py"
-    status = "promoted to @champion" if registration.get("gate_promoted") else "kept as @candidate"
-    return "\n".join(
-        [
-            "",
-            f"Model {registration['model_name']} v{registration['version']} {status}: {registration.get('gate_reason')}",
-            f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)",
-            f"  Card:        python {flow_file} card view end --id report     ({pathspec})",
-            '  Champion:    python -c "import mlflow; m = mlflow.pyfunc.load_model('
-            f"'models:/{s.registry.model_name}@champion'); print(m.predict(['What is 2 + 3?']))\"",
-        ]
+    status = (
+        "promoted to @champion" if registration.get("gate_promoted") else "kept as @candidate (not champion)"
     )
+    gated = (evals or {}).get(registration.get("sampler"), {})
+    # A held-out question of this run's task (short and quote-free, so it pastes into a shell), else a default.
+    example = next(
+        (p["prompt"] for p in gated.get("predictions", []) if _pastable(p.get("prompt"))), "What is 2 + 3?"
+    )
+    lines = ["", results_table(evals), ""] if evals else [""]
+    lines += [
+        f"Model {registration['model_name']} v{registration['version']} {status}",
+        f"  gate ({registration.get('sampler')}): {registration.get('gate_reason')}",
+        "",
+        "Next:",
+    ]
+    if run_dir:
+        lines.append(
+            f"  Generate:    dllmflow generate --checkpoint {run_dir} --prompt {shlex.quote(example)}"
+        )
+    lines += [
+        f"  Card:        python {flow_file} card view end --id report     ({pathspec})",
+        f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)",
+        '  Champion:    python -c "import mlflow; m = mlflow.pyfunc.load_model('
+        f"'models:/{registration['model_name']}@champion'); print(m.predict([{example!r}]))\"",
+    ]
+    return "\n".join(lines)

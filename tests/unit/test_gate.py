@@ -1,0 +1,57 @@
+"""`dllmflow.tracking.registry.gate_decision`, the champion gate as a plain function: the absolute floor
+(`registry.gate.min_accuracy`, `min_tau` for DFlash's tau) keeps a useless first version from becoming
+champion; above it the first version is promoted and a worse second one is not."""
+
+from __future__ import annotations
+
+import math
+
+from dllmflow.settings import load_settings
+from dllmflow.tracking.registry import gate_decision, gate_floor
+
+
+def _gate(**over):
+    return load_settings(registry={"gate": over}).registry.gate
+
+
+def test_defaults_have_a_positive_floor_per_metric():
+    assert gate_floor(_gate()) == _gate().min_accuracy > 0
+    assert gate_floor(_gate(metric="tau")) == _gate().min_tau > 1.0  # tau 1.0 = the draft never helps
+
+
+def test_first_run_below_the_floor_is_not_promoted():
+    promote, reason = gate_decision(_gate(), 0.0, 50.0, sampler="llada", version=1)
+    assert not promote and "below the floor 0.05" in reason and "exact_match_flexible 0.0000" in reason
+
+
+def test_first_run_above_the_floor_is_promoted():
+    promote, reason = gate_decision(_gate(), 0.9, 50.0, sampler="llada", version=1)
+    assert promote and reason.startswith("no champion yet")
+
+
+def test_second_worse_run_is_not_promoted_but_within_tolerance_is():
+    gate = _gate(tolerance=0.05)
+    promote, reason = gate_decision(
+        gate, 0.5, 50.0, sampler="llada", version=2, champion_version=1, champion_value=0.9
+    )
+    assert not promote and reason == "exact_match_flexible 0.5000 < champion v1 0.9000 - 0.05"
+    promote, _ = gate_decision(
+        gate, 0.86, 50.0, sampler="llada", version=3, champion_version=1, champion_value=0.9
+    )
+    assert promote
+
+
+def test_floor_applies_even_against_a_worse_champion_and_is_metric_aware():
+    promote, reason = gate_decision(
+        _gate(min_accuracy=0.5), 0.4, 50.0, sampler="llada", version=2, champion_version=1, champion_value=0.1
+    )
+    assert not promote and "below the floor 0.5" in reason
+    tau = _gate(metric="tau")
+    assert not gate_decision(tau, 1.0, 5.0, sampler="acceptance", version=1)[0]
+    assert gate_decision(tau, 2.5, 5.0, sampler="acceptance", version=1)[0]
+
+
+def test_missing_metric_and_speed_floor_still_refuse():
+    assert not gate_decision(_gate(), math.nan, 50.0, sampler="llada", version=1)[0]
+    promote, reason = gate_decision(_gate(min_tokens_per_s=100), 0.9, 50.0, sampler="llada", version=1)
+    assert not promote and reason.startswith("tokens_per_s 50.00 below the floor 100")
