@@ -9,7 +9,10 @@
         checkpoints/
           step_000040/model/              DCP state (see training/checkpoint.py)
           step_000040/model/consolidated/ the Hugging Face export (config.json, weights, tokenizer)
-          LATEST -> step_000040           relative symlink, or LATEST.txt holding the name
+          step_000040/manifest.json       sha256 of every file: a step dir holding it is complete
+          LATEST -> step_000040           relative symlink, or LATEST.txt holding the name (missing,
+                                          dangling or garbage: a resume falls back to the newest
+                                          complete step dir)
         stage_0/, stage_1/, ...           a curriculum (I-DLM block_length): one run dir per stage
 
     layout = RunLayout("runs/tiny_mdlm/flow-12")
@@ -39,6 +42,7 @@ LOGS = "logs"
 FLOW_PREFIX = "flow-"
 STAGE_PREFIX = "stage_"
 HF_CONFIG = "config.json"  # what makes a dir a loadable Hugging Face model
+MANIFEST = "manifest.json"  # sha256 of every file of a step dir (training/checkpoint.py)
 
 TMP_STEP_GLOB = ".step_*.tmp"  # matches every `tmp_step_dir_name`
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -57,18 +61,38 @@ def tmp_step_dir_name(step: int) -> str:
     return f".{step_dir_name(step)}.tmp"
 
 
-def read_latest(root: str | os.PathLike) -> Path | None:
-    """The dir `root/LATEST` (symlink) or `root/LATEST.txt` names, or None when there is none. The
-    path goes through the link (`root/LATEST`), so callers see the stable name."""
+def latest_name(root: str | os.PathLike) -> str | None:
+    """What the LATEST pointer holds (its symlink target, or LATEST.txt's text), valid or not; None when
+    there is no pointer. Callers name it in messages; `read_latest` decides whether it is usable."""
     root = Path(root)
     link = root / LATEST
-    if link.is_symlink() or link.is_dir():
-        return link if link.is_dir() else None
-    txt = root / LATEST_TXT
-    if txt.is_file():
-        target = root / txt.read_text().strip()
-        return target if target.is_dir() else None
-    return None
+    try:
+        if link.is_symlink():
+            return os.readlink(link)
+        if link.is_dir():
+            return LATEST
+        txt = root / LATEST_TXT
+        return txt.read_text(errors="replace").strip() if txt.is_file() else None
+    except OSError:
+        return ""
+
+
+def read_latest(root: str | os.PathLike) -> Path | None:
+    """The dir `root/LATEST` (symlink) or `root/LATEST.txt` names, or None when there is none or it is
+    dangling or garbage (not the name of a dir directly in `root`: our `step_XXXXXX`, or another
+    trainer's `epoch_0_step_499`; never a path that leaves `root`). The path goes through the link
+    (`root/LATEST`), so callers see the stable name."""
+    root = Path(root)
+    link = root / LATEST
+    name = latest_name(root)
+    if name is None or (name != LATEST and not _is_child_name(name)):
+        return None
+    target = link if link.is_symlink() or name == LATEST else root / name
+    return target if target.is_dir() else None
+
+
+def _is_child_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and not name.startswith(".") and not set(name) & {"/", "\\"}
 
 
 def latest_target(root: str | os.PathLike) -> Path | None:
@@ -77,6 +101,12 @@ def latest_target(root: str | os.PathLike) -> Path | None:
     if latest is None or latest.name != LATEST:
         return latest
     return Path(root) / os.readlink(latest) if latest.is_symlink() else latest
+
+
+def complete_steps(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Step dirs holding a checksum manifest (written last, before the rename that publishes a step
+    dir), oldest first. Whether the files still match it is checked by training/checkpoint.py."""
+    return [(s, p) for s, p in checkpoint_steps(root) if (p / MANIFEST).is_file()]
 
 
 def write_latest(root: str | os.PathLike, name: str) -> None:
@@ -141,8 +171,16 @@ class RunLayout:
         return self.checkpoints / step_dir_name(step)
 
     def latest_step(self) -> Path | None:
-        """The complete step dir LATEST points at (its real name), or None."""
-        return latest_target(self.checkpoints)
+        """The step dir LATEST points at (its real name); where LATEST is missing, dangling or garbage,
+        the newest complete step dir (a resume falls back to it, warning); else None."""
+        latest = latest_target(self.checkpoints)
+        if latest is None and (complete := complete_steps(self.checkpoints)):
+            return complete[-1][1]
+        return latest
+
+    def has_checkpoints(self) -> bool:
+        """Any step dir or LATEST pointer: a fresh run here would mix with another run's state."""
+        return bool(checkpoint_steps(self.checkpoints)) or latest_name(self.checkpoints) is not None
 
     @property
     def latest_export(self) -> Path:

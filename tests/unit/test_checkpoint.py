@@ -103,3 +103,62 @@ def test_failed_export_leaves_latest_on_previous_checkpoint(tmp_path):
         ckpt.save_checkpoint(tmp_path, 2, model, opt, sched, INFO, keep_last=3, export=broken_export)
     assert ckpt.latest_checkpoint(tmp_path).name == "step_000001"
     assert not (tmp_path / "step_000002").exists()
+
+
+def _tiny_run(root, steps=3):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for step in range(1, steps + 1):
+        ckpt.save_checkpoint(root, step, model, opt, sched, INFO, keep_last=steps)
+    return model, opt, sched
+
+
+def test_save_writes_a_manifest_and_no_pickled_rng(tmp_path):
+    _tiny_run(tmp_path, steps=1)
+    step = tmp_path / "step_000001"
+    manifest = json.loads((step / "manifest.json").read_text())
+    files = {p.relative_to(step).as_posix() for p in step.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    assert {"trainer_state.json", "rng/rank_00000.safetensors", "model/.metadata", "optim/.metadata"} <= files
+    assert not list(step.rglob("*.pt"))
+    ckpt.verify_checkpoint(step)
+
+
+def test_rng_round_trip_through_safetensors_and_json(tmp_path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    ckpt._save_rng(tmp_path / "rng.safetensors", ckpt._rng_state())
+    want = (torch.rand(4), random.random(), np.random.rand())
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    (tmp_path / "rng").mkdir()
+    (tmp_path / "rng.safetensors").rename(tmp_path / "rng" / "rank_00000.safetensors")
+    ckpt._set_rng_state(ckpt._load_rng(tmp_path, 0))
+    assert torch.equal(torch.rand(4), want[0]) and random.random() == want[1] and np.random.rand() == want[2]
+    assert ckpt._load_rng(tmp_path, 1) is None  # more ranks than were saved
+
+
+def test_select_checkpoint_falls_back_past_garbage_latest_and_corrupt_dirs(tmp_path):
+    _tiny_run(tmp_path, steps=3)
+    assert ckpt.select_checkpoint(tmp_path) == tmp_path / "step_000003"
+    (tmp_path / "LATEST").unlink()
+    (tmp_path / "LATEST.txt").write_text("../../../etc\n")
+    (tmp_path / "step_000003" / "trainer_state.json").write_text("{}")
+    with pytest.warns(ckpt.CheckpointWarning, match="'../../../etc'.*resuming from step_000002"):
+        assert ckpt.select_checkpoint(tmp_path) == tmp_path / "step_000002"
+    assert ckpt.select_checkpoint(tmp_path / "empty") is None
+
+
+def test_fingerprint_ignores_run_length_and_names_what_changed():
+    from dllmflow.settings import load_settings
+
+    base = ckpt.settings_fingerprint(load_settings())
+    assert ckpt.settings_fingerprint(load_settings(train={"max_steps": 999, "log_every": 7})) == base
+    other = ckpt.settings_fingerprint(load_settings(train={"lr": 0.5}, dataset={"seq_length": 64}))
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"dataset\.seq_length: 256 -> 64; train\.lr: 0\.001 -> 0\.5\)"
+    ):
+        ckpt.check_fingerprint({"settings_fingerprint": base}, other, "step_000001")

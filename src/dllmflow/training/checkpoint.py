@@ -1,27 +1,44 @@
-"""Resumable, atomic checkpoints and the consolidated Hugging Face export.
+"""Resumable, atomic, verified checkpoints and the consolidated Hugging Face export.
 
 Layout under `RUN/checkpoints/` (names and the LATEST pointer owned by `dllmflow.runs`):
 
-    step_000020/model/            torch.distributed.checkpoint (DCP): sharded under FSDP2, whole under DDP
-    step_000020/optim/            DCP optimizer state
-    step_000020/rng/rank_00000.pt per-rank RNG states
-    step_000020/trainer_state.json step (= data position: the sampler is stateless), scheduler, world size
-    step_000040/model/consolidated/  HF dir (config, safetensors, tokenizer, settings.json)
-    LATEST -> step_000040         relative symlink (LATEST.txt holding the name where symlinks fail)
+    step_000020/model/                  torch.distributed.checkpoint (DCP): sharded under FSDP2, whole under DDP
+    step_000020/optim/                  DCP optimizer state
+    step_000020/rng/rank_00000.safetensors  per-rank RNG: torch/cuda states as uint8 tensors, python and
+                                        numpy states as JSON in the safetensors metadata
+    step_000020/trainer_state.json      step (= data position: the sampler is stateless), scheduler, world
+                                        size, settings fingerprint
+    step_000020/manifest.json           sha256 + size of every other file of the step dir (written last)
+    step_000040/model/consolidated/     HF dir (config, safetensors, tokenizer, settings.json)
+    LATEST -> step_000040               relative symlink (LATEST.txt holding the name where symlinks fail)
 
-A step dir is written under `.step_XXXXXX.tmp` and renamed when complete, then LATEST is replaced
-atomically (tmp name + os.replace), then old step dirs beyond `checkpoint.keep_last` are pruned. A
-crash at any point leaves LATEST on a complete checkpoint.
+Save: a step dir is written under `.step_XXXXXX.tmp`; rank 0 adds trainer_state.json and the manifest,
+fsyncs every file and dir, renames it into place, replaces LATEST atomically, then prunes step dirs
+beyond `checkpoint.keep_last`. A crash at any point leaves LATEST on a complete checkpoint.
+
+Load: nothing read from a checkpoint can run code. The manifest is verified first (a flipped byte is
+named); DCP `.metadata` goes through an allow-listed unpickler (torch's reader uses plain pickle), DCP
+byte items and legacy `.pt` RNG files through `torch.load(weights_only=True)`; the rest is JSON or
+safetensors. A resume takes LATEST or, when LATEST is missing, dangling, garbage or fails verification,
+the newest complete step dir that verifies (with a CheckpointWarning); it never silently starts over,
+and it refuses a checkpoint written with other settings (naming the fields).
 
     save_checkpoint(root, step, model, optimizer, scheduler, info, keep_last=2, export=None)
-    state = load_checkpoint(latest_checkpoint(root), model, optimizer, scheduler, info)
+    ckpt_dir = resume_checkpoint(root, info)   # None: no checkpoint at all; CheckpointError: none usable
+    state = load_checkpoint(ckpt_dir, model, optimizer, scheduler, info, settings_fingerprint(settings))
+
+Storage I/O stays in a few small functions (`_hash_file`, `_write_manifest`, `_read_json`, `_publish`,
+`_save_rng`, `_load_rng`, `_read_dcp_metadata`, the DCP reader) so another backend can replace them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -29,9 +46,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,11 +64,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dllmflow.common.files import atomic_write_json
+from dllmflow.common.files import atomic_write_json, fsync_dir
+from dllmflow.errors import UserError
 from dllmflow.runs import (
+    MANIFEST,
+    METRICS_JSONL,
     MODEL,
     TMP_STEP_GLOB,
+    RunLayout,
     checkpoint_steps,
+    latest_name,
     latest_target,
     step_dir_name,
     tmp_step_dir_name,
@@ -52,12 +81,25 @@ from dllmflow.runs import (
 )
 from dllmflow.training.parallel import DistInfo, barrier
 
+OPTIM = "optim"
+TRAINER_STATE = "trainer_state.json"
+DCP_METADATA = ".metadata"
+
 # The layout (step dir names, LATEST) belongs to dllmflow.runs; this name stays for callers.
 update_latest = write_latest
 
 
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, corrupt, unsafe to read or from other settings (the
+    message names the file or the fields)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A resume that does not take LATEST as is: a fallback, or an unverifiable (pre-manifest) checkpoint."""
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The step dir LATEST points at, or None when there is no complete checkpoint."""
+    """The step dir LATEST points at, or None when there is none (or it is dangling or garbage)."""
     return latest_target(root)
 
 
@@ -76,6 +118,151 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
     for tmp in root.glob(TMP_STEP_GLOB):
         shutil.rmtree(tmp, ignore_errors=True)
     return removed
+
+
+# ---- a fresh run, a resumed run ---------------------------------------------------------------------
+
+
+def check_fresh_run(run: RunLayout, resume: bool, overwrite: bool) -> None:
+    """A fresh run (neither `resume` nor `overwrite`) into a run dir that holds checkpoints would mix
+    with that run's state: refuse it, naming the dir and the fix."""
+    if not resume and not overwrite and run.has_checkpoints():
+        raise UserError(
+            f"run dir {run.root} already holds checkpoints ({run.checkpoints}); continue that run with "
+            "--resume, start over with --overwrite (deletes its checkpoints and metrics), or pick "
+            "another --run-dir"
+        )
+
+
+def clear_run(run: RunLayout) -> None:
+    """What `--overwrite` deletes: the old run's checkpoints, metrics and evaluations (logs stay)."""
+    shutil.rmtree(run.checkpoints, ignore_errors=True)
+    shutil.rmtree(run.eval_dir, ignore_errors=True)
+    (run.root / METRICS_JSONL).unlink(missing_ok=True)
+
+
+def resume_checkpoint(root: str | os.PathLike, info: DistInfo) -> Path | None:
+    """Collective: the step dir to resume from, chosen and verified on rank 0 (`select_checkpoint`)
+    and sent to the others. None only when `root` holds no checkpoint at all."""
+    choice: tuple[str, str | None]
+    if info.is_main:
+        try:
+            found = select_checkpoint(root)
+            choice = ("ok", None if found is None else str(found))
+        except CheckpointError as e:
+            choice = ("error", str(e))
+    else:
+        choice = ("ok", None)
+    if info.distributed:  # our own ranks over the process group, not a file: pickling is fine here
+        box = [choice]
+        torch.distributed.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if choice[0] == "error":
+        raise CheckpointError(choice[1])
+    return None if choice[1] is None else Path(choice[1])
+
+
+def select_checkpoint(root: str | os.PathLike) -> Path | None:
+    """LATEST's step dir when it verifies; else, with a CheckpointWarning, the newest other step dir that
+    does; None when there is no checkpoint at all; else CheckpointError naming each problem."""
+    root = Path(root)
+    steps = checkpoint_steps(root)
+    name, target = latest_name(root), latest_target(root)
+    if name is None and not steps:
+        return None
+    problems: list[str] = []
+    if target is not None:
+        try:
+            verify_checkpoint(target, unverified_ok=True)
+            return target
+        except CheckpointError as e:
+            problems.append(str(e))
+            reason = f"LATEST ({target.name}) is unusable"
+    elif name is not None:
+        reason = f"LATEST points at {name!r}, which is not a step dir under {root}"
+    else:
+        reason = f"{root} has no LATEST pointer"
+    for _, candidate in reversed(steps):
+        if candidate == target:
+            continue
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        detail = f" ({problems[0]})" if problems else ""
+        warnings.warn(
+            f"{reason}{detail}; resuming from {candidate.name}, the newest complete checkpoint",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+        return candidate
+    raise CheckpointError(
+        f"--resume: {reason}, and no other complete checkpoint under {root} verifies"
+        + (": " + "; ".join(problems) if problems else "")
+        + ". Restore the files, or start over with --overwrite"
+    )
+
+
+# ---- settings fingerprint ---------------------------------------------------------------------------
+
+# Sections whose values shape the training state. Within them, fields that only set the run length, the
+# logging, the throughput or where the prepared data lives may change between a save and its resume.
+FINGERPRINT_SECTIONS = ("model", "tokenizer", "dataset", "dllm", "dflash", "peft", "train")
+FINGERPRINT_IGNORED = frozenset(
+    {
+        "train.max_steps",
+        "train.log_every",
+        "train.peak_tflops",
+        "train.num_workers",
+        "train.local_batch_size",  # global batch and per-sample noise fix the numbers, not the split
+        "train.activation_checkpointing",
+        "train.compile",
+        "train.compile_backend",
+        "dataset.prepared_dir",
+    }
+)
+
+
+def settings_fingerprint(settings) -> dict[str, Any]:
+    """{"sha256": ..., "fields": {"train.lr": 0.01, ...}}: what a resume must match (stored in the
+    checkpoint's trainer_state.json; the fields let a mismatch name what changed)."""
+    dump = settings.model_dump(mode="json", include=set(FINGERPRINT_SECTIONS))
+    fields = {k: v for k, v in _flatten(dump).items() if k not in FINGERPRINT_IGNORED}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return {"sha256": digest, "fields": fields}
+
+
+def check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any], ckpt_dir: Path) -> None:
+    saved = state.get("settings_fingerprint")
+    if saved is None:
+        warnings.warn(
+            f"{ckpt_dir}: no settings fingerprint (an older checkpoint); not checked",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+        return
+    if saved.get("sha256") == fingerprint["sha256"]:
+        return
+    old, new, unset = saved.get("fields", {}), fingerprint["fields"], "<unset>"
+    diffs = [
+        f"{k}: {old.get(k, unset)!r} -> {new.get(k, unset)!r}"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, unset) != new.get(k, unset)
+    ]
+    raise CheckpointError(
+        f"{ckpt_dir} was written with other settings ({'; '.join(diffs) or 'fingerprint differs'}); resume "
+        "with the settings it was trained with, or start over with --overwrite"
+    )
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(obj, dict) or not obj:
+        return {prefix: obj}
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+    return out
 
 
 # ---- save / load ----------------------------------------------------------------------------------
@@ -104,21 +291,19 @@ def save_checkpoint(
     # 1) sharded model + optimizer state (DCP writes one file per rank plus metadata)
     with _single_process_ok():
         dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp / MODEL))
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / "optim"))
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(tmp / OPTIM))
     # 2) RNG per rank (dropout etc.; the corruption noise is seeded per sample and needs none)
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{info.rank:05d}.pt")
+    _save_rng(_rng_file(tmp, info.rank), _rng_state())
     if export is not None:
         export(tmp / MODEL)
     barrier()
-    # 3) publish: state file, rename, LATEST, prune
+    # 3) publish: state file, manifest (fsyncs every file and dir), rename, LATEST, prune
     if info.is_main:
         state = {"step": step, "world_size": info.world_size, "scheduler": scheduler.state_dict()}
         state.update(extra_state or {})
-        atomic_write_json(tmp / "trainer_state.json", state)
-        if final.exists():  # left by a run that died between rename and LATEST: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        atomic_write_json(tmp / TRAINER_STATE, state)
+        _write_manifest(tmp)
+        _publish(tmp, final)
         write_latest(root, final.name)
         prune_checkpoints(root, keep_last)
     barrier()
@@ -131,21 +316,27 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     info: DistInfo,
+    fingerprint: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Collective: restore model, optimizer, scheduler and RNG in place; return trainer_state.json."""
+    """Collective: restore model, optimizer, scheduler and RNG in place; return trainer_state.json.
+    With `fingerprint` (`settings_fingerprint`), a checkpoint of other settings is refused first."""
     ckpt_dir = Path(ckpt_dir)
+    state = _read_json(ckpt_dir / TRAINER_STATE)
+    if fingerprint is not None:
+        check_fingerprint(state, fingerprint, ckpt_dir)
+    for part in (MODEL, OPTIM):  # a clear error here, before DCP wraps it in its own
+        _read_dcp_metadata(ckpt_dir / part)
     with _single_process_ok():
         model_sd = get_model_state_dict(model)
-        dcp.load(model_sd, checkpoint_id=str(ckpt_dir / MODEL))
+        dcp.load(model_sd, storage_reader=SafeFileSystemReader(ckpt_dir / MODEL), planner=SafeLoadPlanner())
         set_model_state_dict(model, model_sd)
         optim_sd = get_optimizer_state_dict(model, optimizer)
-        dcp.load(optim_sd, checkpoint_id=str(ckpt_dir / "optim"))
+        dcp.load(optim_sd, storage_reader=SafeFileSystemReader(ckpt_dir / OPTIM), planner=SafeLoadPlanner())
     set_optimizer_state_dict(model, optimizer, optim_sd)
-    state = json.loads((ckpt_dir / "trainer_state.json").read_text())
     scheduler.load_state_dict(state["scheduler"])
-    rng_file = ckpt_dir / "rng" / f"rank_{info.rank:05d}.pt"
-    if rng_file.is_file():  # absent when resuming on more ranks than were saved
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    rng = _load_rng(ckpt_dir, info.rank)
+    if rng is not None:  # absent when resuming on more ranks than were saved
+        _set_rng_state(rng)
     return state
 
 
@@ -164,8 +355,162 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
+# ---- manifest: sha256 of every file, fsync, publish ---------------------------------------------------
+
+
+def verify_checkpoint(step_dir: Path, unverified_ok: bool = False) -> None:
+    """Every file the manifest lists is there with its size and sha256, else CheckpointError naming it.
+    `unverified_ok`: a step dir from before manifests (no manifest, but a trainer state) passes with a
+    CheckpointWarning."""
+    manifest = step_dir / MANIFEST
+    if not manifest.is_file():
+        if unverified_ok and (step_dir / TRAINER_STATE).is_file():
+            warnings.warn(
+                f"{step_dir}: no {MANIFEST} (an older checkpoint); loading it unverified",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            return
+        raise CheckpointError(f"{step_dir}: no {MANIFEST}, so not a complete checkpoint")
+    files = _read_json(manifest).get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{manifest}: lists no files")
+    for rel, want in sorted(files.items()):
+        path = step_dir / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not path.is_file():
+            raise CheckpointError(f"{path}: listed in {manifest} but missing")
+        digest, size = _hash_file(path)
+        if (digest, size) != (want.get("sha256"), want.get("bytes")):
+            raise CheckpointError(
+                f"{path}: checksum mismatch with {manifest} (sha256 {digest[:12]}..., {size} bytes; "
+                f"recorded {str(want.get('sha256'))[:12]}..., {want.get('bytes')} bytes): the file is corrupt"
+            )
+
+
+def _write_manifest(step_dir: Path) -> None:
+    """Hash (and fsync) every file under `step_dir`, write manifest.json, fsync every dir."""
+    files = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest, size = _hash_file(path, fsync=True)
+        files[path.relative_to(step_dir).as_posix()] = {"sha256": digest, "bytes": size}
+    atomic_write_json(step_dir / MANIFEST, {"format": 1, "files": files})
+    for d in sorted((p for p in step_dir.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        fsync_dir(d)
+    fsync_dir(step_dir)
+
+
+def _hash_file(path: Path, fsync: bool = False) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest(), size
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    if final.exists():  # left by a run that died between rename and LATEST, or a corrupt one: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing, so not a complete checkpoint") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return data
+
+
+# ---- DCP without unpickling arbitrary classes ----------------------------------------------------------
+
+# What a real DCP .metadata holds (logged from find_class on model and optimizer checkpoints).
+_METADATA_CLASSES = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the classes DCP metadata is made of; anything else (os.system, builtins.eval, ...)
+    is an UnpicklingError before it can be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == _METADATA_MODULE and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        if module == "torch" and "." not in name:
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def _read_dcp_metadata(dcp_dir: Path) -> Metadata:
+    path = Path(dcp_dir) / DCP_METADATA
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing, so not a complete checkpoint") from None
+    except Exception as e:  # any malformed pickle: name the file, never run or trace it further
+        raise CheckpointError(
+            f"{path}: refused, not plain DCP metadata ({type(e).__name__}: {e}); it may have been "
+            "tampered with: restore it from a trusted copy"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: refused, holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` with the allow-listed unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = _read_dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, loading non-tensor items (optimizer param groups) with weights_only=True."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ---- RNG: safetensors + JSON ---------------------------------------------------------------------------
+
+
+def _rng_file(step_dir: Path, rank: int) -> Path:
+    return step_dir / "rng" / f"rank_{rank:05d}.safetensors"
+
+
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -174,5 +519,47 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_rng(path: Path, state: dict[str, Any]) -> None:
+    """torch/cuda states as uint8 tensors, python/numpy states as JSON in the safetensors metadata."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"torch": state["torch"], **{f"cuda.{i}": t for i, t in enumerate(state.get("cuda", []))}}
+    version, internal, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    meta = {
+        "python": json.dumps([version, list(internal), gauss]),
+        "numpy": json.dumps([name, keys.tolist(), int(pos), int(has_gauss), float(cached)]),
+    }
+    save_file(tensors, str(path), metadata=meta)
+
+
+def _load_rng(step_dir: Path, rank: int) -> dict[str, Any] | None:
+    path = _rng_file(step_dir, rank)
+    legacy = path.with_suffix(".pt")  # written before safetensors: tensors and tuples only
+    if not path.is_file() and not legacy.is_file():
+        return None
+    try:
+        if not path.is_file():
+            return torch.load(legacy, weights_only=True)
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        version, internal, gauss = json.loads(meta["python"])
+        name, keys, pos, has_gauss, cached = json.loads(meta["numpy"])
+        state = {
+            "torch": tensors["torch"],
+            "python": (version, tuple(internal), gauss),
+            "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+        }
+        cuda = [tensors[f"cuda.{i}"] for i in range(len(tensors) - 1)]
+        if cuda:
+            state["cuda"] = cuda
+        return state
+    except Exception as e:  # any malformed file: name it (nothing in either format can run code)
+        bad = path if path.is_file() else legacy
+        raise CheckpointError(f"{bad}: unreadable RNG state ({type(e).__name__}: {e})") from None

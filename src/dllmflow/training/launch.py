@@ -1,6 +1,6 @@
 """`dllmflow train`: write settings.json, launch `python -m dllmflow.training.main` under torchrun via torchx, wait.
 
-    dllmflow train --params params/tiny_mdlm.yaml [more.yaml ...] [--resume] [--set train.lr=1e-4 ...]
+    dllmflow train --params params/tiny_mdlm.yaml [more.yaml ...] [--resume | --overwrite] [--set train.lr=1e-4 ...]
 
     from dllmflow.training.launch import launch
     result = launch(settings, run_dir="runs/x")      # raises UserError naming the failing rank
@@ -94,7 +94,13 @@ def build_mounts(settings) -> list:
         ) from None
 
 
-def build_app(settings, run_dir: str | os.PathLike, resume: bool = False, endpoint: str | None = None):
+def build_app(
+    settings,
+    run_dir: str | os.PathLike,
+    resume: bool = False,
+    endpoint: str | None = None,
+    overwrite: bool = False,
+):
     """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes.
     `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks."""
     from torchx import specs
@@ -114,9 +120,8 @@ def build_app(settings, run_dir: str | os.PathLike, resume: bool = False, endpoi
     ]  # fmt: skip
     if lc.rdzv_backend == "static":
         cmd += ["--node_rank", specs.macros.replica_id]
-    cmd += ["-m", "dllmflow.training.main", "--settings", str(settings_json)] + (
-        ["--resume"] if resume else []
-    )
+    cmd += ["-m", "dllmflow.training.main", "--settings", str(settings_json)]
+    cmd += ["--resume"] if resume else ["--overwrite"] if overwrite else []
     # shlex-quote everything but the endpoint, which may hold a ${RANK0_HOST} for bash to expand
     script = " ".join(arg if isinstance(arg, _Raw) else shlex.quote(arg) for arg in cmd)
     env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"), "PYTHONUNBUFFERED": "1", **lc.env}
@@ -146,10 +151,12 @@ def launch(
     resume: bool = False,
     wait: bool = True,
     stream: bool = True,
+    overwrite: bool = False,
 ) -> LaunchResult:
     """Write RUN/settings.json, submit the app on `launch.scheduler`, wait (echoing the trainers' stdout
     for local schedulers when `stream`); raise UserError naming the failing rank on failure. The
-    settings.json records `run_dir` as the run dir (what the trainers write to)."""
+    settings.json records `run_dir` as the run dir (what the trainers write to). A fresh run into a run
+    dir holding checkpoints is refused before anything is written (`resume` or `overwrite`)."""
     from torchx.runner import get_runner
     from torchx.specs import AppState
 
@@ -158,6 +165,9 @@ def launch(
         settings = settings.with_run_dir(run_dir)
     layout = RunLayout(settings.resolved_run_dir.absolute())
     run_dir = layout.root
+    from dllmflow.training.checkpoint import check_fresh_run
+
+    check_fresh_run(layout, resume, overwrite)  # before settings.json of the run there is replaced
     settings.write_json(layout.settings_json)
     local = is_local_scheduler(lc.scheduler)
     cfg: dict[str, Any] = dict(lc.scheduler_args)
@@ -174,7 +184,7 @@ def launch(
         bindir = os.path.dirname(sys.executable)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    app = build_app(settings, run_dir, resume)
+    app = build_app(settings, run_dir, resume, overwrite=overwrite)
     runner = get_runner()
     try:
         handle = runner.run(app, scheduler=lc.scheduler, cfg=cfg)
@@ -252,7 +262,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params", nargs="+", required=True, metavar="YAML", help="recipe(s); later ones override"
     )
-    parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
+    how.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete RUN's old checkpoints and metrics, then train from step 0",
+    )
     add_flag(parser, "--run-dir", default=None, help="override run_dir (default runs/<name>)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. train.lr=1e-4"
@@ -263,6 +279,6 @@ def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.settings import load_settings
 
     settings = load_settings(*args.params, **parse_overrides(args.set))
-    result = launch(settings, run_dir=args.run_dir, resume=args.resume)
+    result = launch(settings, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite)
     print(f"training {result.state}: {result.run_dir}")
     return 0

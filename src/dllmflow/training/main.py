@@ -1,13 +1,14 @@
 """The training entry point: one process per rank, started by torchrun (or plain python for one rank).
 
-    torchrun --nproc_per_node 2 -m dllmflow.training.main --settings runs/tiny/settings.json [--resume]
+    torchrun --nproc_per_node 2 -m dllmflow.training.main --settings runs/tiny/settings.json [--resume | --overwrite]
     python -m dllmflow.training.main --settings runs/tiny/settings.json          # a single in-process rank
 
 It knows nothing of Metaflow or torchx: the settings come only from the JSON file (written by
 `dllmflow train` / the flow), and the run dir is that file's directory (which `dllmflow train` also
 records in it as `run_dir`). A failure prints one line
 `[rank N] dllmflow.training.main failed: ...` (plus the traceback for non-user errors) and exits 1, which
-the launcher quotes. After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) it resumes from LATEST.
+the launcher quotes. After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) it resumes from LATEST
+(and `--overwrite` no longer applies: the restart must not delete the checkpoints of its own run).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--settings", required=True, help="RUN/settings.json written by `dllmflow train`")
     parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete RUN's checkpoints and metrics, then train from step 0",
+    )
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     try:
@@ -37,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
         settings = load_settings_json(args.settings)
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        result = run_training(settings, Path(args.settings).resolve().parent, resume=resume)
+        run_dir = Path(args.settings).resolve().parent
+        result = run_training(settings, run_dir, resume=resume, overwrite=args.overwrite and not resume)
         if rank == "0":
             print(f"training done: step {result.final_step}, checkpoint {result.checkpoint_dir}", flush=True)
         return 0

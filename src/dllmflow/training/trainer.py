@@ -38,6 +38,7 @@ from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallel import (
     DistInfo,
     all_reduce_sum,
+    barrier,
     grad_sync,
     init_distributed,
 )
@@ -83,7 +84,13 @@ def lr_factor(step: int, settings) -> float:
     return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def run_training(settings, run_dir: str | os.PathLike | None = None, resume: bool = False) -> TrainResult:
+def run_training(
+    settings, run_dir: str | os.PathLike | None = None, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
+    """`resume`: continue from LATEST (or the newest complete checkpoint, see training/checkpoint.py);
+    with no checkpoint at all it starts from step 0 (nothing is lost: only steps that never reached a
+    checkpoint are rerun; an elastic restart before the first checkpoint lands here). Without `resume`, a
+    run dir that holds checkpoints is refused unless `overwrite` (which deletes them and the metrics)."""
     from dllmflow.data.collate import DLLMCollator
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.data.tokenizer import load_tokenizer
@@ -94,12 +101,18 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     settings = settings.with_run_dir(run_dir) if run_dir is not None else settings
     run = RunLayout(run_dir if run_dir is not None else settings.resolved_run_dir)
     run_dir = run.root
+    ckpt.check_fresh_run(run, resume, overwrite)
+    overwrite = overwrite and not resume  # a resume (e.g. an elastic restart) never deletes anything
     info = init_distributed(settings)
     t = settings.train
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not run.settings_json.is_file():
+        if overwrite:
+            ckpt.clear_run(run)
+        if overwrite or not run.settings_json.is_file():
             settings.write_json(run.settings_json)
+    if overwrite:
+        barrier()  # no rank looks at the run dir before rank 0 has cleared it
 
     # 1) data, tokenizer, model, strategy (identical init on every rank: seeded before building)
     prepared = settings.dataset.prepared_dir
@@ -120,20 +133,24 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     optimizer = build_optimizer(model, settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, settings))
 
-    # 2) resume
+    # 2) resume: never a silent restart over existing checkpoints, never another run's state
     ckpt_root = run.checkpoints
     log = MetricsLog(run.metrics_jsonl, enabled=info.is_main)
-    start = 0
-    latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+    fingerprint = ckpt.settings_fingerprint(settings)  # stored in every checkpoint, checked on resume
+    start, latest = 0, None
+    if resume:
+        latest = ckpt.resume_checkpoint(ckpt_root, info)
+        if latest is None:
+            _print(info, f"--resume: no checkpoint under {ckpt_root} yet; starting from step 0")
     if latest is not None:
-        start = ckpt.load_checkpoint(latest, model, optimizer, scheduler, info)["step"]
+        start = ckpt.load_checkpoint(latest, model, optimizer, scheduler, info, fingerprint)["step"]
         _print(info, f"resumed from {latest} at step {start}")
-    elif resume:
-        _print(info, f"--resume: no checkpoint under {ckpt_root}; starting from step 0")
     log.truncate_after(start)
 
     # 3) loop
-    result = TrainResult(run_dir=run_dir, final_step=start)
+    result = TrainResult(run_dir=run_dir, final_step=start, checkpoint_dir=latest)
+    if latest is not None and export_dir(latest).is_dir():  # a finished run resumed: nothing left to do
+        result.consolidated_dir = export_dir(latest)
     autocast = compute_context(settings, info)
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
     fail_rank = os.environ.get(FAIL_RANK_ENV)
@@ -186,7 +203,7 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
                 scheduler,
                 info,
                 settings.checkpoint.keep_last,
-                extra_state={"samples_seen": done * t.global_batch_size},
+                extra_state={"samples_seen": done * t.global_batch_size, "settings_fingerprint": fingerprint},
                 export=export,
             )
             if export is not None:
