@@ -33,6 +33,7 @@ from dllmflow.models.lora import export_with_lora
 from dllmflow.models.wrappers import unwrap
 from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
 from dllmflow.training import checkpoint as ckpt
+from dllmflow.training import storage
 from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallel import (
     DistInfo,
@@ -123,6 +124,9 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     ckpt_root = run.checkpoints
     log = MetricsLog(run.metrics_jsonl, enabled=info.is_main)
     start = 0
+    remote = settings.checkpoint.remote_dir
+    if resume and remote:  # a run that lost its local disk resumes from the object store
+        storage.restore_run(remote, ckpt_root, info)
     latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
     if latest is not None:
         start = ckpt.load_checkpoint(latest, model, optimizer, scheduler, info)["step"]
@@ -187,6 +191,8 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
                 extra_state={"samples_seen": done * t.global_batch_size},
                 export=export,
             )
+            if remote:
+                storage.mirror_checkpoint(remote, ckpt_root, done, info, settings.checkpoint.keep_last)
             if export is not None:
                 result.consolidated_dir = export_dir(result.checkpoint_dir)
         result.final_step = done
