@@ -1,14 +1,15 @@
 """Production services started by tests, offline: an S3 endpoint (moto server), PostgreSQL (pgserver)
-and an `mlflow server` on both, each a context manager (or a pytest fixture below) that cleans up.
+and an `mlflow server` on both, each a context manager that cleans up.
 
     from _services import moto_s3, postgres, mlflow_server
-    with moto_s3("bucket") as s3:              # s3.endpoint, s3.env (AWS_* + endpoint vars), s3.stop()
+    with moto_s3("bucket") as s3:              # s3.endpoint, s3.env (AWS_* + endpoint vars), s3.stop(), s3.keys()
         with postgres(tmp) as pg_uri:          # postgresql+psycopg://postgres:@/postgres?host=<socket dir>
             with mlflow_server(pg_uri, "s3://bucket/mlflow", s3.env) as uri:   # http://127.0.0.1:PORT
                 ...
 
 Every server runs as a child process in its own process group (killed by group on exit) and is polled
-until it answers, so a test never races its start.
+until it answers, so a test never races its start. A test module wraps them in its own fixtures (a
+fixture imported from here would be shadowed by the test's argument of the same name).
 """
 
 from __future__ import annotations
@@ -25,22 +26,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 from dllmflow.common.net import free_port
 
 BIN = Path(sys.executable).parent
 
 
-def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float) -> None:
-    """Poll `ready()` until it is true; fail with the server's output when it exits or times out."""
+def wait_until(
+    ready: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float, log: Path | None = None
+) -> None:
+    """Poll `ready()` until it is true; fail with the end of the server's log when it exits or times out."""
     deadline = time.time() + timeout
     while not ready():
+        tail = log.read_text()[-4000:] if log and log.is_file() else ""
         if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{out[-4000:]}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}")
         if time.time() > deadline:
-            raise RuntimeError(f"{what} did not answer in {timeout:.0f} s")
+            raise RuntimeError(f"{what} did not answer in {timeout:.0f} s:\n{tail}")
         time.sleep(0.5)
 
 
@@ -119,7 +120,7 @@ def moto_s3(bucket: str = "dllmflow", log: Path | None = None) -> Iterator[S3Ser
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        wait_until(lambda: _http_ok(endpoint + "/moto-api/"), proc, "moto_server", 60)
+        wait_until(lambda: _http_ok(endpoint + "/moto-api/"), proc, "moto_server", 60, log)
         server = S3Server(endpoint, bucket, proc, env)
         server.client().create_bucket(Bucket=bucket)
         yield server
@@ -185,22 +186,7 @@ def mlflow_server(
     proc = start([str(BIN / "mlflow"), *mlflow_server_args(backend_uri, artifacts, port)], server_env, log)
     uri = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _http_ok(uri + "/health"), proc, "mlflow server", 240)
+        wait_until(lambda: _http_ok(uri + "/health"), proc, "mlflow server", 240, log)
         yield uri
     finally:
         stop(proc)
-
-
-# ---- fixtures ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture()
-def s3(tmp_path) -> Iterator[S3Server]:
-    with moto_s3("dllmflow", log=tmp_path / "moto.log") as server:
-        yield server
-
-
-@pytest.fixture()
-def pg_uri() -> Iterator[str]:
-    with postgres() as uri:
-        yield uri

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _dvc_repo import file_hashes, init_repo, run
-from _services import s3  # noqa: F401 - fixture
+from _services import moto_s3
 
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
@@ -26,6 +26,12 @@ from dllmflow.settings import load_settings
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def s3(tmp_path):
+    with moto_s3("dllmflow", log=tmp_path / "moto.log") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def _settings(prep: Path, remote: str | None, max_steps: int = 4):
     )
 
 
-def test_checkpoints_mirror_to_s3_and_resume_after_losing_the_local_disk(s3, prep, tmp_path, monkeypatch):  # noqa: F811
+def test_checkpoints_mirror_to_s3_and_resume_after_losing_the_local_disk(s3, prep, tmp_path, monkeypatch):
     from dllmflow.training import storage
     from dllmflow.training.trainer import run_training
 
@@ -87,7 +93,7 @@ def test_checkpoints_mirror_to_s3_and_resume_after_losing_the_local_disk(s3, pre
 
 def test_endpoint_down_at_checkpoint_time_keeps_latest_on_the_last_complete_step(
     s3, prep, tmp_path, monkeypatch
-):  # noqa: F811
+):
     from dllmflow.runs import RunLayout
     from dllmflow.training import storage
     from dllmflow.training.trainer import run_training
@@ -124,7 +130,7 @@ def test_endpoint_down_at_checkpoint_time_keeps_latest_on_the_last_complete_step
     assert result.final_step == 4
 
 
-def test_dvc_s3_remote_push_pull(s3, tmp_path):  # noqa: F811
+def test_dvc_s3_remote_push_pull(s3, tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["prepare"]

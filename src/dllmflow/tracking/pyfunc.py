@@ -14,9 +14,21 @@ import json
 from pathlib import Path
 
 import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
+from dllmflow.errors import UserError
 from dllmflow.tracking.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
+
+
+class InvalidGenerationRequest(MlflowException, UserError):
+    """A bad `params` (an unknown sampler, an option the sampler does not take, a bad value): still a
+    UserError for Python callers, and an MlflowException so `mlflow models serve` answers HTTP 400 with
+    this message (any other exception becomes a generic error whose reason is only in the traceback)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
 
 
 class DllmGenerator(PythonModel):
@@ -36,6 +48,12 @@ class DllmGenerator(PythonModel):
             self.model, self.tokenizer, _ = load_for_generation(context.artifacts["checkpoint"])
 
     def predict(self, context, model_input, params=None):
+        try:
+            return self._predict(model_input, params)
+        except UserError as e:
+            raise InvalidGenerationRequest(str(e)) from None
+
+    def _predict(self, model_input, params):
         from dllmflow.tracking.registry import generate_texts, prompts_of, speculative_texts, split_params
 
         sampler, settings, overrides = split_params(self.generation, params)

@@ -12,7 +12,8 @@ One optimizer step (spec §1.3):
      (DDP/FSDP2 average gradients over ranks; this turns the average back into global sum / global count);
   4) clip; a NaN/inf loss or grad norm stops the run (`NonFiniteError`) before the AdamW step, so no
      checkpoint or export ever holds such weights (`train.max_nonfinite_skips` lets that many steps be
-     skipped instead); AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`.
+     skipped instead); AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`
+     (mirrored to `checkpoint.remote_dir` when set, and restored from it on resume: storage.py).
 The loss therefore does not depend on world size or gradient accumulation.
 """
 
