@@ -260,6 +260,12 @@ class CheckpointConfig(Section):
     every_steps: PositiveInt = 25
     keep_last: PositiveInt = 2
     save_consolidated: Literal["final", "every", "false"] = "final"
+    remote_dir: str | None = Field(
+        None,
+        description="Object-store mirror of the checkpoints (s3://bucket/runs/<name>): every published step "
+        "dir and LATEST are uploaded, and a resume with an empty local run dir restores from it "
+        "(training/storage.py; endpoint from DLLMFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL).",
+    )
 
 
 class DistributedConfig(Section):

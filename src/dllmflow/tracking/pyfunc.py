@@ -16,10 +16,21 @@ import json
 from pathlib import Path
 
 import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
 from dllmflow.errors import UserError
 from dllmflow.tracking.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
+
+
+class InvalidGenerationRequest(MlflowException, UserError):
+    """A bad `params` (an unknown sampler, an option the sampler does not take, a bad value): still a
+    UserError for Python callers, and an MlflowException so `mlflow models serve` answers HTTP 400 with
+    this message (any other exception becomes a generic error whose reason is only in the traceback)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
 
 
 class DllmGenerator(PythonModel):
@@ -44,6 +55,12 @@ class DllmGenerator(PythonModel):
             )
 
     def predict(self, context, model_input, params=None):
+        try:
+            return self._predict(model_input, params)
+        except UserError as e:
+            raise InvalidGenerationRequest(str(e)) from None
+
+    def _predict(self, model_input, params):
         from dllmflow.tracking.registry import (
             check_sampler_mode,
             generate_texts,

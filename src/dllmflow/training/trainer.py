@@ -12,7 +12,8 @@ One optimizer step (spec §1.3):
      (DDP/FSDP2 average gradients over ranks; this turns the average back into global sum / global count);
   4) clip; a NaN/inf loss or grad norm stops the run (`NonFiniteError`) before the AdamW step, so no
      checkpoint or export ever holds such weights (`train.max_nonfinite_skips` lets that many steps be
-     skipped instead); AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`.
+     skipped instead); AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`
+     (mirrored to `checkpoint.remote_dir` when set, and restored from it on resume: storage.py).
 The loss therefore does not depend on world size or gradient accumulation.
 """
 
@@ -34,6 +35,7 @@ from dllmflow.models.lora import export_with_lora
 from dllmflow.models.wrappers import unwrap
 from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
 from dllmflow.training import checkpoint as ckpt
+from dllmflow.training import storage
 from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallel import (
     DistInfo,
@@ -138,6 +140,9 @@ def run_training(
     log = MetricsLog(run.metrics_jsonl, enabled=info.is_main)
     fingerprint = ckpt.settings_fingerprint(settings)  # stored in every checkpoint, checked on resume
     start, latest = 0, None
+    remote = settings.checkpoint.remote_dir
+    if resume and remote:  # a run that lost its local disk resumes from the object store
+        storage.restore_run(remote, ckpt_root, info)
     if resume:
         latest = ckpt.resume_checkpoint(ckpt_root, info)
         if latest is None:
@@ -206,6 +211,8 @@ def run_training(
                 extra_state={"samples_seen": done * t.global_batch_size, "settings_fingerprint": fingerprint},
                 export=export,
             )
+            if remote:
+                storage.mirror_checkpoint(remote, ckpt_root, done, info, settings.checkpoint.keep_last)
             if export is not None:
                 result.consolidated_dir = export_dir(result.checkpoint_dir)
         result.final_step = done

@@ -131,13 +131,14 @@ def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
     from dllmflow.training.launch import launch
 
     s = Settings.coerce(settings).with_run_dir(run_dir)
-    stages = STRATEGIES[s.dllm.mode].training_stages(s)
+    stages = [_with_remote_run(st, run_dir) for st in STRATEGIES[s.dllm.mode].training_stages(s)]
     handles, resumed, log_dir = [], False, None
     for stage in stages:
         layout = runs.RunLayout(stage.resolved_run_dir)
         if layout.is_finished(stage.train.max_steps):
             continue
-        resume = layout.latest_step() is not None
+        # A retry on a fresh pod has no local checkpoint: the object-store mirror still has it.
+        resume = layout.latest_step() is not None or _remote_latest(stage) is not None
         result = launch(stage, resume=resume)
         handles.append(result.app_handle)
         resumed, log_dir = resumed or resume, result.log_dir
@@ -151,6 +152,23 @@ def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
         "resumed": resumed,
         "consolidated_dir": str(runs.find_consolidated(final_dir)),
     }
+
+
+def _with_remote_run(stage: Settings, flow_dir: str) -> Settings:
+    """`checkpoint.remote_dir` names the recipe's prefix in the object store; each flow run (and each
+    curriculum stage) mirrors under its own sub-prefix, as its local run dir sits under `runs/<name>`."""
+    remote = stage.checkpoint.remote_dir
+    if not remote:
+        return stage
+    rel = Path(stage.resolved_run_dir).absolute().relative_to(Path(flow_dir).absolute().parent)
+    checkpoint = stage.checkpoint.model_copy(update={"remote_dir": f"{remote.rstrip('/')}/{rel.as_posix()}"})
+    return stage.model_copy(update={"checkpoint": checkpoint})
+
+
+def _remote_latest(stage: Settings) -> str | None:
+    from dllmflow.training.storage import remote_latest
+
+    return remote_latest(stage.checkpoint.remote_dir) if stage.checkpoint.remote_dir else None
 
 
 # ---- evaluate --------------------------------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""Checkpoints mirrored to object storage (`checkpoint.remote_dir: s3://bucket/runs/<name>`), so a run
+that loses its local disk (a rescheduled pod, a node without a shared volume) resumes from the bucket.
+
+    mirror_checkpoint(remote, ckpt_root, step, info, keep_last)  # collective, after save_checkpoint
+    restore_run(remote, ckpt_root, info)                         # collective, before resume reads LATEST
+
+Remote layout (the local one of `dllmflow.runs`, with LATEST as an object holding the step dir name):
+
+    s3://bucket/runs/<name>/step_000004/model/__0_0.distcp, .metadata, consolidated/...
+    s3://bucket/runs/<name>/step_000004/trainer_state.json   uploaded last by rank 0: marks it complete
+    s3://bucket/runs/<name>/LATEST                            "step_000004", written after every rank uploaded
+
+Each rank uploads the files it wrote itself (its DCP shards `__<rank>_*`, its `rng/rank_<rank>.safetensors`), from
+its own disk; rank 0 then uploads the rest (DCP metadata, the export), trainer_state.json last, and
+LATEST. So multi-node training needs no shared volume, and a crash or an unreachable endpoint at any
+point leaves the remote LATEST on the last complete step dir. Any fsspec URL works (s3://, gs://, a
+local path); for S3 the endpoint comes from DLLMFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL (MinIO, moto).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dllmflow.errors import UserError
+from dllmflow.runs import (
+    LATEST,
+    latest_target,
+    step_dir_name,
+    tmp_step_dir_name,
+    write_latest,
+)
+from dllmflow.training.parallel import DistInfo, barrier
+
+ENDPOINT_ENVS = ("DLLMFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
+STATE_FILE = "trainer_state.json"  # written last by save_checkpoint and uploaded last: completeness
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def remote_fs(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path without the scheme) of `url`; S3 gets the endpoint from the env."""
+    import fsspec
+
+    options: dict[str, Any] = {}
+    endpoint = next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), None)
+    if url.startswith(("s3://", "s3a://")) and endpoint:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    fs.invalidate_cache()  # another process (another rank, the previous attempt) may have written
+    return fs, path.rstrip("/")
+
+
+# ---- upload ------------------------------------------------------------------------------------------
+
+
+def mirror_checkpoint(
+    remote: str, ckpt_root: str | os.PathLike, step: int, info: DistInfo, keep_last: int | None = None
+) -> str:
+    """Collective, after `save_checkpoint(ckpt_root, step, ...)` returned on every rank: upload this
+    rank's files of the step dir, then (rank 0) the shared files and LATEST, then prune old remote step
+    dirs beyond `keep_last`. An unreachable store raises a UserError on the rank that saw it, before
+    LATEST moves. Returns the remote step dir."""
+    ckpt_root = Path(ckpt_root)
+    # Rank 0 renamed the tmp dir into place; a node that does not share rank 0's disk still holds its
+    # files under the tmp name.
+    local = ckpt_root / step_dir_name(step)
+    if not local.is_dir():
+        local = ckpt_root / tmp_step_dir_name(step)
+    name = step_dir_name(step)
+    mirror_step_dir(local, remote, name, rank=info.rank, world_size=info.world_size, part="own")
+    barrier()
+    if info.is_main:
+        mirror_step_dir(local, remote, name, rank=0, world_size=info.world_size, part="shared")
+        publish_latest(remote, name, keep_last)
+    barrier()
+    return f"{remote.rstrip('/')}/{name}"
+
+
+def mirror_step_dir(
+    local_step_dir: str | os.PathLike,
+    remote: str,
+    name: str | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    part: str = "all",
+) -> list[str]:
+    """Upload files of a local step dir to `remote/<name>`: `part="own"` those rank `rank` wrote,
+    `"shared"` everything no rank owns (DCP metadata, export, trainer_state.json last), `"all"` both
+    (one process). Returns the uploaded relative paths."""
+    local = Path(local_step_dir)
+    name = name or local.name
+    files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    owned = {f for f in files if _owner(f, world_size) is not None}
+    if part == "own":
+        chosen = [f for f in files if _owner(f, world_size) == rank]
+    elif part == "shared":
+        chosen = [f for f in files if f not in owned]
+    else:
+        chosen = [f for f in files if f in owned] + [f for f in files if f not in owned]
+    # The state file marks the step dir complete: it goes up after everything else.
+    chosen.sort(key=lambda f: f == STATE_FILE)
+    fs, base = remote_fs(remote)
+    target = f"{base}/{name}"
+    try:
+        for rel in chosen:
+            fs.put_file(str(local / rel), f"{target}/{rel}")
+    except Exception as e:
+        raise _store_error(remote, f"upload of {name}", e) from None
+    return chosen
+
+
+def publish_latest(remote: str, name: str, keep_last: int | None = None) -> None:
+    """Point the remote LATEST at `remote/<name>` (one object PUT: atomic) and prune older step dirs."""
+    fs, base = remote_fs(remote)
+    try:
+        fs.pipe_file(f"{base}/{LATEST}", (name + "\n").encode())
+        if keep_last:
+            steps = _remote_steps(fs, base)
+            for _, old in steps[:-keep_last]:
+                if old != name:
+                    fs.rm(f"{base}/{old}", recursive=True)
+    except Exception as e:
+        raise _store_error(remote, f"publishing LATEST={name}", e) from None
+
+
+def _owner(rel: str, world_size: int) -> int | None:
+    """The rank that wrote a step dir file: DCP shards `__<rank>_<i>.distcp`, `rng/rank_<rank>.safetensors`."""
+    leaf = rel.rsplit("/", 1)[-1]
+    m = re.match(r"^__(\d+)_\d+\.distcp$", leaf) or re.match(r"^rank_(\d+)\.(?:safetensors|pt)$", leaf)
+    return int(m.group(1)) if m and int(m.group(1)) < world_size else None
+
+
+# ---- download ----------------------------------------------------------------------------------------
+
+
+def remote_latest(remote: str) -> str | None:
+    """The complete remote step dir to resume from: the one LATEST names, else (LATEST lost) the newest
+    holding trainer_state.json; None when the remote holds none."""
+    fs, base = remote_fs(remote)
+    try:
+        if fs.exists(f"{base}/{LATEST}"):
+            name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
+            if fs.exists(f"{base}/{name}/{STATE_FILE}"):
+                return name
+        for _, name in reversed(_remote_steps(fs, base)):
+            if fs.exists(f"{base}/{name}/{STATE_FILE}"):
+                return name
+    except Exception as e:
+        raise _store_error(remote, "reading LATEST", e) from None
+    return None
+
+
+def restore_run(remote: str, ckpt_root: str | os.PathLike, info: DistInfo | None = None) -> Path | None:
+    """Collective, before a resume reads the local LATEST: when this node has no complete local
+    checkpoint, download the remote's latest complete step dir into `ckpt_root` and point the local
+    LATEST at it (one process per node downloads: local rank 0). Returns the restored step dir, or None
+    when nothing was restored (a local checkpoint exists, or the remote is empty)."""
+    ckpt_root = Path(ckpt_root)
+    restored = None
+    if (info is None or info.local_rank == 0) and latest_target(ckpt_root) is None:
+        name = remote_latest(remote)
+        if name is not None:
+            restored = download_step_dir(remote, name, ckpt_root)
+    if info is not None:
+        barrier()
+    return restored
+
+
+def download_step_dir(remote: str, name: str, ckpt_root: str | os.PathLike) -> Path:
+    """`remote/<name>` -> `ckpt_root/<name>` through a tmp dir (renamed when complete), then LATEST."""
+    ckpt_root = Path(ckpt_root)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f".{name}.{os.getpid()}.download.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    fs, base = remote_fs(remote)
+    try:
+        fs.get(f"{base}/{name}/", str(tmp) + "/", recursive=True)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _store_error(remote, f"download of {name}", e) from None
+    final = ckpt_root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_latest(ckpt_root, name)
+    return final
+
+
+def _remote_steps(fs: Any, base: str) -> list[tuple[int, str]]:
+    if not fs.exists(base):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)]
+    return sorted((int(m.group(1)), n) for n in names if (m := _STEP_RE.match(n)))
+
+
+def _store_error(remote: str, what: str, e: Exception) -> UserError:
+    endpoint = next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), "the default endpoint")
+    return UserError(
+        f"checkpoint.remote_dir {remote}: {what} failed ({type(e).__name__}: {str(e)[:200]}) at "
+        f"{endpoint}; the remote LATEST still names the last complete step dir and the local "
+        "checkpoint is intact. Check that the store is reachable (AWS_ENDPOINT_URL / "
+        "DLLMFLOW_S3_ENDPOINT_URL, credentials) and resume"
+    )
