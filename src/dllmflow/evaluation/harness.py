@@ -305,12 +305,12 @@ def run_harness(
     settings: Any = None,
     *,
     task: str = "gsm8k",
+    split: str = "eval",
+    prepared_dir: str | Path | None = None,
+    limit: int | None = None,
     lm: DLLMFlowLM | None = None,
     sampler: str = "llada",
-    split: str = "eval",
-    limit: int | None = None,
     overrides: dict[str, Any] | None = None,
-    prepared_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` of `checkpoint` on the local `task` (a HARNESS_TASKS name); the same
     arguments and result shape as `evaluate` ({"metrics", "protocol", "predictions"}) plus the

@@ -25,49 +25,23 @@ from .loader import (
     parse_overrides,
     read_yaml,
 )
-from .sections import (
-    CheckpointConfig,
-    DatasetConfig,
-    DistributedConfig,
-    EvalConfig,
-    FlowConfig,
-    LaunchConfig,
-    ModelConfig,
-    PeftSection,
-    RegenerateConfig,
-    RegistryConfig,
-    TinyModelConfig,
-    TokenizerConfig,
-    TrainConfig,
-)
+from .sections import *  # noqa: F403 - the section models, listed in sections.__all__
+from .sections import __all__ as _SECTIONS
 
 __all__ = [
     "MODES",
     "MODE_CONFIGS",
     "BlockDiffusionConfig",
-    "CheckpointConfig",
     "DFlashConfig",
     "DFlashSection",
     "DLLMBaseConfig",
     "DLLMConfig",
-    "DatasetConfig",
-    "DistributedConfig",
-    "EvalConfig",
-    "FlowConfig",
     "HybridConfig",
     "IDLMConfig",
-    "LaunchConfig",
     "MDLMConfig",
-    "ModelConfig",
-    "PeftSection",
-    "RegenerateConfig",
-    "RegistryConfig",
     "SCDDConfig",
     "Settings",
     "SettingsError",
-    "TinyModelConfig",
-    "TokenizerConfig",
-    "TrainConfig",
     "deep_merge",
     "load_settings",
     "load_settings_json",
@@ -76,4 +50,4 @@ __all__ = [
     "parse_overrides",
     "read_yaml",
     "register_mode_config",
-]
+] + list(_SECTIONS)

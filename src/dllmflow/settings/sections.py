@@ -21,6 +21,22 @@ from pydantic import (
     model_validator,
 )
 
+__all__ = [
+    "CheckpointConfig",
+    "DatasetConfig",
+    "DistributedConfig",
+    "EvalConfig",
+    "FlowConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "PeftSection",
+    "RegenerateConfig",
+    "RegistryConfig",
+    "TinyModelConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+]
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
