@@ -41,13 +41,11 @@ class SplitAttention:
     """What one forward's split needs: the half length and the first half's chunk masks.
 
     `chunks`: (a, e, mask) with mask an additive [B, 1, e-a, (e-a)+e] over keys first[a:e] ++ second[0:e].
-    `second_mask`: None when the second half is plainly causal (no padding, or right padding whose
-    padded query rows nobody reads), else an additive [B, 1, L, L] mask over the second half.
+    The second half is plainly causal (callers make sure no real query there needs more masking).
     """
 
     seq_len: int
     chunks: tuple[tuple[int, int, Tensor], ...]
-    second_mask: Tensor | None = None
 
 
 def split_attention_forward(
@@ -101,12 +99,7 @@ def split_attention_forward(
             k = torch.cat([k1s[j], *k2s[: j + 1]], dim=2)  # first[a:e] ++ second[0:e]: [B, H, (e-a)+e, D]
             v = torch.cat([v1s[j], *v2s[: j + 1]], dim=2)
             parts.append(F.scaled_dot_product_attention(qs[j], k, v, attn_mask=mask, **sdpa_kwargs))
-    second = split_attention.second_mask
-    parts.append(
-        F.scaled_dot_product_attention(
-            q_second, k_second, v_second, attn_mask=second, is_causal=second is None, **sdpa_kwargs
-        )
-    )  # [B, H, L, D]
+    parts.append(F.scaled_dot_product_attention(q_second, k_second, v_second, is_causal=True, **sdpa_kwargs))
     out = torch.cat(parts, dim=2)  # [B, H, 2L, D]
     return out.transpose(1, 2).contiguous(), None
 

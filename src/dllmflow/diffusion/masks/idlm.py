@@ -102,14 +102,16 @@ def idlm_split_attention(
 ) -> SplitAttention:
     """The same mask as `SplitAttention` for `dllmflow.models.split_attention` (sdpa without 4L^2 work).
 
-    Clean queries: causal over the clean copy (an explicit causal-and-valid mask only when some row's
-    padding is not a right-padded suffix). Noisy queries, by chunks [a, e) with a a multiple of
+    Right padding only (`right_padded`; the collator's): callers use the dense mask otherwise. Clean
+    queries: causal over the clean copy, no mask. Noisy queries, by chunks [a, e) with a a multiple of
     `block_length`: a noisy query sees noisy keys of its own block (inside [a, e)) and clean keys before
     its block (inside [0, e)), so keys noisy[a:e] ++ clean[0:e] hold every key it may see.
 
     Right padding needs no clean mask: a real clean query never reaches a later (padded) key, and the
     padded query rows, which then differ from the dense mask's, are read by nobody (their keys are
-    blocked for every real query and their logits are not scored).
+    blocked for every real query and their logits are not scored). Under left padding a padded query
+    row is fully blocked yet scored (it predicts the first real token), and a fully blocked row
+    averages whatever keys it is given: only the dense mask gives it the same ones.
     """
     if seq_len is None:
         if attention_mask is None:
@@ -139,13 +141,16 @@ def idlm_split_attention(
         mask[:, 0, :, e - a : e] = prefix[:, None, :a]  # broadcast over the chunk's queries
         mask[:, 0, :, e:] = near[..., e - a :]
         chunks.append((a, e, mask))  # [B, 1, e-a, (e-a)+e]
-    second = None
-    right_padded = (valid == (torch.arange(L, device=dev) < valid.sum(1, keepdim=True))).all()
-    if not bool(right_padded):
-        idx = torch.arange(L, device=dev)
-        keep = (idx[:, None] >= idx[None, :]) & valid[:, None, :]  # [B, L, L]
-        second = torch.where(keep, zero, low)[:, None]  # [B, 1, L, L]
-    return SplitAttention(seq_len=L, chunks=tuple(chunks), second_mask=second)
+    return SplitAttention(seq_len=L, chunks=tuple(chunks))
+
+
+def right_padded(attention_mask: Tensor | None) -> bool:
+    """True when every row's valid positions are a prefix (no padding, or right padding only)."""
+    if attention_mask is None:
+        return True
+    valid = attention_mask != 0  # [B, L]
+    prefix = torch.arange(valid.shape[1], device=valid.device) < valid.sum(1, keepdim=True)  # [B, L]
+    return bool((valid == prefix).all())
 
 
 def _valid(attention_mask: Tensor | None, seq_len: int, device) -> Tensor:

@@ -15,8 +15,9 @@ pad (`supervise_padding`) although no pad is scored; that is the spec's denomina
 
 Attention backend (`idlm_attention_backend`, chosen in `setup`): flex_attention with a BlockMask on
 GPU; on CPU (flex has no backward there) the split sdpa of `dllmflow.models.split_attention` (causal
-clean half + chunked noisy half, ~L^2 of work instead of the dense mask's 4L^2); eager keeps the dense
-2L x 2L additive mask. All three compute the same attention.
+clean half + chunked noisy half, ~L^2 of work instead of the dense mask's 4L^2; right-padded batches,
+i.e. every collated one, else the dense mask); eager keeps the dense 2L x 2L additive mask. All compute
+the same loss and gradients.
 
 The `block_length` curriculum (1 -> 2 -> 3) runs as successive fine-tunes: `curriculum_stages`
 turns one settings object with a list into one per stage, each starting from the previous stage's
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 
 from dllmflow.diffusion.corruption import corrupt_all_masked, per_sample
 from dllmflow.diffusion.losses import per_token_ce
-from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention
+from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention, right_padded
 from dllmflow.errors import UserError
 from dllmflow.models.attention import mask_dtype
 from dllmflow.models.split_attention import SPLIT_ATTENTION, use_split_attention
@@ -152,7 +153,7 @@ class IDLMStrategy(Strategy):
         if attn == "flex_attention":
             return {"attention_mask": idlm_block_mask(attention_mask, self.block_length)}
         dtype = mask_dtype(model, attention_mask.device)
-        if attn == SPLIT_ATTENTION:
+        if attn == SPLIT_ATTENTION and right_padded(attention_mask):  # else: dense, through plain sdpa
             return {"split_attention": idlm_split_attention(attention_mask, self.block_length, dtype)}
         return {"attention_mask": idlm_dense_mask(attention_mask, self.block_length, dtype=dtype)}
 
