@@ -26,7 +26,7 @@ from dllmflow.models.split_attention import SplitAttention
 # Noisy queries per split-attention chunk (rounded down to a multiple of block_length). A chunk of c
 # queries at offset a scores c x (2c + a) pairs: smaller chunks waste less, larger ones call SDPA less
 # often. L <= NOISY_CHUNK is one chunk over the full 2L keys (the dense mask's first L rows).
-NOISY_CHUNK = 64
+NOISY_CHUNK = 128
 
 
 def idlm_keep(q: Tensor, k: Tensor, valid_k: Tensor, seq_len: int, block_length: int) -> Tensor:
