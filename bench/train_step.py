@@ -1,8 +1,9 @@
 """Training step time of every `dllm.mode` against a plain next-token (AR) step on the same backbone.
 
-    OMP_NUM_THREADS=1 python bench/train_step.py                          # all modes, tiny recipes
-    python bench/train_step.py --modes mdlm idlm --steps 30 --seq-len 256
+    OMP_NUM_THREADS=1 python bench/train_step.py                          # all modes, fp32 / bf16 / AC
+    python bench/train_step.py --modes mdlm idlm --steps 30 --seq-len 256 --variants fp32
     python bench/train_step.py --set model.tiny.hidden_size=128 --set model.tiny.num_hidden_layers=4
+    python bench/train_step.py --sweep --modes idlm --steps 3              # L = 128 .. 2048 at B = 1
 
 Each mode runs its own tiny recipe `params/tiny_<mode>.yaml` (plus `--set` overrides) through the real
 code paths: `prepare` (into a temp dir, `dataset.limit` small), `load_tokenizer`,
@@ -22,6 +23,13 @@ median over `--steps` timed steps after `--warmup` is reported. Printed, not ass
     dflash     = target forward (strategy.target_features) vs draft step (draft_loss + backward + opt)
     block_diffusion: self_conditioning_p 1 vs 0 (cost of the extra no-grad decoder pass) and the share
                      of building the encoder/decoder attention masks
+
+Variants (`--variants`, each mode and its AR baseline alike, as the trainer runs them on one process):
+fp32; bf16 = `train.dtype: bfloat16` (CPU/GPU autocast, fp32 master weights); ac =
+`train.activation_checkpointing: full` (every decoder block recomputed in backward). `--sweep` runs the
+fp32 ratio at L = 128, 256, 512, 1024, 2048 (`--lengths`) with B = 1: one long row per L (a GSM8K
+prompt + its answer repeated up to L, so every mode sees exactly L tokens), all modes and their AR
+baselines interleaved at each L. `--no-optimizer` times forward + backward only.
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ DATA_LIMIT = 64  # prepared training rows: enough for one batch, quick to tokeni
 # A bit wider than the recipes' 64-wide model so per-token compute, not Python overhead, dominates
 # (the dflash target is sized from it too); `--set model.tiny.hidden_size=64` gives the recipes' size.
 DEFAULT_SET = {"model.tiny.hidden_size": 128, "model.tiny.intermediate_size": 256}
+VARIANTS = {  # column -> settings overrides
+    "fp32": {},
+    "bf16": {"train.dtype": "bfloat16"},
+    "ac": {"train.activation_checkpointing": "full"},
+}
+SWEEP_LENGTHS = [128, 256, 512, 1024, 2048]
 
 
 # ---- settings and data ----------------------------------------------------------------------------
@@ -84,6 +98,29 @@ def load_batch(settings):
     rows = [data[i % len(data)] for i in range(settings.train.local_batch_size)]
     batch = DLLMCollator.from_settings(settings, tokenizer)(rows)
     batch.pop("global_index", None)
+    return tokenizer, batch
+
+
+def long_batch(settings, length: int):
+    """One row of exactly `length` tokens (B = 1): a prompt + its answer repeated, collated as training is."""
+    from dllmflow.data.collate import DLLMCollator
+    from dllmflow.data.dataset import PreparedDataset
+    from dllmflow.data.prepare import prepare
+    from dllmflow.data.tokenizer import load_tokenizer
+
+    if not (Path(settings.dataset.prepared_dir) / "manifest.json").is_file():
+        prepare(settings)
+    tokenizer = load_tokenizer(settings.dataset.prepared_dir)
+    row = PreparedDataset(settings.dataset.prepared_dir, "train")[0]
+    ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+    start = next(i for i, m in enumerate(mask) if m)  # first supervised token
+    prompt, answer = ids[: min(start, length // 4)], ids[start:]
+    body = (answer * (length // len(answer) + 1))[: length - len(prompt)]
+    long_row = {**row, "input_ids": prompt + body, "loss_mask": [0] * len(prompt) + [1] * len(body)}
+    long_row["prompt_length"] = len(prompt)
+    batch = DLLMCollator.from_settings(settings, tokenizer)([long_row])
+    batch.pop("global_index", None)
+    assert batch["input_ids"].shape == (1, length), batch["input_ids"].shape
     return tokenizer, batch
 
 
@@ -165,11 +202,15 @@ def plain_loss(strategy) -> Callable:
 class Runner:
     """One model + optimizer + batch; `step()` times one full optimizer step and its marked parts."""
 
-    def __init__(self, model, loss_fn, batch, settings):
+    def __init__(self, model, loss_fn, batch, settings, optimizer: bool = True):
+        from dllmflow.training.parallel import DistInfo
+        from dllmflow.training.parallelize import apply_ac, compute_context
         from dllmflow.training.trainer import build_optimizer
 
+        apply_ac(model, settings.train.activation_checkpointing)  # as the trainer does, per decoder block
+        self.context = lambda: compute_context(settings, DistInfo(0, 0, 1, torch.device("cpu"), False))
         self.model, self.loss_fn, self.batch = model.train(), loss_fn, batch
-        self.opt = build_optimizer(model, settings)
+        self.opt = build_optimizer(model, settings) if optimizer else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.n_params = sum(p.numel() for p in model.parameters())
         self.times: list[float] = []
@@ -179,11 +220,15 @@ class Runner:
     def step(self, record: bool) -> None:
         marks: dict[str, float] = {}
         t0 = time.perf_counter()
-        self.loss_fn(self.model, self.batch, self.count, marks).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with self.context():
+            loss = self.loss_fn(self.model, self.batch, self.count, marks)
+        loss.backward()
+        if self.opt is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], 1.0)
+            self.opt.step()
         dt = time.perf_counter() - t0
+        for p in self.params:
+            p.grad = None
         self.count += 1
         if record:
             self.times.append(dt)
@@ -201,22 +246,33 @@ class Runner:
 # ---- building the runners of one mode --------------------------------------------------------------
 
 
-def build_mode(mode: str, args, tmp: Path, ar_runners: dict) -> dict:
-    """Runners of `mode` (its own, and block_diffusion's sc p=0/1 variants) + its AR baseline's key."""
+def build_mode(
+    mode: str, args, tmp: Path, ar_runners: dict, variant: str = "fp32", length: int | None = None
+) -> dict:
+    """Runners of `mode` (its own, and block_diffusion's sc p=0/1 variants) + its AR baseline's key.
+
+    `variant` is a `VARIANTS` key; `length` (the sweep) = one row of exactly that many tokens."""
     from dllmflow.diffusion.strategies import build_strategy
 
-    settings = mode_settings(mode, args, tmp)
-    tokenizer, batch = load_batch(settings)
+    extra = dict(VARIANTS[variant])
+    if length is not None:
+        extra.update(
+            {"dataset.seq_length": length, "train.local_batch_size": 1, "train.global_batch_size": 1}
+        )
+    settings = mode_settings(mode, args, tmp, **extra)
+    tokenizer, batch = load_batch(settings) if length is None else long_batch(settings, length)
     if "vocab_size" in type(settings.dllm).model_fields and settings.dllm.vocab_size != len(tokenizer):
-        settings = mode_settings(mode, args, tmp, **{"dllm.vocab_size": len(tokenizer)})
+        extra["dllm.vocab_size"] = len(tokenizer)
+        settings = mode_settings(mode, args, tmp, **extra)
     seed = settings.train.seed
+    opt = args.optimizer
 
     def make(s, loss_wrapper=plain_loss):
         strategy = build_strategy(s)
         torch.manual_seed(seed)
         model = strategy.build_model(tokenizer)
         strategy.setup(model, tokenizer, torch.device("cpu"))
-        return strategy, Runner(model, strategy_loss(strategy, seed, loss_wrapper(strategy)), batch, s)
+        return strategy, Runner(model, strategy_loss(strategy, seed, loss_wrapper(strategy)), batch, s, opt)
 
     out: dict = {"settings": settings, "batch": batch}
     if mode == "dflash":
@@ -231,12 +287,13 @@ def build_mode(mode: str, args, tmp: Path, ar_runners: dict) -> dict:
         ar_model, ar_fn, backbone = dflash_ar_target(strategy, tokenizer)
     elif mode == "block_diffusion":
         strategy, out["runner"] = make(settings)
-        for p in (0.0, 1.0):
-            s = mode_settings(
-                mode, args, tmp, **{"dllm.vocab_size": len(tokenizer), "dllm.self_conditioning_p": p}
-            )
-            out[f"sc{int(p)}"] = make(s)[1]
-        out["mask_ms"] = block_diffusion_mask_time(strategy, out["runner"], batch)
+        if variant == "fp32" and length is None:  # the sc cost split: main table only
+            for p in (0.0, 1.0):
+                s = mode_settings(
+                    mode, args, tmp, **{"dllm.vocab_size": len(tokenizer), "dllm.self_conditioning_p": p}
+                )
+                out[f"sc{int(p)}"] = make(s)[1]
+            out["mask_ms"] = block_diffusion_mask_time(strategy, out["runner"], batch)
         torch.manual_seed(seed)
         ar_model, ar_fn = strategy.build_model(tokenizer), gemma_encoder_ar_loss
         backbone = "DiffusionGemma encoder"
@@ -247,9 +304,9 @@ def build_mode(mode: str, args, tmp: Path, ar_runners: dict) -> dict:
         torch.manual_seed(seed)
         ar_model, ar_fn = build_model(settings, tokenizer), ar_loss
         backbone = type(ar_model).__name__
-    key = (backbone, ar_model.config.to_json_string(use_diff=False), batch_key(batch))
+    key = (backbone, ar_model.config.to_json_string(use_diff=False), batch_key(batch), variant)
     if key not in ar_runners:
-        ar_runners[key] = Runner(ar_model, ar_fn, batch, settings)
+        ar_runners[key] = Runner(ar_model, ar_fn, batch, settings, opt)
     out["ar_key"], out["backbone"] = key, backbone
     return out
 
@@ -293,9 +350,15 @@ def block_diffusion_mask_time(strategy, runner, batch, repeats: int = 5) -> floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per runner (median)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per runner (median)")
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=None, help="dataset.seq_length (default: the recipes')")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--sweep", action="store_true", help="the fp32 ratio at --lengths, B=1, instead")
+    p.add_argument("--lengths", nargs="+", type=int, default=SWEEP_LENGTHS)
+    p.add_argument(
+        "--optimizer", action=argparse.BooleanOptionalAction, default=True, help="time clip + AdamW step too"
+    )
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="settings override, all modes"
     )
@@ -306,35 +369,84 @@ def main() -> None:
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp_dir:
-        ar_runners: dict = {}
-        modes = {mode: build_mode(mode, args, Path(tmp_dir), ar_runners) for mode in args.modes}
+        if args.sweep:
+            rows = {}
+            for length in args.lengths:
+                ar_runners: dict = {}
+                modes = {m: build_mode(m, args, Path(tmp_dir), ar_runners, length=length) for m in args.modes}
+                interleave(list(ar_runners.values()) + [m["runner"] for m in modes.values()], args)
+                rows[length] = {
+                    m: (v["runner"].median, ar_runners[v["ar_key"]].median) for m, v in modes.items()
+                }
+                print(
+                    f"L={length}: " + ", ".join(f"{m} {a / b:.2f}x" for m, (a, b) in rows[length].items()),
+                    flush=True,
+                )
+            report_sweep(rows, args, time.perf_counter() - t_start)
+            return
+        ar_runners = {}
+        tables = {
+            v: {m: build_mode(m, args, Path(tmp_dir), ar_runners, variant=v) for m in args.modes}
+            for v in args.variants
+        }
         runners = list(ar_runners.values())
-        for m in modes.values():
-            runners += [m[k] for k in ("runner", "sc0", "sc1") if k in m]
-        # Interleave every runner step by step so drift in machine load hits all of them alike.
-        for i in range(args.warmup + args.steps):
-            for runner in runners:
-                runner.step(record=i >= args.warmup)
-    report(modes, ar_runners, args, time.perf_counter() - t_start)
+        for modes in tables.values():
+            for m in modes.values():
+                runners += [m[k] for k in ("runner", "sc0", "sc1") if k in m]
+        interleave(runners, args)
+    report(tables, ar_runners, args, time.perf_counter() - t_start)
 
 
-def report(modes: dict, ar_runners: dict, args, elapsed: float) -> None:
-    print(
-        f"train step, median of {args.steps} timed steps after {args.warmup} warmup, torch threads {torch.get_num_threads()}"
+def interleave(runners: list, args) -> None:
+    """Step every runner in turn, so drift in machine load hits all of them alike."""
+    for i in range(args.warmup + args.steps):
+        for runner in runners:
+            runner.step(record=i >= args.warmup)
+
+
+def _setup_line(args, what: str) -> str:
+    opt = "included (clip + AdamW)" if args.optimizer else "NOT included (forward + backward)"
+    return (
+        f"train step, {what}; median of {args.steps} timed steps after {args.warmup} warmup, interleaved; "
+        f"optimizer step {opt}; torch threads {torch.get_num_threads()}"
     )
-    head = f"{'mode':<16}{'backbone (AR baseline)':<30}{'params':>9}{'B x L':>10}{'AR ms':>9}{'mode ms':>9}"
-    print(head + f"{'x AR':>7}{'goal':>14}{'corrupt%':>10}")
-    for mode, m in modes.items():
-        r, ar = m["runner"], ar_runners[m["ar_key"]]
-        B, L = m["batch"]["input_ids"].shape
-        ratio = r.median / ar.median
+
+
+def report_sweep(rows: dict, args, elapsed: float) -> None:
+    print(_setup_line(args, "length sweep, B=1, fp32"))
+    print(f"{'mode / L':<16}" + "".join(f"{L:>14}" for L in rows))
+    for mode in args.modes:
+        cells = "".join(f"{rows[L][mode][0] / rows[L][mode][1]:>13.2f}x" for L in rows)
         goal = GOALS.get(mode)
+        print(f"{mode:<16}{cells}" + ("" if goal is None else f"   goal <= {goal:.2f}"))
+    print(
+        f"{'AR ms':<16}"
+        + "".join(f"{rows[L][args.modes[0]][1] * 1e3:>14.1f}" for L in rows)
+        + f"   (AR baseline of {args.modes[0]})"
+    )
+    print(f"total wall time {elapsed:.0f} s")
+
+
+def report(tables: dict, ar_runners: dict, args, elapsed: float) -> None:
+    first = next(iter(tables.values()))
+    B, L = next(iter(first.values()))["batch"]["input_ids"].shape
+    print(_setup_line(args, f"B={B}, L={L} (per mode below)"))
+    head = f"{'mode':<16}{'backbone (AR baseline)':<30}{'params':>9}{'B x L':>10}"
+    head += "".join(f"{v + ' AR ms':>13}{v + ' ms':>10}{'x AR':>7}" for v in tables)
+    print(head + f"{'goal (fp32)':>16}{'corrupt%':>10}")
+    for mode, m in first.items():
+        r = m["runner"]
+        B, L = m["batch"]["input_ids"].shape
+        line = f"{mode:<16}{m['backbone'][:29]:<30}{r.n_params / 1e3:>8.0f}k{f'{B}x{L}':>10}"
+        for modes in tables.values():
+            run, ar = modes[mode]["runner"], ar_runners[modes[mode]["ar_key"]]
+            line += f"{ar.median * 1e3:>13.1f}{run.median * 1e3:>10.1f}{run.median / ar.median:>7.2f}"
+        goal = GOALS.get(mode)
+        ratio = r.median / ar_runners[m["ar_key"]].median
         goal_s = "" if goal is None else f"<={goal:.2f} " + ("met" if ratio <= goal else "missed")
-        print(
-            f"{mode:<16}{m['backbone'][:29]:<30}{r.n_params / 1e3:>8.0f}k{f'{B}x{L}':>10}"
-            f"{ar.median * 1e3:>9.1f}{r.median * 1e3:>9.1f}{ratio:>7.2f}{goal_s:>14}{100 * r.share('corrupt'):>9.1f}%"
-        )
-    ar_sizes = ", ".join(f"{k[0]} {v.n_params / 1e3:.0f}k" for k, v in ar_runners.items())
+        print(line + f"{goal_s:>16}{100 * r.share('corrupt'):>9.1f}%")
+    modes = first
+    ar_sizes = ", ".join(sorted({f"{k[0]} {v.n_params / 1e3:.0f}k" for k, v in ar_runners.items()}))
     print(f"(params = the trainable module of the mode; AR baselines: {ar_sizes})")
     if "dflash" in modes:
         r = modes["dflash"]["runner"]
@@ -343,7 +455,7 @@ def report(modes: dict, ar_runners: dict, args, elapsed: float) -> None:
             f"dflash split: frozen target forward {100 * tgt:.1f}% | draft step (draft_loss + backward + "
             f"optimizer) {100 * (1 - tgt - cor):.1f}% | corrupt {100 * cor:.1f}% of {r.median * 1e3:.1f} ms"
         )
-    if "block_diffusion" in modes:
+    if "sc0" in modes.get("block_diffusion", {}):
         m = modes["block_diffusion"]
         sc0, sc1 = m["sc0"].median, m["sc1"].median
         print(

@@ -12,10 +12,17 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask
+from dllmflow.diffusion.masks import idlm as idlm_masks
+from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention, right_padded
 from dllmflow.diffusion.strategies import build_strategy
-from dllmflow.diffusion.strategies.idlm import STAGE_ENV, IDLMStrategy, curriculum_stages
+from dllmflow.diffusion.strategies.idlm import (
+    STAGE_ENV,
+    IDLMStrategy,
+    curriculum_stages,
+    idlm_attention_backend,
+)
 from dllmflow.errors import UserError
+from dllmflow.models.split_attention import SPLIT_ATTENTION
 from dllmflow.settings import SettingsError, load_settings
 
 MASK = 2
@@ -298,6 +305,98 @@ def test_attention_mask_absent_means_no_padding():
     out = strategy.loss(model, batch)
     assert torch.isfinite(out.sums["noisy"])
     assert (model.calls[0]["attention_mask"] == idlm_dense_mask(None, 1, torch.float32, seq_len=L)).all()
+
+
+# ---- attention backends: split sdpa == dense mask -----------------------------------------------------
+
+
+def test_attention_backend_selection():
+    for requested in ("sdpa", "flex_attention", SPLIT_ATTENTION):
+        assert idlm_attention_backend("cuda", requested) == "flex"  # GPU: flex BlockMask wherever it runs
+        assert idlm_attention_backend(torch.device("cuda:1"), requested) == "flex"
+        assert idlm_attention_backend("cpu", requested) == "split"  # flex has no CPU backward
+    assert idlm_attention_backend("cpu", "eager") == idlm_attention_backend("cuda", "eager") == "dense"
+    assert idlm_attention_backend("cpu", "some_kernel") == "dense"
+    with pytest.raises(UserError, match="flash_attention_2"):
+        idlm_attention_backend("cpu", "flash_attention_2")
+
+
+def test_setup_selects_the_backend_on_cpu():
+    strategy = build_strategy(_settings())
+    split, eager = _tiny_qwen3("sdpa"), _tiny_qwen3("eager")
+    strategy.setup(split, None, torch.device("cpu"))
+    strategy.setup(eager, None, torch.device("cpu"))
+    assert split.config._attn_implementation == SPLIT_ATTENTION
+    assert eager.config._attn_implementation == "eager"
+    assert "_attn_implementation" not in split.config.to_dict()  # not exported: the checkpoint stays sdpa
+
+
+def _split_mask_reference(am, b, chunks):
+    """The split's masks must be the dense mask's entries at the keys each chunk gathers."""
+    L = am.shape[1]
+    dense = idlm_dense_mask(am, b, dtype=torch.float32)  # [B, 1, 2L, 2L]
+    for a, e, mask in chunks:
+        keys = list(range(a, e)) + [L + k for k in range(e)]
+        assert torch.equal(mask, dense[:, :, a:e][..., keys])
+        # nothing visible is left out of the gathered keys
+        assert (dense[:, :, a:e][..., [k for k in range(2 * L) if k not in keys]] < 0).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 256])
+@pytest.mark.parametrize("b", [1, 2, 3])
+def test_split_masks_are_the_dense_masks_entries(b, chunk):
+    am = _batch(L=11)["attention_mask"]
+    split = idlm_split_attention(am, b, torch.float32, chunk=chunk)
+    assert split.seq_len == 11
+    assert [a % b for a, _, _ in split.chunks] == [0] * len(split.chunks)
+    assert split.chunks[0][0] == 0 and split.chunks[-1][1] == 11
+    assert len(split.chunks) == (1 if chunk == 256 else -(-11 // max(b, chunk // b * b)))
+    _split_mask_reference(am, b, split.chunks)
+    assert right_padded(am) and right_padded(None) and not right_padded(am.flip(1))
+
+
+def _loss_and_grads(strategy, batch, split: bool):
+    model = _tiny_qwen3()
+    if split:
+        strategy.setup(model, None, torch.device("cpu"))
+    assert (model.config._attn_implementation == SPLIT_ATTENTION) == split
+    out = strategy.loss(model, batch)
+    total = out.sums["noisy"] + out.weight("clean") * out.sums["clean"]
+    total.backward()
+    return total.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "case", ["padded", "supervise_padding", "no_padding", "left_padded", "all_padding_row"]
+)
+@pytest.mark.parametrize("chunk", [2, 256])
+def test_split_attention_loss_and_grads_equal_the_dense_mask(case, chunk, monkeypatch):
+    monkeypatch.setattr(idlm_masks, "NOISY_CHUNK", chunk)  # 2 -> several noisy chunks
+    batch = _batch(L=10)
+    if case == "supervise_padding":
+        batch["loss_mask"][1, 2:] = 1
+    elif case == "no_padding":
+        batch["attention_mask"][:] = 1
+    elif case == "left_padded":  # not the collator's: the split model falls back to the dense mask
+        batch["attention_mask"] = batch["attention_mask"].flip(1)
+        batch["loss_mask"] = batch["loss_mask"].flip(1)
+    elif case == "all_padding_row":
+        batch["attention_mask"][1] = 0
+    strategy = build_strategy(_settings(block_length=2, auto_balance_clean_loss=True))
+    batch.update(strategy.corrupt(batch, [3, 4]))
+    dense_loss, dense_grads = _loss_and_grads(strategy, batch, split=False)
+    split_loss, split_grads = _loss_and_grads(strategy, batch, split=True)
+    torch.testing.assert_close(split_loss, dense_loss, rtol=1e-5, atol=1e-5)
+    for name, g in dense_grads.items():
+        torch.testing.assert_close(split_grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_split_attention_without_split_kwargs_is_sdpa():
+    x = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(5))
+    sdpa, split = _tiny_qwen3("sdpa"), _tiny_qwen3("sdpa")
+    build_strategy(_settings()).setup(split, None, torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(split(input_ids=x).logits, sdpa(input_ids=x).logits, rtol=0, atol=0)
 
 
 # ---- checks and settings -------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ block ids taken within each copy, `blk(i) = (i mod L) // b`:
     M_BC  = q >= k          and q, k clean              # the clean copy is strictly causal
     keep  = (M_BD or M_OBC or M_BC) and valid[k mod L]  # padded keys blocked in both copies
 
-One predicate (`idlm_keep`) feeds both backends, so they cannot drift apart:
+One predicate (`idlm_keep`) feeds every backend, so they cannot drift apart:
 
-    from dllmflow.diffusion.masks.idlm import idlm_dense_mask, idlm_block_mask
-    mask = idlm_dense_mask(attention_mask, block_length=2, dtype=torch.bfloat16)  # sdpa / eager
+    from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention
+    mask = idlm_dense_mask(attention_mask, block_length=2, dtype=torch.bfloat16)  # eager (dense 2L x 2L)
+    split = idlm_split_attention(attention_mask, 2, torch.float32)                # sdpa, split halves (CPU)
     bm = idlm_block_mask(attention_mask, block_length=2)                          # flex_attention (GPU)
 """
 
@@ -19,6 +20,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from dllmflow.models.split_attention import SplitAttention
+
+# Noisy queries per split-attention chunk (rounded down to a multiple of block_length). A chunk of c
+# queries at offset a scores c x (2c + a) pairs: smaller chunks waste less, larger ones call SDPA less
+# often. L <= NOISY_CHUNK is one chunk over the full 2L keys (the dense mask's first L rows).
+NOISY_CHUNK = 128
 
 
 def idlm_keep(q: Tensor, k: Tensor, valid_k: Tensor, seq_len: int, block_length: int) -> Tensor:
@@ -82,6 +90,67 @@ def idlm_block_mask(attention_mask: Tensor, block_length: int, *, block_size: in
     return create_block_mask(
         mask_mod, batch, None, 2 * seq_len, 2 * seq_len, device=attention_mask.device, BLOCK_SIZE=block_size
     )
+
+
+def idlm_split_attention(
+    attention_mask: Tensor | None,
+    block_length: int,
+    dtype: torch.dtype,
+    seq_len: int | None = None,
+    device=None,
+    chunk: int | None = None,
+) -> SplitAttention:
+    """The same mask as `SplitAttention` for `dllmflow.models.split_attention` (sdpa without 4L^2 work).
+
+    Right padding only (`right_padded`; the collator's): callers use the dense mask otherwise. Clean
+    queries: causal over the clean copy, no mask. Noisy queries, by chunks [a, e) with a a multiple of
+    `block_length`: a noisy query sees noisy keys of its own block (inside [a, e)) and clean keys before
+    its block (inside [0, e)), so keys noisy[a:e] ++ clean[0:e] hold every key it may see.
+
+    Right padding needs no clean mask: a real clean query never reaches a later (padded) key, and the
+    padded query rows, which then differ from the dense mask's, are read by nobody (their keys are
+    blocked for every real query and their logits are not scored). Under left padding a padded query
+    row is fully blocked yet scored (it predicts the first real token), and a fully blocked row
+    averages whatever keys it is given: only the dense mask gives it the same ones.
+    """
+    if seq_len is None:
+        if attention_mask is None:
+            raise ValueError("idlm_split_attention: pass seq_len when attention_mask is None")
+        seq_len = attention_mask.shape[1]
+    L = seq_len
+    valid = _valid(attention_mask, L, device)  # [B, L]
+    dev = valid.device
+    zero = torch.zeros((), dtype=dtype, device=dev)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=dev)
+    chunk = NOISY_CHUNK if chunk is None else chunk  # read at call time: tests shrink it
+    step = max(block_length, chunk // block_length * block_length)
+    B = valid.shape[0]
+    prefix = torch.where(valid, zero, low)  # [B, L]: clean keys before a chunk, visible iff valid
+    chunks = []
+    for a in range(0, L, step):
+        e = min(a + step, L)
+        # Only keys in [a, e) of either copy need the predicate; clean keys before the chunk precede
+        # every query's block (a is a block boundary), so they are visible iff valid.
+        q = torch.arange(a, e, device=dev)[None, :, None]  # noisy query indices
+        k = torch.arange(a, e, device=dev)
+        keys = torch.cat([k, L + k])[None, None, :]  # noisy[a:e] ++ clean[a:e]
+        valid_k = torch.cat([valid[:, a:e], valid[:, a:e]], dim=1)[:, None, :]  # [B, 1, 2(e-a)]
+        near = torch.where(idlm_keep(q, keys, valid_k, L, block_length), zero, low)  # [B, e-a, 2(e-a)]
+        mask = torch.empty(B, 1, e - a, (e - a) + e, dtype=dtype, device=dev)  # noisy[a:e] ++ clean[0:e]
+        mask[:, 0, :, : e - a] = near[..., : e - a]
+        mask[:, 0, :, e - a : e] = prefix[:, None, :a]  # broadcast over the chunk's queries
+        mask[:, 0, :, e:] = near[..., e - a :]
+        chunks.append((a, e, mask))  # [B, 1, e-a, (e-a)+e]
+    return SplitAttention(seq_len=L, chunks=tuple(chunks))
+
+
+def right_padded(attention_mask: Tensor | None) -> bool:
+    """True when every row's valid positions are a prefix (no padding, or right padding only)."""
+    if attention_mask is None:
+        return True
+    valid = attention_mask != 0  # [B, L]
+    prefix = torch.arange(valid.shape[1], device=valid.device) < valid.sum(1, keepdim=True)  # [B, L]
+    return bool((valid == prefix).all())
 
 
 def _valid(attention_mask: Tensor | None, seq_len: int, device) -> Tensor:

@@ -13,6 +13,12 @@ Dream-style next-token shift, logit i predicts token i+1 in both copies:
 so N_sup counts one more token than sum_i sup_i when position 0 is supervised, and every supervised
 pad (`supervise_padding`) although no pad is scored; that is the spec's denominator.
 
+Attention backend (`idlm_attention_backend`, chosen in `setup`): flex_attention with a BlockMask on
+GPU; on CPU (flex has no backward there) the split sdpa of `dllmflow.models.split_attention` (causal
+clean half + chunked noisy half, ~L^2 of work instead of the dense mask's 4L^2; right-padded batches,
+i.e. every collated one, else the dense mask); eager keeps the dense 2L x 2L additive mask. All compute
+the same loss and gradients.
+
 The `block_length` curriculum (1 -> 2 -> 3) runs as successive fine-tunes: `curriculum_stages`
 turns one settings object with a list into one per stage, each starting from the previous stage's
 consolidated checkpoint. Run: `dllmflow train --params params/tiny_idlm.yaml`.
@@ -28,9 +34,10 @@ from torch import Tensor, nn
 
 from dllmflow.diffusion.corruption import corrupt_all_masked, per_sample
 from dllmflow.diffusion.losses import per_token_ce
-from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask
+from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention, right_padded
 from dllmflow.errors import UserError
 from dllmflow.models.attention import mask_dtype
+from dllmflow.models.split_attention import SPLIT_ATTENTION, use_split_attention
 from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy, _model_vocab_size
@@ -41,6 +48,27 @@ if TYPE_CHECKING:
 # Which stage of a `block_length` list a single run trains when it is not split by `curriculum_stages`.
 # Not DLLMFLOW_-prefixed: the settings loader would read that as a (unknown) settings field.
 STAGE_ENV = "DLLM_IDLM_STAGE"
+
+# Devices where flex_attention has a backward (compiled Triton kernels).
+FLEX_DEVICES = frozenset({"cuda"})
+
+
+def idlm_attention_backend(device: torch.device | str, requested: str | None) -> str:
+    """Which I-DLM attention path a model with `attn_implementation=requested` runs on `device`.
+
+    "flex"  - flex_attention + BlockMask: sdpa or flex_attention requested, where flex runs (GPU)
+    "split" - split sdpa (causal clean half, chunked noisy half): sdpa or flex_attention elsewhere
+    "dense" - the 2L x 2L additive mask: eager and any other implementation
+    flash_attention_2 cannot take the mask at all: UserError.
+    """
+    if requested == "flash_attention_2":
+        raise UserError(
+            "dllm.mode=idlm: flash_attention_2 ignores the 2L block-diffusion mask; "
+            "set model.attn_implementation to sdpa, eager or flex_attention"
+        )
+    if requested in ("sdpa", "flex_attention", SPLIT_ATTENTION):
+        return "flex" if torch.device(device).type in FLEX_DEVICES else "split"
+    return "dense"
 
 
 class IDLMStrategy(Strategy):
@@ -56,12 +84,14 @@ class IDLMStrategy(Strategy):
         return curriculum_stages(settings)
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
-        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        if attn == "flash_attention_2" or self.settings.model.attn_implementation == "flash_attention_2":
-            raise UserError(
-                "dllm.mode=idlm: flash_attention_2 ignores the 2L block-diffusion mask; "
-                "set model.attn_implementation to sdpa, eager or flex_attention"
-            )
+        config = getattr(unwrap(model), "config", None)
+        attn = getattr(config, "_attn_implementation", None)
+        idlm_attention_backend(device, self.settings.model.attn_implementation)  # refuses flash_attention_2
+        backend = idlm_attention_backend(device, attn)
+        if backend == "split" and attn != SPLIT_ATTENTION:
+            use_split_attention(model)
+        elif backend == "flex" and attn != "flex_attention":
+            config._attn_implementation = "flex_attention"
         if self.mask_token_id is None:
             raise UserError("dllm.mode=idlm needs an explicit dllm.mask_token_id (I-DLM does not infer one)")
         vocab = _model_vocab_size(model)
@@ -97,10 +127,8 @@ class IDLMStrategy(Strategy):
         # 1) [x_t | x_0], positions restart for the clean copy, block-diffusion mask
         inputs = torch.cat([z, x], dim=1)  # [B, 2L]
         pos = torch.arange(L, device=x.device).repeat(2)[None].expand(B, 2 * L)  # [B, 2L]
-        mask = self._attention_mask(model, attention_mask)
-        logits = model(
-            input_ids=inputs, attention_mask=mask, position_ids=pos, use_cache=False
-        ).logits  # [B,2L,V]
+        attn = self._attention_inputs(model, attention_mask)
+        logits = model(input_ids=inputs, position_ids=pos, use_cache=False, **attn).logits  # [B,2L,V]
 
         # 2) next-token shift in both copies: logit i predicts x[i+1]
         sup = shifted_supervision(batch["loss_mask"], attention_mask).float()  # [B, L-1]
@@ -119,13 +147,15 @@ class IDLMStrategy(Strategy):
         # Both terms share the denominator, so CE_noisy / CE_clean is the ratio of the sums.
         return (noisy / clean.clamp_min(1e-6)).detach()
 
-    def _attention_mask(self, model: nn.Module, attention_mask: Tensor):
-        config = getattr(unwrap(model), "config", None)
-        if getattr(config, "_attn_implementation", None) == "flex_attention":
-            return idlm_block_mask(attention_mask, self.block_length)
-        return idlm_dense_mask(
-            attention_mask, self.block_length, dtype=mask_dtype(model, attention_mask.device)
-        )
+    def _attention_inputs(self, model: nn.Module, attention_mask: Tensor) -> dict:
+        """The forward kwargs carrying the mask, for the implementation the model runs (set in `setup`)."""
+        attn = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
+        if attn == "flex_attention":
+            return {"attention_mask": idlm_block_mask(attention_mask, self.block_length)}
+        dtype = mask_dtype(model, attention_mask.device)
+        if attn == SPLIT_ATTENTION and right_padded(attention_mask):  # else: dense, through plain sdpa
+            return {"split_attention": idlm_split_attention(attention_mask, self.block_length, dtype)}
+        return {"attention_mask": idlm_dense_mask(attention_mask, self.block_length, dtype=dtype)}
 
 
 def shifted_supervision(loss_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
