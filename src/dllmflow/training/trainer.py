@@ -41,6 +41,7 @@ from dllmflow.training.parallel import (
     init_distributed,
 )
 from dllmflow.training.parallelize import build_parallel_model, compute_context
+from dllmflow.training.tracking import build_live_logger
 
 # Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
 FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"
@@ -130,6 +131,8 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
     elif resume:
         _print(info, f"--resume: no checkpoint under {ckpt_root}; starting from step 0")
     log.truncate_after(start)
+    # MLflow on rank 0 when the launcher passed a run id; closed below, or at exit after a failure.
+    live = build_live_logger(settings, info.is_main)
 
     # 3) loop
     result = TrainResult(run_dir=run_dir, final_step=start)
@@ -166,6 +169,8 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
             record["mfu"] = 100.0 * flops / 1e12 / (info.world_size * dt) / t.peak_tflops
         result.losses.append(record["loss"])
         log.write(record)
+        if live is not None:
+            live.log(record, done)
         if info.is_main and (done % t.log_every == 0 or done == t.max_steps):
             print(console_line(record, t.max_steps), flush=True)
 
@@ -192,6 +197,8 @@ def run_training(settings, run_dir: str | os.PathLike | None = None, resume: boo
         result.final_step = done
         if fail_at == done and fail_rank in (None, "", str(info.rank)):
             raise RuntimeError(f"injected failure after step {done} ({FAIL_AT_STEP_ENV}={fail_at})")
+    if live is not None:
+        live.close()
     return result
 
 
