@@ -273,7 +273,7 @@ def build_live_logger(settings, is_main: bool, client: Any = None) -> TrainerTra
         return None
     for k, v in _HTTP_ENV.items():
         os.environ.setdefault(k, v)
-    uri = os.environ.get(URI_ENV) or resolve_tracking_uri(settings)
+    uri = resolve_tracking_uri(settings)  # the launcher put the same one in MLFLOW_TRACKING_URI
     if client is None:
         from mlflow import MlflowClient
 
