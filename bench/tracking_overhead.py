@@ -48,7 +48,7 @@ def main() -> None:
         dataset={"prepared_dir": str(tmp / "prepared"), "limit": 64},
         train={"max_steps": args.steps, "log_every": 10**6},
         checkpoint={"every_steps": 10**6, "save_consolidated": "false"},
-        registry={"tracking_uri": uri, "flush_every_s": 1.0},
+        registry={"tracking_uri": uri},  # default flush_every_s
     )
     prepare(settings)
     times: dict[str, list[float]] = {"off": [], "on": []}
