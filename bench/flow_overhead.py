@@ -63,8 +63,7 @@ def main() -> None:
     )
     recipe = str(ROOT / args.recipe)
     # Data prep first, so neither side pays for it.
-    prep = [sys.executable, "-m", "dllmflow.cli", "train", "--params", recipe, "--set", "train.max_steps=1"]
-    timed(prep + ["--run-dir", str(tmp / "runs" / "warm")], env, ROOT)
+    timed([sys.executable, "-m", "dllmflow.cli", "prepare", "--params", recipe], env, ROOT)
 
     bare_env = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'bare.db'}"}
     bare_cmd = [sys.executable, "-m", "dllmflow.cli", "train", "--params", recipe]
