@@ -44,6 +44,10 @@ class FinetuneFlow(FlowSpec):
         # A plain dict (JSON) artifact: each later step validates it once (Settings.coerce).
         self.settings = settings.to_dict()
         self.run_dir = workflow.flow_run_dir(settings, current.origin_run_id or current.run_id)
+        # The MLflow run, open from here on: training, evaluation and register log into it live.
+        self.mlflow_run_id = workflow.start_tracking(
+            settings, pathspec=f"{current.flow_name}/{current.run_id}"
+        )
         current.run.add_tags(run_tags(self.settings))
         self.next(self.prepare)
 
@@ -64,7 +68,7 @@ class FinetuneFlow(FlowSpec):
 
         settings = Settings.coerce(self.settings)
         # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint.
-        self.training = workflow.train(settings, self.run_dir)
+        self.training = workflow.train(settings, self.run_dir, mlflow_run_id=self.mlflow_run_id)
         self.samplers = workflow.eval_samplers(settings)
         self.next(self.evaluate, foreach="samplers")
 
@@ -73,13 +77,15 @@ class FinetuneFlow(FlowSpec):
         from dllmflow.workflow import finetune as workflow
 
         self.sampler = self.input
-        self.eval_result = workflow.evaluate_sampler(self.settings, self.training["run_dir"], self.sampler)
+        self.eval_result = workflow.evaluate_sampler(
+            self.settings, self.training["run_dir"], self.sampler, mlflow_run_id=self.mlflow_run_id
+        )
         self.next(self.join)
 
     @step
     def join(self, inputs):
         self.evals = {inp.sampler: inp.eval_result for inp in inputs}
-        self.merge_artifacts(inputs, include=["settings", "run_dir", "data", "training"])
+        self.merge_artifacts(inputs, include=["settings", "run_dir", "data", "training", "mlflow_run_id"])
         self.next(self.register)
 
     @step
@@ -93,6 +99,7 @@ class FinetuneFlow(FlowSpec):
             data=self.data,
             training=self.training,
             pathspec=f"{current.flow_name}/{current.run_id}",
+            mlflow_run_id=self.mlflow_run_id,
         )
         self.next(self.end)
 

@@ -16,6 +16,7 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     field_validator,
     model_validator,
@@ -360,6 +361,16 @@ class RegistryConfig(Section):
     experiment_name: str = Field("dllmflow", min_length=1, max_length=500, description="MLflow's limits.")
     model_name: SafeName = "dllmflow-tiny"
     gate: GateConfig = Field(default_factory=GateConfig)
+    live_tracking: bool = Field(
+        True, description="Rank 0 logs training metrics into the MLflow run while training (batched)."
+    )
+    system_metrics: bool = Field(
+        False, description="Also log MLflow system metrics (CPU, memory, GPU) from the trainer."
+    )
+    flush_every_s: PositiveFloat = Field(5.0, description="Live tracking: send buffered metrics this often.")
+    flush_timeout_s: NonNegativeFloat = Field(
+        30.0, description="How long the end of training waits for an unreachable tracking server."
+    )
 
 
 _CRON_FIELDS = (  # (name, low, high, names) of the 5 standard fields, then AWS's optional year

@@ -1,8 +1,10 @@
 """MLflow side of a run: one MLflow run per flow run, a pyfunc model that generates, registration with
 `candidate` / `champion` aliases and a gate that decides whether `champion` moves.
 
-    from dllmflow.tracking.registry import log_run, register_model, apply_gate
-    run_id = log_run(settings, run_dir, evals=..., lineage={...})
+    from dllmflow.tracking.registry import open_run, log_eval, log_run, register_model, apply_gate
+    run_id = open_run(settings, lineage={...})          # flow start: training logs into it live
+    log_eval(settings, run_id, "llada", result)          # each evaluate branch
+    run_id = log_run(settings, run_dir, evals=..., lineage={...}, run_id=run_id)
     version = register_model(settings, run_id, consolidated_dir, sampler="llada")
     decision = apply_gate(settings, version, evals)
 
@@ -21,24 +23,26 @@ import math
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout, find_consolidated, read_metrics
 from dllmflow.settings import Settings
+from dllmflow.training.tracking import (
+    MAX_BATCH_METRICS,
+    create_run,
+    is_number,
+    resolve_tracking_uri,
+    train_metrics,
+)
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 SPECULATIVE = "acceptance"  # the DFlash evaluation/decoding (see mlflow_model.py)
 
 
 # ---- tracking ----------------------------------------------------------------------------------------
-
-
-def resolve_tracking_uri(settings: Settings | None = None) -> str:
-    if settings is not None and settings.registry.tracking_uri:
-        return settings.registry.tracking_uri
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def connect(settings: Settings | None = None) -> str:
@@ -93,6 +97,21 @@ def git_sha(cwd: str | os.PathLike | None = None) -> str:
         return "unknown"
 
 
+def open_run(
+    settings: Settings, *, lineage: dict[str, str] | None = None, run_name: str | None = None
+) -> str:
+    """The MLflow run of this flow run, opened at its start so that training and evaluation log into
+    it live: reused when one is tagged with the same Metaflow pathspec (a resumed flow does not fork
+    the record), else created RUNNING with the settings as params and the lineage as tags."""
+    connect(settings)
+    lineage = _tags(lineage)
+    experiment = _experiment_id(settings)
+    run_id = _existing_run(experiment, lineage.get("metaflow_run"))
+    if run_id is None:
+        run_id = create_run(settings, tags=_run_tags(settings, lineage), run_name=run_name)
+    return run_id
+
+
 def log_run(
     settings: Settings,
     run_dir: str | os.PathLike,
@@ -100,38 +119,81 @@ def log_run(
     evals: dict[str, dict[str, Any]] | None = None,
     lineage: dict[str, str] | None = None,
     run_name: str | None = None,
+    run_id: str | None = None,
 ) -> str:
-    """Create (or reuse, keyed by the Metaflow pathspec) the MLflow run of this flow run and log
-    settings as params, training curves and eval metrics as metrics, settings.json and predictions as
-    artifacts, lineage as tags. Returns the MLflow run id."""
-    import mlflow
+    """Complete the MLflow run of a training run: lineage tags, settings.json and eval results (each
+    sampler once). `run_id` is the live run the flow opened at `start`; without it (a run dir trained
+    before live tracking, or with it off) the run is found by Metaflow pathspec or created. Training
+    curves normally arrived live; steps of metrics.jsonl the run lacks (no live tracking, or an outage
+    that outlasted `registry.flush_timeout_s`) are backfilled. Returns the MLflow run id."""
+    from mlflow import MlflowClient
+    from mlflow.entities import RunTag
 
     connect(settings)
-    lineage = {k: str(v) for k, v in (lineage or {}).items() if v is not None}
-    experiment = mlflow.set_experiment(settings.registry.experiment_name)
-    run_id = _existing_run(experiment.experiment_id, lineage.get("metaflow_run"))
-    with mlflow.start_run(run_id=run_id, run_name=run_name or settings.name) as run:
-        if run_id is None:  # params are immutable in MLflow: log them once
-            mlflow.log_params({k: _param_value(v) for k, v in settings.flat().items()})
-        mlflow.set_tags({"dllmflow.mode": settings.dllm.mode, "git_sha": git_sha(), **lineage})
-        for row in read_metrics(run_dir):
-            step = int(row.get("step", 0))
-            numeric = {f"train/{k}": float(v) for k, v in row.items() if _is_number(v) and k != "step"}
-            if numeric:
-                mlflow.log_metrics(numeric, step=step)
-        settings_json = RunLayout(run_dir).settings_json
-        if settings_json.is_file():
-            mlflow.log_artifact(str(settings_json))
-        for sampler, result in (evals or {}).items():
-            metrics = {
-                f"eval/{sampler}/{k}": float(v) for k, v in result.get("metrics", {}).items() if _is_number(v)
-            }
-            mlflow.log_metrics(metrics)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / f"eval_{sampler}.json"
-                path.write_text(json.dumps(result, indent=2, default=str))
-                mlflow.log_artifact(str(path), artifact_path="eval")
-        return run.info.run_id
+    lineage = _tags(lineage)
+    opened_here = run_id is None
+    if run_id is None:
+        run_id = open_run(settings, lineage=lineage, run_name=run_name)
+    client = MlflowClient()
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in _run_tags(settings, lineage).items()])
+    backfill_train_metrics(client, run_id, run_dir)
+    settings_json = RunLayout(run_dir).settings_json
+    if settings_json.is_file():
+        client.log_artifact(run_id, str(settings_json))
+    logged = client.get_run(run_id).data.metrics
+    for sampler, result in (evals or {}).items():
+        if not any(k.startswith(f"eval/{sampler}/") for k in logged):  # evaluate logged it live
+            log_eval(settings, run_id, sampler, result)
+    if opened_here:
+        client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, Any]) -> None:
+    """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics and the JSON result."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    connect(settings)
+    client = MlflowClient()
+    now = int(time.time() * 1000)
+    metrics = [
+        Metric(f"eval/{sampler}/{k}", float(v), now, 0)
+        for k, v in result.get("metrics", {}).items()
+        if is_number(v)
+    ]
+    client.log_batch(run_id, metrics=metrics)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"eval_{sampler}.json"
+        path.write_text(json.dumps(result, indent=2, default=str))
+        client.log_artifact(run_id, str(path), artifact_path="eval")
+
+
+def backfill_train_metrics(client: Any, run_id: str, run_dir: str | os.PathLike) -> int:
+    """Log the steps of metrics.jsonl that the run does not hold yet (by `train/loss` history), in
+    batches. Returns how many steps were backfilled."""
+    have = {m.step for m in client.get_metric_history(run_id, "train/loss")}
+    missing = [row for row in read_metrics(run_dir) if int(row.get("step", 0)) not in have]
+    mtime = RunLayout(run_dir).metrics_jsonl
+    stamp = int(mtime.stat().st_mtime * 1000) if mtime.is_file() else None
+    metrics = [m for row in missing for m in train_metrics(row, int(row.get("step", 0)), stamp)]
+    for i in range(0, len(metrics), MAX_BATCH_METRICS):
+        client.log_batch(run_id, metrics=metrics[i : i + MAX_BATCH_METRICS])
+    return len(missing)
+
+
+def _tags(lineage: dict[str, Any] | None) -> dict[str, str]:
+    return {k: str(v) for k, v in (lineage or {}).items() if v is not None}
+
+
+def _run_tags(settings: Settings, lineage: dict[str, str]) -> dict[str, str]:
+    return {"dllmflow.mode": settings.dllm.mode, "git_sha": git_sha(), **lineage}
+
+
+def _experiment_id(settings: Settings) -> str:
+    import mlflow
+
+    return mlflow.set_experiment(settings.registry.experiment_name).experiment_id
 
 
 def _existing_run(experiment_id: str, pathspec: str | None) -> str | None:
@@ -146,15 +208,6 @@ def _existing_run(experiment_id: str, pathspec: str | None) -> str | None:
         max_results=1,
     )
     return found[0].info.run_id if found else None
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _param_value(v: Any) -> str:
-    s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
-    return s[:6000]
 
 
 # ---- the pyfunc model ----------------------------------------------------------------------------------
@@ -492,7 +545,9 @@ def add_cli_args(parser) -> None:
         "--eval", dest="eval_files", action="append", default=[], help="evaluate --output JSON files."
     )
     parser.add_argument(
-        "--sampler", default=None, help="Sampler recorded for the pyfunc (default: the first eval's)."
+        "--sampler",
+        default=None,
+        help="Sampler recorded for the pyfunc (default: the first eval's, else the export's own).",
     )
 
 
@@ -505,7 +560,10 @@ def cli_main(args) -> int:
     for f in args.eval_files:
         result = json.loads(Path(f).read_text())
         evals[result["protocol"]["sampler"]] = result
-    sampler = args.sampler or next(iter(evals), "llada")
+    if not (sampler := args.sampler or next(iter(evals), None)):
+        from dllmflow.inference.generate import resolve_default_sampler
+
+        sampler = resolve_default_sampler(find_consolidated(run_dir))  # the export's, else its mode's
     run_id = log_run(settings, run_dir, evals=evals, lineage={"git_sha": git_sha()})
     version = register_model(
         settings,

@@ -31,6 +31,7 @@ from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout
 from dllmflow.settings.loader import parse_overrides  # re-exported: component.py, bench, tests
 from dllmflow.training.main import FAIL_MARKER
+from dllmflow.training.tracking import RUN_ID_ENV, create_run, end_run, tracking_env
 
 ROLE = "trainer"
 CLUSTER_RDZV_PORT = 29500
@@ -100,9 +101,11 @@ def build_app(
     resume: bool = False,
     endpoint: str | None = None,
     overwrite: bool = False,
+    mlflow_run_id: str | None = None,
 ):
     """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes.
-    `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks."""
+    `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks; with `mlflow_run_id`,
+    rank 0 logs metrics live into that MLflow run (training/tracking.py)."""
     from torchx import specs
 
     lc = settings.launch
@@ -125,6 +128,7 @@ def build_app(
     # shlex-quote everything but the endpoint, which may hold a ${RANK0_HOST} for bash to expand
     script = " ".join(arg if isinstance(arg, _Raw) else shlex.quote(arg) for arg in cmd)
     env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"), "PYTHONUNBUFFERED": "1", **lc.env}
+    env.update(tracking_env(settings, mlflow_run_id))
     res = lc.resources
     return specs.AppDef(
         name=f"dllmflow-{settings.name}",
@@ -152,6 +156,7 @@ def launch(
     wait: bool = True,
     stream: bool = True,
     overwrite: bool = False,
+    mlflow_run_id: str | None = None,
 ) -> LaunchResult:
     """Write RUN/settings.json, submit the app on `launch.scheduler`, wait (echoing the trainers' stdout
     for local schedulers when `stream`); raise UserError naming the failing rank on failure. The
@@ -184,7 +189,7 @@ def launch(
         bindir = os.path.dirname(sys.executable)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    app = build_app(settings, run_dir, resume, overwrite=overwrite)
+    app = build_app(settings, run_dir, resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id)
     runner = get_runner()
     try:
         handle = runner.run(app, scheduler=lc.scheduler, cfg=cfg)
@@ -279,6 +284,42 @@ def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.settings import load_settings
 
     settings = load_settings(*args.params, **parse_overrides(args.set))
-    result = launch(settings, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite)
-    print(f"training {result.state}: {result.run_dir}")
+    # Outside a flow, `dllmflow train` owns its MLflow run (unless one was handed down in the env).
+    given = os.environ.get(RUN_ID_ENV)
+    run_id = given or _open_run(settings)
+    status = "FAILED"
+    try:
+        result = launch(
+            settings, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite, mlflow_run_id=run_id
+        )
+        status = "FINISHED"
+    finally:
+        if run_id and not given:
+            _end_run(settings, run_id, status)
+    print(f"training {result.state}: {result.run_dir}" + (f" (MLflow run {run_id})" if run_id else ""))
     return 0
+
+
+def _open_run(settings) -> str | None:
+    """A new MLflow run for this training, or None (tracking off, or the store unreachable: training
+    never waits for MLflow; `dllmflow register` can still record the run afterwards)."""
+    if not settings.registry.live_tracking:
+        return None
+    from dllmflow.training.tracking import resolve_tracking_uri
+
+    try:
+        return create_run(settings, tags={"dllmflow.mode": settings.dllm.mode, "dllmflow.source": "train"})
+    except Exception as e:
+        print(
+            f"warning: MLflow tracking at {resolve_tracking_uri(settings)} unavailable ({type(e).__name__}: "
+            f"{str(e)[:200]}); training without live tracking",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _end_run(settings, run_id: str, status: str) -> None:
+    try:
+        end_run(settings, run_id, status)
+    except Exception as e:  # the training result stands; only its MLflow status is stale
+        print(f"warning: could not mark MLflow run {run_id} {status}: {e}", file=sys.stderr)

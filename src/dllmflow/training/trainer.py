@@ -45,6 +45,7 @@ from dllmflow.training.parallel import (
     init_distributed,
 )
 from dllmflow.training.parallelize import build_parallel_model, compute_context
+from dllmflow.training.tracking import build_live_logger
 
 # Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
 FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"
@@ -151,6 +152,8 @@ def run_training(
         start = ckpt.load_checkpoint(latest, model, optimizer, scheduler, info, fingerprint)["step"]
         _print(info, f"resumed from {latest} at step {start}")
     log.truncate_after(start)
+    # MLflow on rank 0 when the launcher passed a run id; closed below, or at exit after a failure.
+    live = build_live_logger(settings, info.is_main)
 
     # 3) loop
     result = TrainResult(run_dir=run_dir, final_step=start, checkpoint_dir=latest)
@@ -192,6 +195,8 @@ def run_training(
         result.losses.append(record["loss"])
         log.write(record)
         bar.advance(line=console_line(record, t.max_steps), loss=record["loss"], tok_s=record["tps"])
+        if live is not None:
+            live.log(record, done)
 
         # 4) checkpoint (the final step always saves, with the consolidated export)
         last = done == t.max_steps
@@ -219,6 +224,8 @@ def run_training(
         if fail_at == done and fail_rank in (None, "", str(info.rank)):
             raise RuntimeError(f"injected failure after step {done} ({FAIL_AT_STEP_ENV}={fail_at})")
     bar.close()
+    if live is not None:
+        live.close()
     return result
 
 

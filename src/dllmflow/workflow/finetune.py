@@ -53,6 +53,18 @@ def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_li
     return Settings.coerce(data)
 
 
+def start_tracking(settings: SettingsLike, *, pathspec: str | None = None) -> str | None:
+    """Open the flow run's MLflow run (settings as params, lineage tags) so that training, evaluation and
+    registration log into it as they happen. None when `registry.live_tracking` is off (then `register`
+    records the run at the end, as before)."""
+    from dllmflow.tracking import registry
+
+    s = Settings.coerce(settings)
+    if not s.registry.live_tracking:
+        return None
+    return registry.open_run(s, lineage={"metaflow_run": pathspec, "git_sha": registry.git_sha()})
+
+
 def flow_run_dir(settings: SettingsLike, run_id: str) -> str:
     """One run dir per flow run; a resumed flow (`origin_run_id`) reuses it, so training resumes."""
     return str(runs.flow_run_dir(Settings.coerce(settings).resolved_run_dir, run_id))
@@ -122,11 +134,11 @@ def _git_rev() -> str | None:
 # ---- train -----------------------------------------------------------------------------------------------
 
 
-def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
+def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = None) -> dict[str, Any]:
     """Launch the torchx app and wait, once per training stage (one, or e.g. the I-DLM block_length
     curriculum, each stage starting from the previous one's export). A stage with a LATEST checkpoint
     in its run dir resumes from it (a Metaflow `@retry` or `resume` lands here again with the same
-    run dir); a finished stage is not retrained."""
+    run dir); a finished stage is not retrained. With `mlflow_run_id`, rank 0 logs metrics into it live."""
     from dllmflow.diffusion.strategies import STRATEGIES
     from dllmflow.training.launch import launch
 
@@ -139,7 +151,7 @@ def train(settings: SettingsLike, run_dir: str) -> dict[str, Any]:
             continue
         # A retry on a fresh pod has no local checkpoint: the object-store mirror still has it.
         resume = layout.latest_step() is not None or _remote_latest(stage) is not None
-        result = launch(stage, resume=resume)
+        result = launch(stage, resume=resume, mlflow_run_id=mlflow_run_id)
         handles.append(result.app_handle)
         resumed, log_dir = resumed or resume, result.log_dir
     final_dir = str(stages[-1].resolved_run_dir)
@@ -200,7 +212,9 @@ def _sampler_available(registry, name: str) -> bool:
         return False
 
 
-def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict[str, Any]:
+def evaluate_sampler(
+    settings: SettingsLike, run_dir: str, sampler: str, *, mlflow_run_id: str | None = None
+) -> dict[str, Any]:
     from dllmflow.evaluation.accuracy import evaluate
 
     s = Settings.coerce(settings)
@@ -214,6 +228,10 @@ def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict
         if baseline is not None:
             result["baseline"] = baseline
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
+    if mlflow_run_id:
+        from dllmflow.tracking import registry
+
+        registry.log_eval(s, mlflow_run_id, sampler, result)
     return result
 
 
@@ -256,7 +274,10 @@ def register(
     data: dict[str, Any],
     training: dict[str, Any],
     pathspec: str | None = None,
+    mlflow_run_id: str | None = None,
 ) -> dict[str, Any]:
+    """Complete the MLflow run (`mlflow_run_id`, opened at `start`; else found or created here), log
+    and register the model into it, apply the gate."""
     from dllmflow.tracking import registry
 
     s = Settings.coerce(settings)
@@ -269,10 +290,13 @@ def register(
         "torchx_app_handle": training.get("app_handle"),
         "git_sha": registry.git_sha(),
     }
-    run_id = registry.log_run(s, run_dir, evals=evals, lineage=lineage)
+    run_id = registry.log_run(s, run_dir, evals=evals, lineage=lineage, run_id=mlflow_run_id)
     gated = _gated_sampler(s, evals)
     protocol = evals.get(gated, {}).get("protocol", {})
     sampler_settings = protocol.get("sampler_settings") or {"max_new_tokens": protocol.get("max_new_tokens")}
+    from dllmflow.models.model_card import update_model_card
+
+    update_model_card(training["consolidated_dir"], evals)  # the registered export's card carries its evals
     version = registry.register_model(
         s, run_id, training["consolidated_dir"], sampler=gated, sampler_settings=sampler_settings
     )

@@ -1,0 +1,98 @@
+"""Wall time of the tiny FinetuneFlow against a bare `dllmflow train` of the same steps, and where the
+flow's extra time goes (per step, from the Metaflow client).
+
+    OMP_NUM_THREADS=1 python bench/flow_overhead.py                    # 200 steps, tiny_mdlm
+    python bench/flow_overhead.py --steps 50 --recipe params/tiny_mdlm.yaml
+
+Both run in a fresh temp project (its own Metaflow datastore and SQLite MLflow store, so the MLflow
+database is created in both). Printed, not asserted:
+
+    ratio = flow wall / bare train wall          (goal <= 1.5; 2.8 before live tracking, register 18.5 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_STEPS = """
+import json
+from metaflow import Flow, namespace
+namespace(None)
+run = Flow("FinetuneFlow").latest_run
+out = {}
+for step in run:
+    tasks = list(step)
+    out[step.id] = max((t.finished_at - t.created_at).total_seconds() for t in tasks)
+print("STEPS=" + json.dumps(out))
+"""
+
+
+def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="params/tiny_mdlm.yaml")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-flow-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DLLMFLOW_", "DLLM_"))}
+    env.update(
+        USERNAME=env.get("USERNAME", "bench"),
+        METAFLOW_DEFAULT_DATASTORE="local",
+        METAFLOW_DEFAULT_METADATA="local",
+        METAFLOW_DATASTORE_SYSROOT_LOCAL=str(tmp / "metaflow"),
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}",
+        DLLMFLOW_RUN_DIR=str(tmp / "runs" / "flow"),
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+    )
+    recipe = str(ROOT / args.recipe)
+    # Data prep first, so neither side pays for it.
+    timed([sys.executable, "-m", "dllmflow.cli", "prepare", "--params", recipe], env, ROOT)
+
+    bare_env = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'bare.db'}"}
+    bare_cmd = [sys.executable, "-m", "dllmflow.cli", "train", "--params", recipe]
+    bare = timed(
+        bare_cmd + ["--set", f"train.max_steps={args.steps}", "--run-dir", str(tmp / "runs" / "bare")],
+        bare_env,
+        ROOT,
+    )
+    flow_cmd = [
+        sys.executable,
+        "flows/finetune.py",
+        "--config",
+        "recipe",
+        recipe,
+        "run",
+        "--max-steps",
+        str(args.steps),
+    ]
+    flow = timed(flow_cmd, env, ROOT)
+
+    proc = subprocess.run([sys.executable, "-c", _STEPS], cwd=ROOT, env=env, capture_output=True, text=True)
+    steps = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("STEPS="))[6:])
+    print(f"bare `dllmflow train` {args.steps} steps: {bare:.1f} s")
+    print(
+        f"flow {args.steps} steps: {flow:.1f} s   per step: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in steps.items())
+    )
+    print(f"ratio (flow / bare train): {flow / bare:.2f}   (goal <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
