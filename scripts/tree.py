@@ -22,6 +22,13 @@ NOTES = {
     "Makefile": "make demo | make test | make test-fast | make lint | make bench",
     "README.md": "this file",
     "docs/contracts.md": "interfaces the modules agree on",
+    "bench/gpu.sh": "GPU check (one short script for a lent H200): mdlm ~0.5B bf16 FSDP2 + AC, tok/s and MFU, and LoRA",
+    "docs/adding_a_mode.md": "adding a seventh dllm.mode: config, strategy, ModeSpec, samplers, tests",
+    "docs/data_formats.md": "bring your own data: formats, field mapping, weighted mixtures, held-out split",
+    "docs/lm_eval.md": "lm-evaluation-harness: the dllmflow model, the Monte-Carlo ELBO estimator, the local GSM8K task",
+    "docs/memory_planner.md": "`dllmflow plan`: what it counts and how it was validated",
+    "docs/security.md": "who may run a checkpoint's code, input checks, concurrent runs and registrations",
+    "src/dllmflow/evaluation/tasks/gsm8k.yaml": "lm-eval task: the held-out GSM8K split scored like `dllmflow evaluate`",
     "dvc.lock": "DVC record of the last reproduced stages (hashes of deps, params, outs)",
     "dvc.yaml": "DVC stages: prepare; regenerate -> prepare_dflash",
     "pyproject.toml": "package, console script `dllmflow`, ruff + pytest config",
@@ -47,6 +54,8 @@ def describe(path: str) -> str:
     if p.suffix == ".py":
         doc = ast.get_docstring(ast.parse(p.read_text())) or ""
         return doc.strip().splitlines()[0] if doc.strip() else ""
+    if path.startswith("tests/golden/") and p.suffix == ".json":
+        return f"golden {p.stem} trajectory: loss + grad norm of the first optimizer steps (test_golden.py)"
     if p.suffix == ".yaml" and path.startswith("params/"):
         first = next((ln for ln in p.read_text().splitlines() if ln.startswith("#")), "# recipe")
         return first.lstrip("# ").strip()

@@ -1,0 +1,1 @@
+"""Diffusion math: one ModeSpec per mode (modes.py), corruption, schedules, losses, masks, strategies and samplers."""
