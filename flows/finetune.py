@@ -67,6 +67,8 @@ class FinetuneFlow(FlowSpec):
         from dllmflow.workflow import finetune as workflow
 
         settings = Settings.coerce(self.settings)
+        # A run resumed from one started before live tracking has no MLflow run yet: register opens one.
+        self.mlflow_run_id = getattr(self, "mlflow_run_id", None)
         # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint.
         self.training = workflow.train(settings, self.run_dir, mlflow_run_id=self.mlflow_run_id)
         self.samplers = workflow.eval_samplers(settings)
@@ -77,6 +79,7 @@ class FinetuneFlow(FlowSpec):
         from dllmflow.workflow import finetune as workflow
 
         self.sampler = self.input
+        self.mlflow_run_id = getattr(self, "mlflow_run_id", None)  # see train
         self.eval_result = workflow.evaluate_sampler(
             self.settings, self.training["run_dir"], self.sampler, mlflow_run_id=self.mlflow_run_id
         )
