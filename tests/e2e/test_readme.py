@@ -1,7 +1,7 @@
 """Every README command works: the README's runnable shell blocks run as written, in order, in a fresh
 clone of the committed HEAD, as a newcomer would paste them into one shell.
 
-    pytest -q tests/e2e/test_readme.py                 # ~4 min on 2 busy CPU cores (slow)
+    pytest -q tests/e2e/test_readme.py                 # ~3 min on 2 busy CPU cores (slow)
     pytest -q tests/e2e/test_readme.py -m "not slow"   # only the flag check of every `dllmflow` line
 
 The marker: a fenced block whose info string is `bash runnable`, i.e. opened by the line
