@@ -3,7 +3,7 @@
     python flows/finetune.py run                         # the demo recipe: params/tiny_addition.yaml
     python flows/finetune.py --config recipe params/tiny_mdlm.yaml run --max-steps 20 --eval-limit 8
     python flows/finetune.py resume                      # after a failure: reruns from the failed step
-    python flows/finetune.py --config recipe params/tiny_mdlm.yaml card view end
+    python flows/finetune.py card get end --id report card.html   # the last run's card as HTML
 
 The `recipe` Config is validated by `dllmflow.settings` before any step runs (a typo fails at parse
 time, naming the field). Steps are thin: each calls one `dllmflow.workflow.finetune` function and keeps its

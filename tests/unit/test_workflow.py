@@ -126,4 +126,4 @@ def test_next_steps_message_shows_untrained_vs_trained_the_decision_and_commands
     assert "8.0" in row and "\x1b[" not in text  # no colour codes: a CI log reads it too
     assert "m v2 kept as @candidate (not champion)" in text and "below the floor 0.05" in text
     assert "dllmflow generate --checkpoint runs/x --prompt 'What is 47 + 38?'" in text
-    assert "card view end --id report" in text and "models:/m@champion" in text
+    assert "card get end --id report card.html" in text and "models:/m@champion" in text

@@ -408,7 +408,7 @@ def next_steps_message(
             f"  Generate:    dllmflow generate --checkpoint {run_dir} --prompt {shlex.quote(example)}"
         )
     lines += [
-        f"  Card:        python {flow_file} card view end --id report     ({pathspec})",
+        f"  Card:        python {flow_file} card get end --id report card.html   ({pathspec}; or: card server)",
         f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)",
         '  Champion:    python -c "import mlflow; m = mlflow.pyfunc.load_model('
         f"'models:/{registration['model_name']}@champion'); print(m.predict([{example!r}]))\"",
