@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="dllmflow-tests-"))
 
@@ -35,3 +37,13 @@ def pytest_addoption(parser):
     parser.addoption(
         "--update-golden", action="store_true", help="rewrite tests/golden/*.json from the current code"
     )
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """A test (or a library it calls: `mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI) must not
+    leave its environment to the next one, e.g. the URI of a server it already stopped."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

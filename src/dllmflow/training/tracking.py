@@ -77,6 +77,8 @@ def create_run(settings, *, tags: dict[str, str] | None = None, run_name: str | 
     from mlflow import MlflowClient
     from mlflow.entities import Param
 
+    for k, v in _HTTP_ENV.items():  # a dead server costs seconds, not MLflow's ~2 min of retries
+        os.environ.setdefault(k, v)
     client = MlflowClient(resolve_tracking_uri(settings))
     name = settings.registry.experiment_name
     experiment = client.get_experiment_by_name(name)
