@@ -40,6 +40,8 @@ def project(tmp_path) -> Path:
     (proj / "flows").mkdir(parents=True)
     (proj / "params").mkdir()
     shutil.copy(ROOT / "flows" / "finetune.py", proj / "flows" / "finetune.py")
+    # `resume` loads the flow's default Config file before the run's own: it must exist, as in a checkout.
+    shutil.copy(ROOT / "params" / "tiny_addition.yaml", proj / "params" / "tiny_addition.yaml")
     shutil.copy(ROOT / "dvc.yaml", proj / "dvc.yaml")
     shutil.copytree(
         ROOT / "src" / "dllmflow" / "data",
