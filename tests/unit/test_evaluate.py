@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from _tiny_eval import tiny_eval_export
 
 from dllmflow.cli import main
-from dllmflow.data.tokenizer import load_tokenizer
 from dllmflow.evaluation.accuracy import (
     evaluate,
     gold_answer,
@@ -19,7 +17,6 @@ from dllmflow.evaluation.accuracy import (
     normalize_number,
     prompt_messages,
 )
-from dllmflow.settings import load_settings
 
 
 @pytest.mark.parametrize(
@@ -67,31 +64,7 @@ def test_prompt_messages_drop_the_reference_answer():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from dllmflow.data.prepare import prepare
-
-    root = tmp_path_factory.mktemp("eval")
-    data = root / "chat.jsonl"
-    with data.open("w") as f:
-        for i in range(24):
-            chat = [{"role": "user", "content": f"What is {i} + {i}?"},
-                    {"role": "assistant", "content": f"{i} + {i} = {2 * i}.\n#### {2 * i:,}"}]  # fmt: skip
-            f.write(json.dumps({"messages": chat}) + "\n")
-    settings = load_settings(
-        dataset={"path_or_dataset_id": str(data), "prepared_dir": str(root / "prepared"), "eval_fraction": 0.5,
-                 "seq_length": 64},
-        tokenizer={"train_vocab_size": 300},
-        eval={"limit": 3, "max_new_tokens": 8, "steps": 4, "batch_size": 2},
-    )  # fmt: skip
-    prepare(settings)
-    tok = load_tokenizer(root / "prepared")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, intermediate_size=64)  # fmt: skip
-    ckpt = root / "ckpt"
-    Qwen3ForCausalLM(cfg).save_pretrained(ckpt)
-    tok.save_pretrained(ckpt)
-    settings.write_json(ckpt / "settings.json")
-    return ckpt, settings
+    return tiny_eval_export(tmp_path_factory.mktemp("eval"))
 
 
 def test_evaluate_records_metrics_protocol_predictions(setup):

@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
+from _tiny_eval import tiny_eval_export
 from lm_eval.api.instance import Instance
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dllmflow.cli import main
-from dllmflow.data.tokenizer import load_tokenizer
 from dllmflow.errors import UserError
 from dllmflow.evaluation.accuracy import evaluate, gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 from dllmflow.evaluation.harness import (
@@ -27,36 +26,11 @@ from dllmflow.evaluation.harness import (
 )
 from dllmflow.inference.generate import decode_response
 from dllmflow.models.attention import forward_bidirectional
-from dllmflow.settings import load_settings
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from dllmflow.data.prepare import prepare
-
-    root = tmp_path_factory.mktemp("harness")
-    data = root / "chat.jsonl"
-    with data.open("w") as f:
-        for i in range(24):
-            chat = [{"role": "user", "content": f"What is {i} + {i}?"},
-                    {"role": "assistant", "content": f"{i} + {i} = {2 * i}.\n#### {2 * i:,}"}]  # fmt: skip
-            f.write(json.dumps({"messages": chat}) + "\n")
-    settings = load_settings(
-        dataset={"path_or_dataset_id": str(data), "prepared_dir": str(root / "prepared"), "eval_fraction": 0.5,
-                 "seq_length": 64},
-        tokenizer={"train_vocab_size": 300},
-        eval={"limit": 3, "max_new_tokens": 8, "steps": 4, "batch_size": 2},
-    )  # fmt: skip
-    prepare(settings)
-    tok = load_tokenizer(root / "prepared")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, intermediate_size=64)  # fmt: skip
-    path = root / "ckpt"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    settings.write_json(path / "settings.json")
-    return path
+    return tiny_eval_export(tmp_path_factory.mktemp("harness"))[0]
 
 
 @pytest.fixture(scope="module")
