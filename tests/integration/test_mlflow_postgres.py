@@ -50,7 +50,8 @@ def _recipe() -> dict:
     # nemotron only (the registered default); llada is reached through the override below
     data["eval"] = {"batch_size": 1, "max_new_tokens": 8, "steps": 8, "samplers": ["nemotron"]}
     data["flow"] = {"train_retries": 0}
-    data["registry"] = {"model_name": MODEL, "gate": {"tolerance": 1.0}}
+    # 2 steps learn nothing: no accuracy floor, so the first version is champion and can be served
+    data["registry"] = {"model_name": MODEL, "gate": {"tolerance": 1.0, "min_accuracy": 0.0}}
     return data
 
 
@@ -153,10 +154,13 @@ def test_flow_on_postgres_mlflow_s3_artifacts_s3_datastore_then_serve(tmp_path):
             llada = _invoke(port, {"sampler": "llada", "steps": 4})
             assert llada.status_code == 200, llada.text
             assert isinstance(llada.json()["predictions"][0], str)
-            bad = _invoke(port, {"sampler": "scdd", "block_size": 7})
+            bad = _invoke(port, {"sampler": "llada", "use_kv_cache": False})  # nemotron-only (recorded: True)
             assert bad.status_code == 400, bad.text
-            assert "block_size" in bad.json()["message"], bad.text
-            assert "sampler scdd does not take" in bad.json()["message"], bad.text
+            assert "use_kv_cache" in bad.json()["message"], bad.text
+            assert "sampler llada does not take" in bad.json()["message"], bad.text
+            misfit = _invoke(port, {"sampler": "scdd"})  # an scdd sampler on a hybrid checkpoint
+            assert misfit.status_code == 400, misfit.text
+            assert "does not fit" in misfit.json()["message"], misfit.text
         finally:
             stop(server)
 

@@ -220,7 +220,10 @@ def load_dflash_pair(
             raise
         raise UserError(remote_code_refusal(target_id)) from None
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    check_tokenizer_fits(tokenizer, vocab_rows(tgt), ckpt)
+    rows = vocab_rows(tgt)
+    if rows is not None and getattr(cfg, "own_mask_embedding", False):
+        rows += 1  # the draft embeds the mask itself: the one id past the target's rows (models/dflash_draft)
+    check_tokenizer_fits(tokenizer, rows, ckpt)
     return draft.to(device).eval(), tgt.to(device).eval(), tokenizer, settings, cfg
 
 
