@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _services import mlflow_server_args
 
 from dllmflow.common.net import free_port
 from dllmflow.settings import load_settings
@@ -29,18 +30,8 @@ def _start_server(port: int, tmp: Path) -> subprocess.Popen:
             sys.executable,
             "-m",
             "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{tmp / 'server.db'}",
-            "--artifacts-destination",
-            str(tmp / "artifacts"),
-            "--workers",
-            "1",
-        ],  # fmt: skip
+            *mlflow_server_args(f"sqlite:///{tmp / 'server.db'}", str(tmp / "artifacts"), port),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

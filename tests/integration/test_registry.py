@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _services import mlflow_server_args
 
 from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
@@ -163,17 +164,7 @@ def test_real_mlflow_server(tmp_path, consolidated):
             sys.executable,
             "-m",
             "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
-            "--artifacts-destination",
-            str(tmp_path / "artifacts"),
-            "--workers",
-            "1",
+            *mlflow_server_args(f"sqlite:///{tmp_path / 'server.db'}", str(tmp_path / "artifacts"), port),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
