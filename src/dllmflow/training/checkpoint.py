@@ -12,19 +12,24 @@ Layout under `RUN/checkpoints/` (names and the LATEST pointer owned by `dllmflow
     step_000040/model/consolidated/     HF dir (config, safetensors, tokenizer, settings.json)
     LATEST -> step_000040               relative symlink (LATEST.txt holding the name where symlinks fail)
 
-Save: a step dir is written under `.step_XXXXXX.tmp`; rank 0 adds trainer_state.json and the manifest,
-fsyncs every file and dir, renames it into place, replaces LATEST atomically, then prunes step dirs
-beyond `checkpoint.keep_last`. A crash at any point leaves LATEST on a complete checkpoint.
+Save: a step dir is written under `.step_XXXXXX.tmp`; each rank hashes (and fsyncs) the files it wrote,
+rank 0 gathers those entries, adds trainer_state.json and the other shared files and writes the manifest,
+fsyncs every dir, renames it into place, replaces LATEST atomically, then prunes step dirs beyond
+`checkpoint.keep_last`. A crash at any point leaves LATEST on a complete checkpoint. Nodes need not share
+a disk: a node that does not see rank 0's files (`shares_rank0_disk`) publishes its own part the same
+way, with rank 0's manifest; `checkpoint.remote_dir` (storage.py) holds the whole step dir.
 
 Load: nothing read from a checkpoint can run code. The manifest is verified first (a flipped byte is
 named); DCP `.metadata` goes through an allow-listed unpickler (torch's reader uses plain pickle), DCP
 byte items and legacy `.pt` RNG files through `torch.load(weights_only=True)`; the rest is JSON or
 safetensors. A resume takes LATEST or, when LATEST is missing, dangling, garbage or fails verification,
 the newest complete step dir that verifies (with a CheckpointWarning); it never silently starts over,
-and it refuses a checkpoint written with other settings (naming the fields).
+and it refuses a checkpoint written with other settings (naming the fields). A step dir that fails on a
+disk (a node's partial copy) is fetched from the remote and verified again, on every disk, against rank
+0's manifest, so each rank finds whatever DCP plans for it to read.
 
     save_checkpoint(root, step, model, optimizer, scheduler, info, keep_last=2, export=None)
-    ckpt_dir = resume_checkpoint(root, info)   # None: no checkpoint at all; CheckpointError: none usable
+    ckpt_dir = resume_checkpoint(root, info, fetch)   # None: no checkpoint; CheckpointError: none usable
     state = load_checkpoint(ckpt_dir, model, optimizer, scheduler, info, settings_fingerprint(settings))
 
 Storage I/O stays in a few small functions (`_hash_file`, `_write_manifest`, `_read_json`, `_publish`,
