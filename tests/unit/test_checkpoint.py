@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -123,6 +124,46 @@ def test_save_writes_a_manifest_and_no_pickled_rng(tmp_path):
     assert {"trainer_state.json", "rng/rank_00000.safetensors", "model/.metadata", "optim/.metadata"} <= files
     assert not list(step.rglob("*.pt"))
     ckpt.verify_checkpoint(step)
+
+
+def test_file_owner_names_the_rank_that_wrote_each_file():
+    owners = {
+        "model/__1_0.distcp": 1,
+        "optim/__0_3.distcp": 0,
+        "rng/rank_00001.safetensors": 1,
+        "rng/rank_00000.pt": 0,
+        "model/.metadata": None,
+        "trainer_state.json": None,
+        "model/consolidated/model.safetensors": None,
+        "model/__2_0.distcp": None,  # no rank 2 in a world of 2
+    }
+    assert {rel: ckpt.file_owner(rel, world_size=2) for rel in owners} == owners
+
+
+def test_resume_fetches_a_step_dir_this_disk_holds_only_part_of(tmp_path):
+    root, remote = tmp_path / "node" / "checkpoints", tmp_path / "bucket"
+    _tiny_run(root, steps=2)
+    shutil.copytree(root / "step_000002", remote / "step_000002")
+    (root / "step_000002" / "rng" / "rank_00000.safetensors").unlink()  # another node's file, say
+    with pytest.warns(ckpt.CheckpointWarning, match="resuming from step_000001"):
+        assert ckpt.resume_checkpoint(root, INFO) == root / "step_000001"
+
+    fetched = []
+
+    def fetch(name):
+        fetched.append(name)
+        shutil.rmtree(root / name)
+        shutil.copytree(remote / name, root / name)
+
+    assert ckpt.resume_checkpoint(root, INFO, fetch) == root / "step_000002"
+    assert fetched == ["step_000002"]
+    ckpt.verify_checkpoint(root / "step_000002")
+
+    # a fetched copy that is corrupt too: named, then the fallback as before
+    (remote / "step_000002" / "model" / "__0_0.distcp").write_bytes(b"garbage")
+    (root / "step_000002" / "trainer_state.json").write_text("{}")
+    with pytest.warns(ckpt.CheckpointWarning, match=r"step_000002/model/__0_0.distcp: checksum mismatch"):
+        assert ckpt.resume_checkpoint(root, INFO, fetch) == root / "step_000001"
 
 
 def test_rng_round_trip_through_safetensors_and_json(tmp_path):

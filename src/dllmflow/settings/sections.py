@@ -280,8 +280,8 @@ class CheckpointConfig(Section):
     remote_dir: str | None = Field(
         None,
         description="Object-store mirror of the checkpoints (s3://bucket/runs/<name>): every published step "
-        "dir and LATEST are uploaded, and a resume with an empty local run dir restores from it "
-        "(training/storage.py; endpoint from DLLMFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL).",
+        "dir and LATEST are uploaded, and a resume restores each node's step dir from it, so nodes need "
+        "no shared volume (training/storage.py; endpoint from DLLMFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL).",
     )
 
 

@@ -12,19 +12,24 @@ Layout under `RUN/checkpoints/` (names and the LATEST pointer owned by `dllmflow
     step_000040/model/consolidated/     HF dir (config, safetensors, tokenizer, settings.json)
     LATEST -> step_000040               relative symlink (LATEST.txt holding the name where symlinks fail)
 
-Save: a step dir is written under `.step_XXXXXX.tmp`; rank 0 adds trainer_state.json and the manifest,
-fsyncs every file and dir, renames it into place, replaces LATEST atomically, then prunes step dirs
-beyond `checkpoint.keep_last`. A crash at any point leaves LATEST on a complete checkpoint.
+Save: a step dir is written under `.step_XXXXXX.tmp`; each rank hashes (and fsyncs) the files it wrote,
+rank 0 gathers those entries, adds trainer_state.json and the other shared files and writes the manifest,
+fsyncs every dir, renames it into place, replaces LATEST atomically, then prunes step dirs beyond
+`checkpoint.keep_last`. A crash at any point leaves LATEST on a complete checkpoint. Nodes need not share
+a disk: a node that does not see rank 0's files (`shares_rank0_disk`) publishes its own part the same
+way, with rank 0's manifest; `checkpoint.remote_dir` (storage.py) holds the whole step dir.
 
 Load: nothing read from a checkpoint can run code. The manifest is verified first (a flipped byte is
 named); DCP `.metadata` goes through an allow-listed unpickler (torch's reader uses plain pickle), DCP
 byte items and legacy `.pt` RNG files through `torch.load(weights_only=True)`; the rest is JSON or
 safetensors. A resume takes LATEST or, when LATEST is missing, dangling, garbage or fails verification,
 the newest complete step dir that verifies (with a CheckpointWarning); it never silently starts over,
-and it refuses a checkpoint written with other settings (naming the fields).
+and it refuses a checkpoint written with other settings (naming the fields). A step dir that fails on a
+disk (a node's partial copy) is fetched from the remote and verified again, on every disk, against rank
+0's manifest, so each rank finds whatever DCP plans for it to read.
 
     save_checkpoint(root, step, model, optimizer, scheduler, info, keep_last=2, export=None)
-    ckpt_dir = resume_checkpoint(root, info)   # None: no checkpoint at all; CheckpointError: none usable
+    ckpt_dir = resume_checkpoint(root, info, fetch)   # None: no checkpoint; CheckpointError: none usable
     state = load_checkpoint(ckpt_dir, model, optimizer, scheduler, info, settings_fingerprint(settings))
 
 Storage I/O stays in a few small functions (`_hash_file`, `_write_manifest`, `_read_json`, `_publish`,
@@ -40,6 +45,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -79,7 +85,7 @@ from dllmflow.runs import (
     tmp_step_dir_name,
     write_latest,
 )
-from dllmflow.training.parallel import DistInfo, barrier
+from dllmflow.training.parallel import DistInfo, barrier, shares_rank0_disk
 
 OPTIM = "optim"
 TRAINER_STATE = "trainer_state.json"
@@ -141,30 +147,95 @@ def clear_run(run: RunLayout) -> None:
     (run.root / METRICS_JSONL).unlink(missing_ok=True)
 
 
-def resume_checkpoint(root: str | os.PathLike, info: DistInfo) -> Path | None:
+def resume_checkpoint(
+    root: str | os.PathLike, info: DistInfo, fetch: Callable[[str], Any] | None = None
+) -> Path | None:
     """Collective: the step dir to resume from, chosen and verified on rank 0 (`select_checkpoint`)
-    and sent to the others. None only when `root` holds no checkpoint at all."""
-    choice: tuple[str, str | None]
+    and sent to the others. None only when `root` holds no checkpoint at all.
+
+    Nodes need not share a disk: a step dir that fails verification on a disk (it holds only what that
+    node's ranks wrote, or nothing) is replaced by `fetch(name)` (a download from
+    `checkpoint.remote_dir`) and verified again, on rank 0 while choosing, then on every node with a disk
+    of its own against rank 0's manifest. Any node still failing is a CheckpointError on every rank,
+    naming that node's file."""
+    choice: tuple[str, str | None, dict[str, Any] | None]
     if info.is_main:
         try:
-            found = select_checkpoint(root)
-            choice = ("ok", None if found is None else str(found))
+            found = select_checkpoint(root, fetch)
+            listed = (
+                None if found is None or not (found / MANIFEST).is_file() else _read_json(found / MANIFEST)
+            )
+            choice = ("ok", None if found is None else str(found), listed)
         except CheckpointError as e:
-            choice = ("error", str(e))
+            choice = ("error", str(e), None)
     else:
-        choice = ("ok", None)
-    if info.distributed:  # our own ranks over the process group, not a file: pickling is fine here
-        box = [choice]
-        torch.distributed.broadcast_object_list(box, src=0)
-        choice = box[0]
+        choice = ("ok", None, None)
+    choice = _broadcast(choice, info)  # our own ranks over the process group, not a file: pickling is fine
     if choice[0] == "error":
         raise CheckpointError(choice[1])
-    return None if choice[1] is None else Path(choice[1])
+    if choice[1] is None:
+        return None
+    chosen = Path(root) / Path(choice[1]).name  # the same name on every disk
+    if info.distributed:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        problem = None
+        if _is_disk_publisher(Path(root), info) and not info.is_main and choice[2] is not None:
+            problem = _ensure_copy(chosen, choice[2], fetch)
+            problem = problem and f"rank {info.rank} (a node with its own disk): {problem}"
+        problems = [p for p in _all_gather(problem) if p]
+        if problems:
+            raise CheckpointError("; ".join(problems))
+    return chosen
 
 
-def select_checkpoint(root: str | os.PathLike) -> Path | None:
+def _ensure_copy(step_dir: Path, manifest: dict[str, Any], fetch: Callable[[str], Any] | None) -> str | None:
+    """None when this node's copy of `step_dir` verifies against rank 0's `manifest` (fetched first if
+    need be), else the problem."""
+    try:
+        _verify_or_fetch(step_dir, fetch, listed=manifest)
+    except CheckpointError as e:
+        if fetch is None:
+            return (
+                f"{e} (on a node that does not share rank 0's disk: set checkpoint.remote_dir so that "
+                "a resume fetches the step dir there, or give every node one shared run dir)"
+            )
+        return str(e)
+    return None
+
+
+def _verify_or_fetch(
+    step_dir: Path,
+    fetch: Callable[[str], Any] | None,
+    unverified_ok: bool = False,
+    listed: dict[str, Any] | None = None,
+) -> None:
+    """`verify_checkpoint`; when it fails and `fetch` is set, `fetch(name)` replaces the dir (a download
+    of the remote copy) and that is verified, its problem named if it fails too."""
+    try:
+        verify_checkpoint(step_dir, unverified_ok=unverified_ok, listed=listed)
+        return
+    except CheckpointError as e:
+        if fetch is None:
+            raise
+        local = str(e)
+    try:
+        fetch(step_dir.name)
+    except UserError as e:
+        raise CheckpointError(f"{local}; fetching {step_dir.name} failed: {e}") from None
+    verify_checkpoint(step_dir, listed=listed)
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def select_checkpoint(root: str | os.PathLike, fetch: Callable[[str], Any] | None = None) -> Path | None:
     """LATEST's step dir when it verifies; else, with a CheckpointWarning, the newest other step dir that
-    does; None when there is no checkpoint at all; else CheckpointError naming each problem."""
+    does; None when there is no checkpoint at all; else CheckpointError naming each problem. With
+    `fetch`, a step dir that fails (e.g. it holds only this node's part) is fetched and verified again
+    before it counts as unusable."""
     root = Path(root)
     steps = checkpoint_steps(root)
     name, target = latest_name(root), latest_target(root)
@@ -173,7 +244,7 @@ def select_checkpoint(root: str | os.PathLike) -> Path | None:
     problems: list[str] = []
     if target is not None:
         try:
-            verify_checkpoint(target, unverified_ok=True)
+            _verify_or_fetch(target, fetch, unverified_ok=True)
             return target
         except CheckpointError as e:
             problems.append(str(e))
@@ -186,7 +257,7 @@ def select_checkpoint(root: str | os.PathLike) -> Path | None:
         if candidate == target:
             continue
         try:
-            verify_checkpoint(candidate)
+            _verify_or_fetch(candidate, fetch)
         except CheckpointError as e:
             problems.append(str(e))
             continue
@@ -280,11 +351,18 @@ def save_checkpoint(
     export: Callable[[Path], None] | None = None,
 ) -> Path:
     """Collective: every rank calls it. `export(model_dir)` (optional, also collective) writes the
-    consolidated HF dir inside the step dir before it is published. Returns the final step dir."""
+    consolidated HF dir inside the step dir before it is published. Returns the final step dir.
+
+    Nodes need not share a disk: each rank hashes the files it wrote (its DCP shards, its RNG file) on
+    its own disk, rank 0 adds the shared files (DCP metadata, trainer state, export) and writes the
+    manifest, and a node that does not see rank 0's disk publishes its own part of the step dir with the
+    same manifest (local rank 0: rename, LATEST, prune). A resume there fetches the rest (storage.py)."""
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / tmp_step_dir_name(step)
-    if info.is_main:
+    root.mkdir(parents=True, exist_ok=True)
+    publisher = _is_disk_publisher(root, info)  # rank 0, or local rank 0 of a node with its own disk
+    if publisher:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
@@ -296,18 +374,65 @@ def save_checkpoint(
     _save_rng(_rng_file(tmp, info.rank), _rng_state())
     if export is not None:
         export(tmp / MODEL)
-    barrier()
-    # 3) publish: state file, manifest (fsyncs every file and dir), rename, LATEST, prune
+    # 3) manifest: each rank hashes (and fsyncs) its own files; rank 0 adds the shared ones
+    own = _hash_files(tmp, [f for f in _files(tmp) if file_owner(f, info.world_size) == info.rank])
+    manifest = None
     if info.is_main:
         state = {"step": step, "world_size": info.world_size, "scheduler": scheduler.state_dict()}
         state.update(extra_state or {})
         atomic_write_json(tmp / TRAINER_STATE, state)
-        _write_manifest(tmp)
-        _publish(tmp, final)
-        write_latest(root, final.name)
-        prune_checkpoints(root, keep_last)
+        files = {k: v for entries in _gather_to_main(own, info) for k, v in entries.items()}
+        files.update(_hash_files(tmp, [f for f in _files(tmp) if file_owner(f, info.world_size) is None]))
+        manifest = {"format": 1, "files": dict(sorted(files.items()))}
+    else:
+        _gather_to_main(own, info)
+    manifest = _broadcast(manifest, info)
+    # 4) publish on every disk: manifest (fsyncs every dir), rename, LATEST, prune (rank 0's disk first)
+    if info.is_main:
+        _publish_step(root, tmp, final, manifest, keep_last)
+    barrier()
+    if publisher and not info.is_main:
+        _publish_step(root, tmp, final, manifest, keep_last)
     barrier()
     return final
+
+
+def _publish_step(root: Path, tmp: Path, final: Path, manifest: dict[str, Any], keep_last: int) -> None:
+    _write_manifest(tmp, manifest)
+    _publish(tmp, final)
+    write_latest(root, final.name)
+    prune_checkpoints(root, keep_last)
+
+
+def file_owner(rel: str, world_size: int) -> int | None:
+    """The rank that wrote a step dir file (its DCP shards `__<rank>_<i>.distcp`, its
+    `rng/rank_<rank>.safetensors`); None for the shared files rank 0 writes."""
+    leaf = rel.rsplit("/", 1)[-1]
+    m = re.match(r"^__(\d+)_\d+\.distcp$", leaf) or re.match(r"^rank_(\d+)\.(?:safetensors|pt)$", leaf)
+    return int(m.group(1)) if m and int(m.group(1)) < world_size else None
+
+
+def _is_disk_publisher(root: Path, info: DistInfo) -> bool:
+    """Collective: the one rank per disk that prepares and publishes step dirs there."""
+    shared = shares_rank0_disk(root, info)
+    return info.is_main or (info.local_rank == 0 and not shared)
+
+
+def _gather_to_main(obj: Any, info: DistInfo) -> list[Any]:
+    """`obj` of every rank, in rank order, on rank 0 (our own ranks over the process group)."""
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size if info.is_main else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def _broadcast(obj: Any, info: DistInfo) -> Any:
+    if not info.distributed:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load_checkpoint(
@@ -358,12 +483,14 @@ def _single_process_ok() -> Iterator[None]:
 # ---- manifest: sha256 of every file, fsync, publish ---------------------------------------------------
 
 
-def verify_checkpoint(step_dir: Path, unverified_ok: bool = False) -> None:
+def verify_checkpoint(
+    step_dir: Path, unverified_ok: bool = False, listed: dict[str, Any] | None = None
+) -> None:
     """Every file the manifest lists is there with its size and sha256, else CheckpointError naming it.
     `unverified_ok`: a step dir from before manifests (no manifest, but a trainer state) passes with a
-    CheckpointWarning."""
+    CheckpointWarning. `listed`: check against this manifest (rank 0's) instead of the dir's own."""
     manifest = step_dir / MANIFEST
-    if not manifest.is_file():
+    if listed is None and not manifest.is_file():
         if unverified_ok and (step_dir / TRAINER_STATE).is_file():
             warnings.warn(
                 f"{step_dir}: no {MANIFEST} (an older checkpoint); loading it unverified",
@@ -372,31 +499,48 @@ def verify_checkpoint(step_dir: Path, unverified_ok: bool = False) -> None:
             )
             return
         raise CheckpointError(f"{step_dir}: no {MANIFEST}, so not a complete checkpoint")
-    files = _read_json(manifest).get("files")
+    source = manifest if listed is None else f"rank 0's {MANIFEST}"
+    files = (listed if listed is not None else _read_json(manifest)).get("files")
     if not isinstance(files, dict) or not files:
-        raise CheckpointError(f"{manifest}: lists no files")
-    for rel, want in sorted(files.items()):
+        raise CheckpointError(f"{source}: lists no files")
+    for rel in sorted(files):  # every file there before any is hashed: a node's partial copy fails fast
         path = step_dir / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not path.is_file():
-            raise CheckpointError(f"{path}: listed in {manifest} but missing")
+            raise CheckpointError(f"{path}: listed in {source} but missing")
+    for rel, want in sorted(files.items()):
+        path = step_dir / rel
         digest, size = _hash_file(path)
         if (digest, size) != (want.get("sha256"), want.get("bytes")):
             raise CheckpointError(
-                f"{path}: checksum mismatch with {manifest} (sha256 {digest[:12]}..., {size} bytes; "
+                f"{path}: checksum mismatch with {source} (sha256 {digest[:12]}..., {size} bytes; "
                 f"recorded {str(want.get('sha256'))[:12]}..., {want.get('bytes')} bytes): the file is corrupt"
             )
 
 
-def _write_manifest(step_dir: Path) -> None:
-    """Hash (and fsync) every file under `step_dir`, write manifest.json, fsync every dir."""
-    files = {}
-    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
-        digest, size = _hash_file(path, fsync=True)
-        files[path.relative_to(step_dir).as_posix()] = {"sha256": digest, "bytes": size}
-    atomic_write_json(step_dir / MANIFEST, {"format": 1, "files": files})
+def _write_manifest(step_dir: Path, manifest: dict[str, Any] | None = None) -> None:
+    """Write manifest.json (by default: hash and fsync every file under `step_dir`), fsync every dir."""
+    if manifest is None:
+        manifest = {"format": 1, "files": _hash_files(step_dir, _files(step_dir))}
+    atomic_write_json(step_dir / MANIFEST, manifest)
     for d in sorted((p for p in step_dir.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         fsync_dir(d)
     fsync_dir(step_dir)
+
+
+def _files(step_dir: Path) -> list[str]:
+    """Every file of a step dir but the manifest, relative, sorted."""
+    return sorted(
+        p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
+
+
+def _hash_files(step_dir: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
+    """{rel: {"sha256", "bytes"}} of files under `step_dir`, each fsynced while it is read."""
+    out = {}
+    for rel in rels:
+        digest, size = _hash_file(step_dir / rel, fsync=True)
+        out[rel] = {"sha256": digest, "bytes": size}
+    return out
 
 
 def _hash_file(path: Path, fsync: bool = False) -> tuple[str, int]:

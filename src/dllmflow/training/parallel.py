@@ -4,6 +4,9 @@
     model = apply_fsdp2(model)                # or apply_ddp(model, dist_info.device)
     with grad_sync(model, enabled=is_last_micro_batch): loss.backward()
 
+Nodes with a disk of their own: `shares_rank0_disk(path, info)` tells each rank whether it sees the files
+rank 0 writes under `path` (checkpoints then publish and verify once per disk, not once per run).
+
 Backend: `distributed.backend` (`auto` = nccl when CUDA is available, else gloo). Without torchrun's
 env (RANK/WORLD_SIZE) the trainer runs in-process as a single rank and no process group is created.
 """
@@ -12,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,3 +130,25 @@ def barrier() -> None:
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def shares_rank0_disk(path: str | os.PathLike, info: DistInfo) -> bool:
+    """Collective: whether this rank sees the files rank 0 writes under `path` (rank 0 itself, the ranks
+    of its node, every rank when all nodes mount one volume); False on a node with a disk of its own.
+    Rank 0 writes a fresh token to a probe file and broadcasts it; each rank reads the file back.
+    `path` must exist on every rank."""
+    if not info.distributed:
+        return True
+    probe = Path(path) / ".rank0_disk_probe"
+    token = [uuid.uuid4().hex if info.is_main else None]
+    if info.is_main:
+        probe.write_text(token[0])
+    dist.broadcast_object_list(token, src=0)  # sent after the write: a reader opens a closed file
+    try:
+        seen = probe.read_text() == token[0]
+    except OSError:
+        seen = False
+    barrier()  # every rank has read it before it goes
+    if info.is_main:
+        probe.unlink(missing_ok=True)
+    return seen

@@ -11,9 +11,12 @@ Remote layout (the local one of `dllmflow.runs`, with LATEST as an object holdin
     s3://bucket/runs/<name>/LATEST                            "step_000004", written after every rank uploaded
 
 Each rank uploads the files it wrote itself (its DCP shards `__<rank>_*`, its `rng/rank_<rank>.safetensors`), from
-its own disk; rank 0 then uploads the rest (DCP metadata, the export), trainer_state.json last, and
-LATEST. So multi-node training needs no shared volume, and a crash or an unreachable endpoint at any
-point leaves the remote LATEST on the last complete step dir. Any fsspec URL works (s3://, gs://, a
+its own disk; rank 0 then uploads the rest (DCP metadata, the export, manifest.json listing every rank's
+files), trainer_state.json last, and LATEST. So multi-node training needs no shared volume, and a crash
+or an unreachable endpoint at any point leaves the remote LATEST on the last complete step dir. On
+resume, a node whose disk lacks the chosen step dir (or holds only its own ranks' part of it) downloads
+the whole remote step dir and verifies it against rank 0's manifest (`checkpoint.resume_checkpoint`
+with `fetch=`), so every rank reads whatever DCP plans for it. Any fsspec URL works (s3://, gs://, a
 local path); for S3 the endpoint comes from DLLMFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL (MinIO, moto).
 """
 
@@ -30,10 +33,10 @@ from dllmflow.runs import (
     LATEST,
     latest_target,
     step_dir_name,
-    tmp_step_dir_name,
     write_latest,
 )
-from dllmflow.training.parallel import DistInfo, barrier
+from dllmflow.training.checkpoint import file_owner
+from dllmflow.training.parallel import DistInfo, barrier, shares_rank0_disk
 
 ENDPOINT_ENVS = ("DLLMFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
 STATE_FILE = "trainer_state.json"  # written last by save_checkpoint and uploaded last: completeness
@@ -64,12 +67,9 @@ def mirror_checkpoint(
     dirs beyond `keep_last`. An unreachable store raises a UserError on the rank that saw it, before
     LATEST moves. Returns the remote step dir."""
     ckpt_root = Path(ckpt_root)
-    # Rank 0 renamed the tmp dir into place; a node that does not share rank 0's disk still holds its
-    # files under the tmp name.
-    local = ckpt_root / step_dir_name(step)
-    if not local.is_dir():
-        local = ckpt_root / tmp_step_dir_name(step)
+    # save_checkpoint published the step dir on every disk (a node without rank 0's disk holds its own part)
     name = step_dir_name(step)
+    local = ckpt_root / name
     mirror_step_dir(local, remote, name, rank=info.rank, world_size=info.world_size, part="own")
     barrier()
     if info.is_main:
@@ -94,9 +94,9 @@ def mirror_step_dir(
     local = Path(local_step_dir)
     name = name or local.name
     files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-    owned = {f for f in files if _owner(f, world_size) is not None}
+    owned = {f for f in files if file_owner(f, world_size) is not None}
     if part == "own":
-        chosen = [f for f in files if _owner(f, world_size) == rank]
+        chosen = [f for f in files if file_owner(f, world_size) == rank]
     elif part == "shared":
         chosen = [f for f in files if f not in owned]
     else:
@@ -127,13 +127,6 @@ def publish_latest(remote: str, name: str, keep_last: int | None = None) -> None
         raise _store_error(remote, f"publishing LATEST={name}", e) from None
 
 
-def _owner(rel: str, world_size: int) -> int | None:
-    """The rank that wrote a step dir file: DCP shards `__<rank>_<i>.distcp`, `rng/rank_<rank>.safetensors`."""
-    leaf = rel.rsplit("/", 1)[-1]
-    m = re.match(r"^__(\d+)_\d+\.distcp$", leaf) or re.match(r"^rank_(\d+)\.(?:safetensors|pt)$", leaf)
-    return int(m.group(1)) if m and int(m.group(1)) < world_size else None
-
-
 # ---- download ----------------------------------------------------------------------------------------
 
 
@@ -157,11 +150,17 @@ def remote_latest(remote: str) -> str | None:
 def restore_run(remote: str, ckpt_root: str | os.PathLike, info: DistInfo | None = None) -> Path | None:
     """Collective, before a resume reads the local LATEST: when this node has no complete local
     checkpoint, download the remote's latest complete step dir into `ckpt_root` and point the local
-    LATEST at it (one process per node downloads: local rank 0). Returns the restored step dir, or None
-    when nothing was restored (a local checkpoint exists, or the remote is empty)."""
+    LATEST at it (one process per disk downloads: rank 0, and local rank 0 of a node that does not see
+    rank 0's disk). Returns the restored step dir, or None when nothing was restored (a local checkpoint
+    exists, or the remote is empty)."""
     ckpt_root = Path(ckpt_root)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
     restored = None
-    if (info is None or info.local_rank == 0) and latest_target(ckpt_root) is None:
+    downloads = True
+    if info is not None:
+        shared = shares_rank0_disk(ckpt_root, info)  # collective: every rank asks
+        downloads = info.is_main or (info.local_rank == 0 and not shared)
+    if downloads and latest_target(ckpt_root) is None:
         name = remote_latest(remote)
         if name is not None:
             restored = download_step_dir(remote, name, ckpt_root)
@@ -171,12 +170,22 @@ def restore_run(remote: str, ckpt_root: str | os.PathLike, info: DistInfo | None
 
 
 def download_step_dir(remote: str, name: str, ckpt_root: str | os.PathLike) -> Path:
-    """`remote/<name>` -> `ckpt_root/<name>` through a tmp dir (renamed when complete), then LATEST."""
+    """`remote/<name>` -> `ckpt_root/<name>` through a tmp dir (renamed when complete), then LATEST.
+    A UserError when the remote holds no complete `<name>` (its trainer_state.json goes up last)."""
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f".{name}.{os.getpid()}.download.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     fs, base = remote_fs(remote)
+    try:
+        complete = fs.exists(f"{base}/{name}/{STATE_FILE}")
+    except Exception as e:
+        raise _store_error(remote, f"download of {name}", e) from None
+    if not complete:
+        raise UserError(
+            f"checkpoint.remote_dir {remote}: holds no complete {name} (no {STATE_FILE}); its LATEST is "
+            f"{remote_latest(remote)}. A node without that step dir on its disk cannot resume from it"
+        )
     try:
         fs.get(f"{base}/{name}/", str(tmp) + "/", recursive=True)
     except Exception as e:

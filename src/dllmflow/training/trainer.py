@@ -43,6 +43,7 @@ from dllmflow.training.parallel import (
     barrier,
     grad_sync,
     init_distributed,
+    shares_rank0_disk,
 )
 from dllmflow.training.parallelize import build_parallel_model, compute_context
 from dllmflow.training.tracking import build_live_logger
@@ -114,8 +115,11 @@ def run_training(
             ckpt.clear_run(run)
         if overwrite or not run.settings_json.is_file():
             settings.write_json(run.settings_json)
-    if overwrite:
-        barrier()  # no rank looks at the run dir before rank 0 has cleared it
+    if overwrite and info.distributed:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not shares_rank0_disk(run_dir, info) and info.local_rank == 0:
+            ckpt.clear_run(run)  # a node with a disk of its own clears its copy too
+        barrier()  # no rank looks at the run dir before it is cleared
 
     # 1) data, tokenizer, model, strategy (identical init on every rank: seeded before building)
     prepared = settings.dataset.prepared_dir
@@ -145,7 +149,9 @@ def run_training(
     if resume and remote:  # a run that lost its local disk resumes from the object store
         storage.restore_run(remote, ckpt_root, info)
     if resume:
-        latest = ckpt.resume_checkpoint(ckpt_root, info)
+        # A node whose disk lacks the chosen step dir (no shared volume) fetches it from the remote.
+        fetch = (lambda name: storage.download_step_dir(remote, name, ckpt_root)) if remote else None
+        latest = ckpt.resume_checkpoint(ckpt_root, info, fetch)
         if latest is None:
             _print(info, f"--resume: no checkpoint under {ckpt_root} yet; starting from step 0")
     if latest is not None:

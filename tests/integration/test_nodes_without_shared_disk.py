@@ -1,0 +1,182 @@
+"""Two nodes that share no disk, checkpointing to S3 (a `moto_server` started by the test).
+
+Each "node" is its own `torchrun --nnodes 2 --node_rank N --nproc_per_node 1` on this machine, with its
+own run dir (as two Kubernetes pods with their own local disks, each handed the same settings.json):
+
+  * a checkpoint mid-way: each node's disk holds the part of the step dir its rank wrote plus the
+    complete manifest, and the remote step dir holds every rank's files; the remote manifest lists both
+    ranks' DCP shards and RNG files with the sha256 of the bytes in the bucket (recomputed here);
+  * the remote copy of rank 1's shard corrupted: the resume (whose node 0 lacks that shard and fetches
+    the step dir) fails on every rank naming that file;
+  * both disks lost: the resume restores from S3 on both nodes (node 1 verifies what it downloaded
+    against rank 0's manifest) and gives the losses of an uninterrupted two-node run, bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _services import moto_s3
+
+from dllmflow.common.net import free_port
+from dllmflow.runs import read_metrics
+from dllmflow.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
+BIN = Path(sys.executable).parent
+STEP = "step_000002"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def s3(tmp_path):
+    with moto_s3("dllmflow", log=tmp_path / "moto.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory) -> Path:
+    from dllmflow.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("prep") / "tiny"
+    prepare(load_settings(RECIPE, dataset={"limit": 32, "prepared_dir": str(out)}))
+    return out
+
+
+def _settings(prep: Path, remote: str | None):
+    return load_settings(
+        RECIPE,
+        dataset={"limit": 32, "prepared_dir": str(prep)},
+        train={"max_steps": 4, "global_batch_size": 4, "local_batch_size": 2, "warmup_steps": 1},
+        checkpoint={"every_steps": 2, "keep_last": 2, "remote_dir": remote},
+        distributed={"strategy": "ddp", "backend": "gloo"},
+    )
+
+
+def _node_dirs(base: Path, settings) -> list[Path]:
+    """One run dir per node, each with its own copy of settings.json (a pod's disk + its ConfigMap)."""
+    nodes = [base / f"node{i}" for i in range(2)]
+    for node in nodes:
+        _lose_disk(node, settings)
+    return nodes
+
+
+def _lose_disk(node: Path, settings) -> None:
+    """The pod is gone and its disk with it; the new one gets settings.json again."""
+    shutil.rmtree(node, ignore_errors=True)
+    node.mkdir(parents=True)
+    settings.with_run_dir(node).write_json(node / "settings.json")
+
+
+def _train(
+    nodes: list[Path], resume: bool = False, fail_at: int | None = None
+) -> list[subprocess.CompletedProcess]:
+    """Both nodes' torchrun at once (static rendezvous on 127.0.0.1), each with its own --settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DLLM_FAIL_AT_STEP", "DLLM_FAIL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    if fail_at is not None:
+        env["DLLM_FAIL_AT_STEP"] = str(fail_at)
+    port = free_port()
+    procs = []
+    for rank, node in enumerate(nodes):
+        cmd = [
+            str(BIN / "torchrun"),
+            "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+            "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "-m", "dllmflow.training.main", "--settings", str(node / "settings.json"),
+        ]  # fmt: skip
+        if resume:
+            cmd.append("--resume")
+        out = open(node.parent / f"{node.name}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True), out))
+    done = []
+    for proc, out in procs:
+        proc.wait(timeout=600)
+        out.close()
+        log = Path(out.name).read_text()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, log, ""))
+    return done
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def _files(step_dir: Path) -> set[str]:
+    return {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()}
+
+
+def test_two_nodes_without_a_shared_disk_resume_from_s3(s3, prep, tmp_path):
+    # 0) the uninterrupted two-node run (no remote): the losses a resume must reproduce exactly
+    ref_nodes = _node_dirs(tmp_path / "reference", _settings(prep, None))
+    assert all(p.returncode == 0 for p in _train(ref_nodes)), (
+        tmp_path / "reference" / "node1.log"
+    ).read_text()[-3000:]
+    reference = _losses(ref_nodes[0])
+    assert sorted(reference) == [1, 2, 3, 4]
+
+    # 1) both nodes stop after step 3; the last checkpoint is step 2, on each disk and in the bucket
+    remote = f"s3://{s3.bucket}/runs/nodes"
+    settings = _settings(prep, remote)
+    nodes = _node_dirs(tmp_path / "run", settings)
+    failed = _train(nodes, fail_at=3)
+    assert all(p.returncode != 0 for p in failed)
+    assert all("injected failure after step 3" in p.stdout for p in failed), failed[1].stdout[-3000:]
+    assert {s: reference[s] for s in (1, 2, 3)} == _losses(nodes[0])
+    local = [n / "checkpoints" / STEP for n in nodes]
+    assert all(os.readlink(n / "checkpoints" / "LATEST") == STEP for n in nodes)
+    own_part = {"manifest.json", "model/__1_0.distcp", "optim/__1_0.distcp", "rng/rank_00001.safetensors"}
+    assert _files(local[1]) == own_part  # node 1 published only what its rank wrote (+ the manifest)
+    assert (local[0] / "trainer_state.json").is_file() and not list(nodes[1].glob("checkpoints/.*.tmp"))
+    assert json.loads((local[1] / "manifest.json").read_text()) == json.loads(
+        (local[0] / "manifest.json").read_text()
+    )
+
+    # the remote manifest lists both ranks' files with the sha256 of the bytes in the bucket
+    client, prefix = s3.client(), f"runs/nodes/{STEP}/"
+    keys = {k[len(prefix) :] for k in s3.keys(prefix)}
+
+    def remote_bytes(rel: str) -> bytes:
+        return client.get_object(Bucket=s3.bucket, Key=prefix + rel)["Body"].read()
+
+    manifest = json.loads(remote_bytes("manifest.json"))["files"]
+    assert set(manifest) == keys - {"manifest.json"}
+    for rank in (0, 1):
+        for rel in (
+            f"model/__{rank}_0.distcp",
+            f"optim/__{rank}_0.distcp",
+            f"rng/rank_{rank:05d}.safetensors",
+        ):
+            assert rel in manifest, rel
+    for rel, want in manifest.items():
+        data = remote_bytes(rel)
+        assert (hashlib.sha256(data).hexdigest(), len(data)) == (want["sha256"], want["bytes"]), rel
+
+    # 2) the bucket's copy of rank 1's shard is corrupt: node 0's disk lacks that shard, so the resume
+    # fetches the step dir, and it fails on every rank naming the file
+    shard = "model/__1_0.distcp"
+    good = remote_bytes(shard)
+    client.put_object(Bucket=s3.bucket, Key=prefix + shard, Body=bytes([good[0] ^ 0xFF]) + good[1:])
+    corrupt = _train(nodes, resume=True)
+    assert all(p.returncode != 0 for p in corrupt)
+    named = f"{nodes[0]}/checkpoints/{STEP}/{shard}: checksum mismatch"
+    assert all(named in p.stdout for p in corrupt), corrupt[1].stdout[-3000:]
+
+    # 3) the good bytes back; both disks lost: both nodes restore from S3 and finish the run exactly
+    client.put_object(Bucket=s3.bucket, Key=prefix + shard, Body=good)
+    for node in nodes:
+        _lose_disk(node, settings)
+    resumed = _train(nodes, resume=True)
+    assert all(p.returncode == 0 for p in resumed), resumed[1].stdout[-3000:]
+    assert all("resumed from" in p.stdout for p in resumed[:1])
+    assert _losses(nodes[0]) == {s: reference[s] for s in (3, 4)}
+    assert all(os.readlink(n / "checkpoints" / "LATEST") == "step_000004" for n in nodes)
+    assert "runs/nodes/LATEST" in s3.keys("runs/nodes/")
