@@ -266,7 +266,7 @@ def test_chunked_decode_matches_hf_generate(model_dir):
     the same greedy tokens as `generate` on each prompt alone."""
     import torch
 
-    from dllmflow.inference.serve import ChatEngine, ChatRequest
+    from dllmflow.inference.engine import ChatEngine, ChatRequest
 
     engine = ChatEngine(model_dir)
     prompts = [engine.encode([{"role": "user", "content": t}], {}) for t in ("hi", "Natalia sold 48 clips")]

@@ -1,0 +1,289 @@
+"""The serving engine of `dllmflow serve`: a causal LM generating batches a few tokens at a time, and the
+scheduler that gives every active batch a turn (round-robin), so a long request delays a short one by a
+few turns instead of holding the model until it is done.
+
+    engine = ChatEngine("runs/target")                     # model + tokenizer with a chat template
+    scheduler = Scheduler(engine, max_batch_size=16, chunk_tokens=8)
+    scheduler.submit(ChatRequest(prompt_ids, max_tokens=32, temperature=0.0, top_p=1.0))
+    await scheduler.run()                                   # the one worker that owns the model
+
+`inference/serve.py` puts the HTTP API (OpenAI chat completions) in front of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dllmflow.errors import UserError
+from dllmflow.runs import find_export
+
+log = logging.getLogger("dllmflow.inference.serve")
+
+
+@dataclass(eq=False)
+class ChatRequest:
+    """One accepted request as the scheduler sees it; `events` carries ("tokens" | "done" | "error", x)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stream: bool = False
+    tokens: list[int] = field(default_factory=list)  # new tokens, the stop token included
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    cancelled: bool = False  # timed out or disconnected: dropped at the next turn
+    events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
+
+    def batch_key(self) -> tuple:
+        """Rows of one batch sample the same way (max_tokens may differ: rows finish on their own)."""
+        return (self.temperature, self.top_p)
+
+
+@dataclass(eq=False)
+class Decode:
+    """A batch being generated: its live rows, their attention mask and KV cache."""
+
+    reqs: list[ChatRequest]
+    mask: Any  # [B, L] 1 = real token, 0 = left padding
+    cache: Any  # transformers Cache over the same B rows
+
+
+def sample(logits, temperature: float, top_p: float):
+    """Next token per row from `logits` [B, V]: argmax at temperature 0, else temperature + nucleus."""
+    import torch
+
+    if temperature == 0:
+        return logits.argmax(-1)  # [B]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    if top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
+        sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0
+        return order.gather(-1, torch.multinomial(sorted_p, 1)).squeeze(-1)  # [B]
+    return torch.multinomial(probs, 1).squeeze(-1)  # [B]
+
+
+class ChatEngine:
+    """A causal LM + tokenizer with a chat template, generating a batch a few tokens at a time:
+    `prefill(reqs)` starts a `Decode`, `step(decode, n)` adds up to n tokens per live row."""
+
+    def __init__(self, model_path: str | os.PathLike, dtype: str = "float32"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(model_path)
+        if not path.is_dir():
+            raise UserError(
+                f"--model-path {path}: not a directory; point it at a saved HF model (config + weights)"
+            )
+        path = find_export(path) or path  # a run dir or checkpoint root serves its consolidated export
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if not self.tokenizer.chat_template:
+            raise UserError(
+                f"--model-path {path}: the tokenizer has no chat_template; save one with the tokenizer"
+            )
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_ids = self._eos_ids()
+        # transformers 5 renamed `past_key_values` to `cache`; remote-code models may still use the old name
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.extra_args = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # last position only
+        # chat_template_kwargs are template variables (enable_thinking, ...), never apply_chat_template's own
+        # options: a client must not swap the template (`chat_template`) or change tokenization.
+        self.reserved_template_args = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
+
+    def _eos_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def encode(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def prefill(self, reqs: list[ChatRequest]) -> Decode:
+        """Run the left-padded prompts of requests sharing a batch key; sample each row's first token."""
+        import torch
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt_ids) for r in reqs)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs])  # [B, L]
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs]
+        )  # [B, L]
+        decode = Decode(reqs, mask, DynamicCache())
+        self._forward(decode, input_ids, (mask.cumsum(-1) - 1).clamp(min=0))
+        return decode
+
+    def step(self, decode: Decode, num_tokens: int) -> Decode:
+        """Up to `num_tokens` more tokens for every live row; finished rows leave the batch as they stop."""
+        import torch
+
+        for _ in range(num_tokens):
+            if not decode.reqs:
+                break
+            last = torch.tensor([[r.tokens[-1]] for r in decode.reqs])  # [B, 1]
+            decode.mask = torch.cat([decode.mask, torch.ones_like(last)], dim=1)  # [B, L + 1]
+            self._forward(decode, last, decode.mask.sum(-1, keepdim=True) - 1)  # positions skip the padding
+        return decode
+
+    def _forward(self, decode: Decode, input_ids, position_ids) -> None:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=decode.mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self.cache_arg: decode.cache},
+                **self.extra_args,
+            )
+            first = decode.reqs[0]
+            next_ids = sample(out.logits[:, -1], first.temperature, first.top_p).tolist()  # [B]
+        for req, tok in zip(decode.reqs, next_ids):
+            req.tokens.append(tok)
+            if tok in self.eos_ids:
+                req.finish_reason = "stop"
+            elif len(req.tokens) >= req.max_tokens:
+                req.finish_reason = "length"
+        self.keep(decode, [i for i, r in enumerate(decode.reqs) if r.finish_reason is None])
+
+    def keep(self, decode: Decode, rows: list[int]) -> None:
+        """Drop every other row from the batch (its cache too): finished or cancelled rows cost nothing."""
+        import torch
+
+        if len(rows) == len(decode.reqs):
+            return
+        decode.reqs = [decode.reqs[i] for i in rows]
+        if rows:
+            index = torch.tensor(rows)
+            decode.mask = decode.mask[index]
+            decode.cache.batch_select_indices(index)
+
+    def text(self, req: ChatRequest) -> str:
+        new = req.tokens[:-1] if req.finish_reason == "stop" else req.tokens
+        return self.tokenizer.decode(new, skip_special_tokens=True)
+
+    def result(self, req: ChatRequest) -> dict[str, Any]:
+        return {
+            "text": self.text(req),
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.tokens),  # the stop token counts, as in OpenAI usage
+        }
+
+
+class Scheduler:
+    """One worker owns the model: it batches queued requests and gives every active batch a turn of
+    `chunk_tokens` tokens in round-robin, so no request waits for another to finish."""
+
+    def __init__(
+        self,
+        engine: ChatEngine,
+        max_batch_size: int,
+        chunk_tokens: int = 8,
+        *,
+        batch_wait_s: float = 0.005,
+        turn_delay_s: float = 0.0,
+    ):
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.chunk_tokens = chunk_tokens
+        self.batch_wait_s = batch_wait_s
+        self.turn_delay_s = turn_delay_s
+        self.queue: asyncio.Queue[ChatRequest] = asyncio.Queue()
+        self.active: collections.deque[Decode] = collections.deque()
+        self.running: list[ChatRequest] = []  # rows of the batch taking its turn now
+        self.counters = {"batches": 0, "max_batch_size_seen": 0, "turns": 0, "dropped": 0}
+
+    def submit(self, req: ChatRequest) -> None:
+        self.queue.put_nowait(req)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.counters,
+            "active_rows": len(self.running) + sum(len(d.reqs) for d in self.active),
+            "queued": self.queue.qsize(),
+        }
+
+    async def run(self) -> None:
+        while True:
+            await self._admit(wait=not self.active)
+            if self.active:
+                decode = self.active.popleft()
+                live = [i for i, r in enumerate(decode.reqs) if not r.cancelled]
+                self.counters["dropped"] += len(decode.reqs) - len(live)
+                self.engine.keep(decode, live)
+                if decode.reqs:
+                    await self._turn(
+                        decode.reqs, functools.partial(self.engine.step, decode, self.chunk_tokens)
+                    )
+
+    async def _admit(self, wait: bool) -> None:
+        """Start a batch per sampling setting from what is queued; when idle, wait for requests first."""
+        pending = []
+        if wait:
+            pending.append(await self.queue.get())
+            # Requests a client sends together arrive a few ms apart: collect while more keep coming.
+            while len(pending) < self.max_batch_size:
+                await asyncio.sleep(self.batch_wait_s)
+                if self.queue.empty():
+                    break
+                while not self.queue.empty():
+                    pending.append(self.queue.get_nowait())
+        while not self.queue.empty():
+            pending.append(self.queue.get_nowait())
+        groups: dict[tuple, list[ChatRequest]] = {}
+        for req in pending:
+            groups.setdefault(req.batch_key(), []).append(req)
+        for group in groups.values():
+            for start in range(0, len(group), self.max_batch_size):
+                batch = [r for r in group[start : start + self.max_batch_size] if not r.cancelled]
+                self.counters["dropped"] += min(self.max_batch_size, len(group) - start) - len(batch)
+                if batch:
+                    self.counters["batches"] += 1
+                    self.counters["max_batch_size_seen"] = max(
+                        self.counters["max_batch_size_seen"], len(batch)
+                    )
+                    await self._turn(batch, functools.partial(self.engine.prefill, batch))
+
+    async def _turn(self, reqs: list[ChatRequest], work) -> None:
+        """Run one turn (`work` returns the batch's Decode) in a thread, answer the rows it finished and
+        requeue the batch while rows are live."""
+        self.counters["turns"] += 1
+        self.running = reqs
+        try:
+            decode = await asyncio.to_thread(work)
+        except Exception as e:  # answer every waiter; the server keeps running
+            log.exception("generation failed")
+            for req in reqs:
+                req.events.put_nowait(("error", e))
+            return
+        finally:
+            self.running = []
+        for req in reqs:
+            if req.finish_reason is not None:
+                req.events.put_nowait(("done", self.engine.result(req)))
+            elif req.stream:
+                req.events.put_nowait(("tokens", list(req.tokens)))
+        if decode.reqs:
+            self.active.append(decode)
+        if self.turn_delay_s:
+            await asyncio.sleep(self.turn_delay_s)
