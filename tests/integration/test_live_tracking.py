@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _prepared import prepare_tiny
 from _services import mlflow_server_args
 
 from dllmflow.common.net import free_port
@@ -61,11 +62,7 @@ def _stop(server: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def prep(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("prepared") / "tiny"
-    prepare(load_settings(RECIPE, dataset={"limit": 32, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory, RECIPE, limit=32)
 
 
 def _settings(prep: Path, uri: str):

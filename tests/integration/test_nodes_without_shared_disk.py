@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _services import moto_s3
+from _prepared import prepare_tiny
 
 from dllmflow.common.net import free_port
 from dllmflow.runs import read_metrics
@@ -36,19 +36,9 @@ STEP = "step_000002"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture()
-def s3(tmp_path):
-    with moto_s3("dllmflow", log=tmp_path / "moto.log") as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def prep(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("prep") / "tiny"
-    prepare(load_settings(RECIPE, dataset={"limit": 32, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory, RECIPE, limit=32)
 
 
 def _settings(prep: Path, remote: str | None):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _dvc_repo import file_hashes, init_repo, run
-from _services import moto_s3
+from _prepared import prepare_tiny
 
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
@@ -28,19 +28,9 @@ RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture()
-def s3(tmp_path):
-    with moto_s3("dllmflow", log=tmp_path / "moto.log") as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def prep(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("prep") / "tiny"
-    prepare(load_settings(RECIPE, dataset={"limit": 32, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory, RECIPE, limit=32)
 
 
 def _settings(prep: Path, remote: str | None, max_steps: int = 4):

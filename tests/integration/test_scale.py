@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _prepared import prepare_tiny
 
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
@@ -28,11 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def prep(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("prepared") / "tiny"
-    prepare(load_settings(RECIPE, dataset={"limit": 64, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory, RECIPE, limit=64)
 
 
 def _params(prep: Path, run_dir: Path, tmp: Path, **extra) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _prepared import prepare_tiny
 
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
@@ -46,11 +47,7 @@ def overrides(prep: Path, **sections) -> dict:
 
 @pytest.fixture(scope="module")
 def prep(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("prepared") / "tiny"
-    prepare(load_settings(HYBRID, dataset={"limit": 32, "seq_length": 256, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory, HYBRID, limit=32, seq_length=256)
 
 
 def _train(recipe: Path, prep: Path, run_dir: Path, **sections):

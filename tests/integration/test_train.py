@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _prepared import prepare_tiny
 
 from dllmflow.errors import UserError
 from dllmflow.runs import read_metrics
@@ -64,11 +65,7 @@ def env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def prep(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("prepared") / "tiny"
-    prepare(load_settings(RECIPE, dataset={"limit": 64, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory, RECIPE, limit=64)
 
 
 @pytest.fixture(scope="module")
