@@ -17,29 +17,11 @@ from pathlib import Path
 import httpx
 
 from dllmflow.data.regen_client import regenerate
+from dllmflow.inference.engine import build_tiny_chat_lm
 from dllmflow.inference.serve import local_server
 from dllmflow.settings import RegenerateConfig
 
 MODEL = "bench-target"
-
-
-def build_tiny_target(out: Path, hidden: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dllmflow.data.tokenizer import train_bpe_tokenizer
-
-    tok = train_bpe_tokenizer(
-        ["Natalia sold 48 clips to her friends in April."] * 8, 300, "<mask>", "<pad>", "<eos>"
-    )
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        initializer_range=0.5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(out)
 
 
 def main() -> None:
@@ -52,7 +34,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        build_tiny_target(tmp / "model", args.hidden_size)
+        build_tiny_chat_lm(tmp / "model", args.hidden_size, 512)
         rows = [
             {"messages": [{"role": "user", "content": f"question {i}: how many clips?"}]}
             for i in range(args.rows)

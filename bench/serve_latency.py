@@ -21,32 +21,11 @@ from pathlib import Path
 
 import httpx
 
+from dllmflow.inference.engine import build_tiny_chat_lm
 from dllmflow.inference.serve import local_server
 
 MODEL = "bench-target"
 PROMPT = [{"role": "user", "content": "Natalia sold 48 clips to her friends in April."}]
-
-
-def build_tiny_target(out: Path, hidden: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dllmflow.data.tokenizer import train_bpe_tokenizer
-
-    tok = train_bpe_tokenizer(
-        ["Natalia sold 48 clips to her friends in April."] * 8, 300, "<mask>", "<pad>", "<eos>"
-    )
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
-        initializer_range=0.5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # a zero logit never beats the max of ~300 random ones: no early stop
-        model.lm_head.weight[tok.eos_token_id] = 0
-    model.save_pretrained(out)
 
 
 async def short_latencies(client: httpx.AsyncClient, url: str, args) -> list[float]:
@@ -106,7 +85,7 @@ def main() -> None:
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_target(Path(tmp) / "model", args.hidden_size)
+        build_tiny_chat_lm(Path(tmp) / "model", args.hidden_size, 4096, never_stop=True)
         results = {}
         for chunk in (args.chunk_tokens, args.long_tokens):
             with local_server(

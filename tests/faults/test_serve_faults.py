@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from dllmflow.inference.engine import build_tiny_chat_lm
 from dllmflow.inference.serve import local_server
 
 pytestmark = pytest.mark.slow  # two servers in subprocesses, ~a minute on a busy CPU
@@ -26,29 +27,8 @@ HI = [{"role": "user", "content": "Natalia sold 48 clips"}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A ~40k-parameter Llama whose stop token has a zero output row: among ~300 random logits one is
-    always above 0, so greedy decoding never stops early and a long request really is long."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dllmflow.data.tokenizer import train_bpe_tokenizer
-
-    out = tmp_path_factory.mktemp("target")
-    tok = train_bpe_tokenizer(
-        ["Natalia sold 48 clips to her friends in April and May."] * 8, 300, "<mask>", "<pad>", "<eos>"
-    )
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.5,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] = 0
-    model.save_pretrained(out)
-    return out
+    """Greedy decoding never stops early (`never_stop`): a long request really is long."""
+    return build_tiny_chat_lm(tmp_path_factory.mktemp("target"), max_positions=2048, never_stop=True)
 
 
 @pytest.fixture(scope="module")

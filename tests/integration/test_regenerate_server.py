@@ -18,6 +18,7 @@ import pytest
 from dllmflow.cli import main
 from dllmflow.common.net import free_port
 from dllmflow.data.regen_client import scan_shards
+from dllmflow.inference.engine import build_tiny_chat_lm
 from dllmflow.inference.serve import local_server
 
 pytestmark = pytest.mark.slow  # servers in subprocesses
@@ -28,25 +29,7 @@ API_KEY = "sk-test-secret-4242"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A ~40k-parameter Llama with untied head (a tied tiny head just repeats the last token)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dllmflow.data.tokenizer import train_bpe_tokenizer
-
-    out = tmp_path_factory.mktemp("target")
-    tok = train_bpe_tokenizer(
-        ["Natalia sold 48 clips to her friends in April and May."] * 8, 300, "<mask>", "<pad>", "<eos>"
-    )
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.5,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return build_tiny_chat_lm(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")

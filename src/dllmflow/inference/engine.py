@@ -287,3 +287,36 @@ class Scheduler:
             self.active.append(decode)
         if self.turn_delay_s:
             await asyncio.sleep(self.turn_delay_s)
+
+
+def build_tiny_chat_lm(
+    out: str | os.PathLike, hidden_size: int = 32, max_positions: int = 512, never_stop: bool = False
+) -> Path:
+    """Write a tiny random Llama chat LM (~40k parameters at hidden 32, BPE tokenizer of 300 tokens with
+    the default chat template) to `out`, seeded: something to serve offline (tests, benchmarks, trying
+    `dllmflow serve`). The head is untied: a tied tiny head just repeats the last token. `never_stop`
+    zeroes the stop token's output row, so among ~300 random logits one always beats it and greedy
+    decoding runs to max_tokens (a long request really is long)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+
+    out = Path(out)
+    tok = train_bpe_tokenizer(
+        ["Natalia sold 48 clips to her friends in April and May."] * 8, 300, "<mask>", "<pad>", "<eos>"
+    )
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, initializer_range=0.5, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    if never_stop:
+        with torch.no_grad():
+            model.lm_head.weight[tok.eos_token_id] = 0
+    model.save_pretrained(out)
+    return out
