@@ -105,7 +105,8 @@ def _toy_settings(tmp_path: Path, **dllm):
         dataset={"limit": 16, "seq_length": 128, "prepared_dir": str(tmp_path / "prepared")},
         train={"max_steps": 3, "global_batch_size": 4, "local_batch_size": 2, "warmup_steps": 1},
         checkpoint={"every_steps": 3},
-        eval={"limit": 2, "max_new_tokens": 8, "steps": 8, "block_size": 8, "batch_size": 2},
+        eval={"limit": 2, "max_new_tokens": 8, "steps": 8, "block_size": 8, "batch_size": 2}
+        | {"untrained_baseline": True},
     )
 
 

@@ -333,6 +333,11 @@ class EvalConfig(Section):
     n_shot: NonNegativeInt = 0
     batch_size: PositiveInt = 8
     seed: int = 0
+    untrained_baseline: bool = Field(
+        False,
+        description="Tiny random models only: also evaluate the same-seed untrained model (each sampler, "
+        "same examples), shown as 'EM untrained' in the results table and card. Doubles evaluate's time.",
+    )
 
 
 class GateConfig(Section):

@@ -238,8 +238,9 @@ def evaluate_sampler(
 def untrained_baseline(settings: SettingsLike, sampler: str) -> dict[str, Any] | None:
     """The same evaluation (sampler, examples, settings) of the model as it was before training: built
     fresh from `train.seed` as the trainer builds it, exported to a temp dir. What the results table shows
-    as "untrained", so a reader sees what training added. Only for a tiny random model, where it costs
-    seconds; a pretrained model's baseline is the base model (`dllmflow evaluate --checkpoint <base>`)."""
+    as "untrained", so a reader sees what training added. Only with `eval.untrained_baseline` (on in the
+    demo recipe, params/tiny_addition.yaml) and for a tiny random model: it is a second evaluation of
+    every sampler; a pretrained model's baseline is the base model (`dllmflow evaluate --checkpoint <base>`)."""
     import tempfile
 
     import torch
@@ -249,7 +250,7 @@ def untrained_baseline(settings: SettingsLike, sampler: str) -> dict[str, Any] |
     from dllmflow.evaluation.accuracy import evaluate
 
     s = Settings.coerce(settings)
-    if s.model.tiny is None:
+    if not s.eval.untrained_baseline or s.model.tiny is None:
         return None
     print(f"untrained baseline (train.seed {s.train.seed}), sampler {sampler}:", flush=True)
     tokenizer = load_tokenizer(s.dataset.prepared_dir)
