@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from dllmflow.diffusion.corruption import corrupt_all_masked, per_sample
 from dllmflow.diffusion.losses import per_token_ce
@@ -130,11 +131,14 @@ class IDLMStrategy(Strategy):
         attn = self._attention_inputs(model, attention_mask)
         logits = model(input_ids=inputs, position_ids=pos, use_cache=False, **attn).logits  # [B,2L,V]
 
-        # 2) next-token shift in both copies: logit i predicts x[i+1]
+        # 2) next-token shift in both copies: logit i predicts x[i+1]. One CE over all 2L rows: slicing
+        #    the logits per copy would cost each slice a zero-filled [B, 2L, V] gradient. The last row of
+        #    each copy has no target (a dummy 0, never summed).
         sup = shifted_supervision(batch["loss_mask"], attention_mask).float()  # [B, L-1]
-        target = x[:, 1:]  # [B, L-1]
-        noisy = _ce_sum(logits[:, : L - 1], target, sup)
-        clean = _ce_sum(logits[:, L : 2 * L - 1], target, sup)
+        target = F.pad(x[:, 1:], (0, 1)).repeat(1, 2)  # [B, 2L]
+        ce = per_token_ce(logits, target)  # [B, 2L]
+        noisy = (ce[:, : L - 1] * sup).sum()
+        clean = (ce[:, L : 2 * L - 1] * sup).sum()
         return LossOutput(
             sums={"noisy": noisy, "clean": clean},
             weights={"noisy": 1.0, "clean": self._alpha(noisy, clean)},
@@ -200,7 +204,3 @@ def curriculum_stages(settings: Settings) -> list[Settings]:
             update["model"] = {"pretrained_model_name_or_path": str(prev), "tiny": None, "gguf_file": None}
         stages.append(Settings.model_validate(deep_merge(settings.to_dict(), update)))
     return stages
-
-
-def _ce_sum(logits: Tensor, target: Tensor, weight: Tensor) -> Tensor:
-    return (per_token_ce(logits, target) * weight).sum()

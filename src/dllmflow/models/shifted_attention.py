@@ -1,0 +1,162 @@
+"""Block-shifted attention: the first half of I-DLM's `[x_t | x_0]` split without a mask tensor.
+
+A first-half (noisy) query i with block length b, r = i mod b, sees the first-half keys of its own
+block up to itself, [i - r, i], and the second-half (clean) keys before its block, [0, i - r). Cut
+that set at the diagonal i - b instead of at the block start (i - b < i - r <= i):
+
+    far   second-half keys [0, i - b]   -> plain causal SDPA of q[b:] over k2[:L-b] (`is_causal`,
+                                           no mask tensor: the fast causal kernel, ~L^2/2 scores)
+    near  the b positions p in (i - b, i]: second half where p < i - r, first half where p >= i - r
+                                        -> b scores per query, gathered windows, tiny
+
+The two softmax pieces merge exactly with their log-sum-exps. The backward reuses the causal
+kernel's own backward with the MERGED output and log-sum-exp (then its probabilities are the union
+softmax's, and its rowsum(dO * O) term is the union's), and writes the near part's gradient out.
+Needs `aten::_scaled_dot_product_flash_attention_for_cpu` (out + logsumexp): CPU only
+(`SHIFTED_DEVICES`); without dropout. Right padding needs no mask: a real query never reaches a
+later (padded) key. Run: `pytest -q tests/unit/test_shifted_attention.py`.
+
+    out = block_shifted_attention(q1, k1, v1, k2, v2, block_length=2, scale=None)  # [B, H, L, D]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Devices with the causal kernel that returns its logsumexp and takes one in its backward.
+SHIFTED_DEVICES = frozenset({"cpu"})
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def block_shifted_attention(
+    q: Tensor, k1: Tensor, v1: Tensor, k2: Tensor, v2: Tensor, block_length: int, scale: float | None = None
+) -> Tensor:
+    """First-half queries q [B, H, L, D] over first-half k1/v1 and second-half k2/v2 [B, Hkv, L, D].
+
+    Hkv may divide H (grouped-query attention: query head h reads key head h // (H / Hkv)).
+    Returns [B, H, L, D] in q's dtype.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _BlockShifted.apply(q, k1, v1, k2, v2, block_length, scale)
+
+
+def block_shifted_mask(seq_len: int, block_length: int, dtype: torch.dtype, device=None) -> Tensor:
+    """The same pattern as an additive [L, 2L] mask over keys first ++ second (dropout / other devices)."""
+    i = torch.arange(seq_len, device=device)[:, None]  # [L, 1]
+    k = torch.arange(seq_len, device=device)[None, :]  # [1, L]
+    start = i - i % block_length  # the query's block start
+    keep = torch.cat([(k >= start) & (k <= i), k < start], dim=1)  # [L, 2L]
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(keep, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
+
+
+class _BlockShifted(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k1, v1, k2, v2, b: int, scale: float):
+        L = q.shape[2]
+        with torch.autocast(q.device.type, enabled=False):
+            # 1) near: b scores per query (offset d = i - p), fp32; -inf before the sequence start
+            qg = q.float().unflatten(1, (k1.shape[1], -1))  # [B, Hkv, G, L, D]
+            kd, vd = _near_rows(k1, k2, b), _near_rows(v1, v2, b)  # b x [B, Hkv, 1, L-d, D]
+            s = qg.new_full((*qg.shape[:-1], b), float("-inf"))  # [B, Hkv, G, L, b]
+            for d in range(min(b, L)):
+                s[..., d:, d] = scale * (qg[..., d:, :] * kd[d]).sum(-1)
+            lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, L]
+            p = torch.exp(s - lse[..., None])
+            out = p[..., 0, None] * vd[0]  # [B, Hkv, G, L, D]
+            for d in range(1, min(b, L)):
+                out[..., d:, :] += p[..., d:, d, None] * vd[d]
+            out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [B, H, L, D], [B, H, L]
+            # 2) far: causal over the second half shifted by b, merged by log-sum-exp
+            if L > b:
+                o_far, lse_far = _flash(
+                    q[:, :, b:], k2[:, :, : L - b], v2[:, :, : L - b], 0.0, True, scale=scale
+                )
+                lse_near = lse[..., b:]
+                merged = torch.logaddexp(lse_near, lse_far)  # [B, H, L-b]
+                out[:, :, b:] = (
+                    torch.exp(lse_near - merged)[..., None] * out[:, :, b:]
+                    + torch.exp(lse_far - merged)[..., None] * o_far.float()
+                )
+                lse[..., b:] = merged
+        out = out.to(q.dtype)
+        # the near scores and gathered rows are small ([B, H, L, b], b x [B, Hkv, L, D]): kept, not recomputed
+        ctx.save_for_backward(q, k2, v2, out, lse, s, *kd, *vd)
+        ctx.b, ctx.scale, ctx.num_kv_heads = b, scale, k1.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k2, v2, out, lse, s, *rows = ctx.saved_tensors
+        b, scale, Hkv = ctx.b, ctx.scale, ctx.num_kv_heads
+        kd, vd = rows[: len(rows) // 2], rows[len(rows) // 2 :]
+        L = q.shape[2]
+        # 1) near: dS = P (dP - rowsum(dO * O)), P from the MERGED log-sum-exp
+        qg = q.float().unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
+        g = grad.float().unflatten(1, (Hkv, -1))
+        p = torch.exp(s - lse.unflatten(1, (Hkv, -1))[..., None])  # [B, Hkv, G, L, b]
+        delta = (g * out.float().unflatten(1, (Hkv, -1))).sum(-1)  # [B, Hkv, G, L]
+        dq = torch.zeros_like(qg)
+        dk1 = torch.zeros(*k2.shape, dtype=torch.float32, device=k2.device)  # [B, Hkv, L, D]
+        dv1, dk2, dv2 = torch.zeros_like(dk1), torch.zeros_like(dk1), torch.zeros_like(dk1)
+        for d in range(min(b, L)):
+            q_d, g_d, p_d = qg[..., d:, :], g[..., d:, :], p[..., d:, d]  # queries i >= d, key row i - d
+            ds = p_d * ((g_d * vd[d]).sum(-1) - delta[..., d:])  # [B, Hkv, G, L-d]
+            dq[..., d:, :] += scale * ds[..., None] * kd[d]
+            _scatter(scale * (ds[..., None] * q_d).sum(2), dk1, dk2, d, b)  # [B, Hkv, L-d, D]
+            _scatter((p_d[..., None] * g_d).sum(2), dv1, dv2, d, b)
+        dq = dq.flatten(1, 2)  # [B, H, L, D]
+        # 2) far: the kernel's backward, given the merged output and log-sum-exp
+        if L > b:
+            dq_f, dk_f, dv_f = _flash_backward(
+                grad[:, :, b:],
+                q[:, :, b:],
+                k2[:, :, : L - b],
+                v2[:, :, : L - b],
+                out[:, :, b:],
+                lse[..., b:],
+                0.0,
+                True,
+                scale=scale,
+            )
+            dq[:, :, b:] += dq_f
+            dk2[:, :, : L - b] += dk_f
+            dv2[:, :, : L - b] += dv_f
+        return (
+            dq.to(q.dtype),
+            dk1.to(k2.dtype),
+            dv1.to(v2.dtype),
+            dk2.to(k2.dtype),
+            dv2.to(v2.dtype),
+            None,
+            None,
+        )
+
+
+def _first(L: int, d: int, b: int, device) -> Tensor:
+    """[L-d, 1] bool: does query i = p + d (key row p) read row p from the first half (p in its block)?"""
+    return (torch.arange(d, L, device=device) % b >= d)[:, None]
+
+
+def _near_rows(x1: Tensor, x2: Tensor, b: int) -> list[Tensor]:
+    """Key (value) rows at offset d = 0..b-1 for queries i >= d: row i - d of its half, [B, Hkv, 1, L-d, D] fp32."""
+    L = x1.shape[2]
+    x1, x2 = x1.float(), x2.float()
+    rows = [x1[:, :, None]]
+    for d in range(1, min(b, L)):
+        rows.append(torch.where(_first(L, d, b, x1.device), x1[:, :, : L - d], x2[:, :, : L - d])[:, :, None])
+    return rows
+
+
+def _scatter(dx: Tensor, d1: Tensor, d2: Tensor, d: int, b: int) -> None:
+    """Add the offset-d row gradients [B, Hkv, L-d, D] to the half each row was read from."""
+    if d == 0:
+        d1 += dx
+        return
+    L = d1.shape[2]
+    first = _first(L, d, b, dx.device)
+    d1[:, :, : L - d] += torch.where(first, dx, 0.0)
+    d2[:, :, : L - d] += torch.where(first, 0.0, dx)
