@@ -40,6 +40,10 @@ def block_shifted_attention(
     Returns [B, H, L, D] in q's dtype.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    device = q.device.type
+    if torch.is_autocast_enabled(device):  # cast as autocast casts sdpa's inputs (the kernel takes one dtype)
+        dtype = torch.get_autocast_dtype(device)
+        q, k1, v1, k2, v2 = (x.to(dtype) for x in (q, k1, v1, k2, v2))
     return _BlockShifted.apply(q, k1, v1, k2, v2, block_length, scale)
 
 
@@ -54,21 +58,24 @@ def block_shifted_mask(seq_len: int, block_length: int, dtype: torch.dtype, devi
 
 
 class _BlockShifted(torch.autograd.Function):
+    # Few, fused element-wise ops on purpose: the near part is O(b L D) but runs as separate CPU kernels
+    # whose per-call cost shows at short L.
     @staticmethod
     def forward(ctx, q, k1, v1, k2, v2, b: int, scale: float):
         L = q.shape[2]
         with torch.autocast(q.device.type, enabled=False):
             # 1) near: b scores per query (offset d = i - p), fp32; -inf before the sequence start
-            qg = q.float().unflatten(1, (k1.shape[1], -1))  # [B, Hkv, G, L, D]
-            kd, vd = _near_rows(k1, k2, b), _near_rows(v1, v2, b)  # b x [B, Hkv, 1, L-d, D]
-            s = qg.new_full((*qg.shape[:-1], b), float("-inf"))  # [B, Hkv, G, L, b]
-            for d in range(min(b, L)):
-                s[..., d:, d] = scale * (qg[..., d:, :] * kd[d]).sum(-1)
+            qs = (q.float() * scale).unflatten(1, (k1.shape[1], -1))  # [B, Hkv, G, L, D], pre-scaled
+            first = _first_masks(L, b, q.device)  # b x [L-d, 1] float
+            kd, vd = _near_rows(k1, k2, first), _near_rows(v1, v2, first)  # b x [B, Hkv, 1, L-d, D]
+            s = qs.new_full((*qs.shape[:-1], b), float("-inf"))  # [B, Hkv, G, L, b]
+            for d in range(len(kd)):
+                s[..., d:, d] = (qs[..., d:, :] * kd[d]).sum(-1)
             lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, L]
             p = torch.exp(s - lse[..., None])
             out = p[..., 0, None] * vd[0]  # [B, Hkv, G, L, D]
-            for d in range(1, min(b, L)):
-                out[..., d:, :] += p[..., d:, d, None] * vd[d]
+            for d in range(1, len(vd)):
+                out[..., d:, :].addcmul_(p[..., d:, d, None], vd[d])
             out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [B, H, L, D], [B, H, L]
             # 2) far: causal over the second half shifted by b, merged by log-sum-exp
             if L > b:
@@ -76,12 +83,9 @@ class _BlockShifted(torch.autograd.Function):
                     q[:, :, b:], k2[:, :, : L - b], v2[:, :, : L - b], 0.0, True, scale=scale
                 )
                 lse_near = lse[..., b:]
-                merged = torch.logaddexp(lse_near, lse_far)  # [B, H, L-b]
-                out[:, :, b:] = (
-                    torch.exp(lse_near - merged)[..., None] * out[:, :, b:]
-                    + torch.exp(lse_far - merged)[..., None] * o_far.float()
-                )
-                lse[..., b:] = merged
+                w_near = torch.sigmoid(lse_near - lse_far)[..., None]  # exp(lse_near - merged lse)
+                out[:, :, b:] = torch.lerp(o_far.float(), out[:, :, b:], w_near)
+                lse[..., b:] = torch.logaddexp(lse_near, lse_far)
         out = out.to(q.dtype)
         # the near scores and gathered rows are small ([B, H, L, b], b x [B, Hkv, L, D]): kept, not recomputed
         ctx.save_for_backward(q, k2, v2, out, lse, s, *kd, *vd)
@@ -94,20 +98,29 @@ class _BlockShifted(torch.autograd.Function):
         b, scale, Hkv = ctx.b, ctx.scale, ctx.num_kv_heads
         kd, vd = rows[: len(rows) // 2], rows[len(rows) // 2 :]
         L = q.shape[2]
+        first = _first_masks(L, b, q.device)
         # 1) near: dS = P (dP - rowsum(dO * O)), P from the MERGED log-sum-exp
         qg = q.float().unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
         g = grad.float().unflatten(1, (Hkv, -1))
         p = torch.exp(s - lse.unflatten(1, (Hkv, -1))[..., None])  # [B, Hkv, G, L, b]
         delta = (g * out.float().unflatten(1, (Hkv, -1))).sum(-1)  # [B, Hkv, G, L]
-        dq = torch.zeros_like(qg)
-        dk1 = torch.zeros(*k2.shape, dtype=torch.float32, device=k2.device)  # [B, Hkv, L, D]
-        dv1, dk2, dv2 = torch.zeros_like(dk1), torch.zeros_like(dk1), torch.zeros_like(dk1)
-        for d in range(min(b, L)):
-            q_d, g_d, p_d = qg[..., d:, :], g[..., d:, :], p[..., d:, d]  # queries i >= d, key row i - d
-            ds = p_d * ((g_d * vd[d]).sum(-1) - delta[..., d:])  # [B, Hkv, G, L-d]
-            dq[..., d:, :] += scale * ds[..., None] * kd[d]
-            _scatter(scale * (ds[..., None] * q_d).sum(2), dk1, dk2, d, b)  # [B, Hkv, L-d, D]
-            _scatter((p_d[..., None] * g_d).sum(2), dv1, dv2, d, b)
+        dk1, dv1 = torch.zeros_like(k2, dtype=torch.float32), torch.zeros_like(v2, dtype=torch.float32)
+        dk2, dv2 = torch.zeros_like(dk1), torch.zeros_like(dv1)
+        for d in range(len(kd)):
+            q_d, g_d, p_d = (
+                qg[..., d:, :],
+                g[..., d:, :],
+                p[..., d:, d, None],
+            )  # queries i >= d, key row i - d
+            ds = (
+                p_d * ((g_d * vd[d]).sum(-1, keepdim=True) - delta[..., d:, None]) * scale
+            )  # [B, Hkv, G, L-d, 1]
+            if d == 0:
+                dq = ds * kd[0]  # [B, Hkv, G, L, D]
+            else:
+                dq[..., d:, :].addcmul_(ds, kd[d])
+            _scatter((ds * q_d).sum(2), dk1, dk2, first[d])  # [B, Hkv, L-d, D]
+            _scatter((p_d * g_d).sum(2), dv1, dv2, first[d])
         dq = dq.flatten(1, 2)  # [B, H, L, D]
         # 2) far: the kernel's backward, given the merged output and log-sum-exp
         if L > b:
@@ -136,27 +149,25 @@ class _BlockShifted(torch.autograd.Function):
         )
 
 
-def _first(L: int, d: int, b: int, device) -> Tensor:
-    """[L-d, 1] bool: does query i = p + d (key row p) read row p from the first half (p in its block)?"""
-    return (torch.arange(d, L, device=device) % b >= d)[:, None]
+def _first_masks(L: int, b: int, device) -> list[Tensor]:
+    """Offset d = 0..min(b, L)-1: [L-d, 1] float, 1 where query i = p + d reads key row p from the first
+    half (p inside the query's block: i mod b >= d), 0 where from the second half."""
+    i = torch.arange(L, device=device)
+    return [(i[d:] % b >= d)[:, None].float() for d in range(min(b, L))]
 
 
-def _near_rows(x1: Tensor, x2: Tensor, b: int) -> list[Tensor]:
-    """Key (value) rows at offset d = 0..b-1 for queries i >= d: row i - d of its half, [B, Hkv, 1, L-d, D] fp32."""
+def _near_rows(x1: Tensor, x2: Tensor, first: list[Tensor]) -> list[Tensor]:
+    """Rows at offset d for queries i >= d (row i - d of its half), each [B, Hkv, 1, L-d, D] fp32."""
     L = x1.shape[2]
     x1, x2 = x1.float(), x2.float()
-    rows = [x1[:, :, None]]
-    for d in range(1, min(b, L)):
-        rows.append(torch.where(_first(L, d, b, x1.device), x1[:, :, : L - d], x2[:, :, : L - d])[:, :, None])
+    rows = [x1[:, :, None]]  # d = 0: the query's own position, always in its block
+    for d in range(1, len(first)):
+        rows.append(torch.where(first[d] > 0, x1[:, :, : L - d], x2[:, :, : L - d])[:, :, None])
     return rows
 
 
-def _scatter(dx: Tensor, d1: Tensor, d2: Tensor, d: int, b: int) -> None:
+def _scatter(dx: Tensor, d1: Tensor, d2: Tensor, first: Tensor) -> None:
     """Add the offset-d row gradients [B, Hkv, L-d, D] to the half each row was read from."""
-    if d == 0:
-        d1 += dx
-        return
-    L = d1.shape[2]
-    first = _first(L, d, b, dx.device)
-    d1[:, :, : L - d] += torch.where(first, dx, 0.0)
-    d2[:, :, : L - d] += torch.where(first, 0.0, dx)
+    n = dx.shape[2]
+    d1[:, :, :n].addcmul_(dx, first)
+    d2[:, :, :n].addcmul_(dx, 1.0 - first)
