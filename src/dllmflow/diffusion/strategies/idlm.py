@@ -14,10 +14,12 @@ so N_sup counts one more token than sum_i sup_i when position 0 is supervised, a
 pad (`supervise_padding`) although no pad is scored; that is the spec's denominator.
 
 Attention backend (`idlm_attention_backend`, chosen in `setup`): flex_attention with a BlockMask on
-GPU; on CPU (flex has no backward there) the split sdpa of `dllmflow.models.split_attention` (causal
-clean half + chunked noisy half, ~L^2 of work instead of the dense mask's 4L^2; right-padded batches,
-i.e. every collated one, else the dense mask); eager keeps the dense 2L x 2L additive mask. All compute
-the same loss and gradients.
+GPU; on CPU (flex has no backward there) the split sdpa of `dllmflow.models.split_attention`: the
+clean half causal, the noisy half one causal call over the clean copy shifted by block_length plus
+block_length window scores per query (`dllmflow.models.shifted_attention`), ~L^2 of causal-kernel work
+instead of the dense mask's 4L^2 (right-padded batches, i.e. every collated one, else the dense mask);
+eager keeps the dense 2L x 2L additive mask. All compute the same loss and gradients. A train step is
+about 2x a plain AR step on the same backbone at L = 128..2048 (`bench/train_step.py --sweep --modes idlm`).
 
 The `block_length` curriculum (1 -> 2 -> 3) runs as successive fine-tunes: `curriculum_stages`
 turns one settings object with a list into one per stage, each starting from the previous stage's
@@ -58,7 +60,7 @@ def idlm_attention_backend(device: torch.device | str, requested: str | None) ->
     """Which I-DLM attention path a model with `attn_implementation=requested` runs on `device`.
 
     "flex"  - flex_attention + BlockMask: sdpa or flex_attention requested, where flex runs (GPU)
-    "split" - split sdpa (causal clean half, chunked noisy half): sdpa or flex_attention elsewhere
+    "split" - split sdpa (causal clean half, block-shifted noisy half): sdpa or flex_attention elsewhere
     "dense" - the 2L x 2L additive mask: eager and any other implementation
     flash_attention_2 cannot take the mask at all: UserError.
     """
