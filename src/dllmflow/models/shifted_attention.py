@@ -58,19 +58,20 @@ def block_shifted_mask(seq_len: int, block_length: int, dtype: torch.dtype, devi
 
 
 class _BlockShifted(torch.autograd.Function):
-    # Few, fused element-wise ops on purpose: the near part is O(b L D) but runs as separate CPU kernels
-    # whose per-call cost shows at short L.
+    # Few element-wise ops on purpose: the near part is O(b L D) work, but each op is a CPU kernel call
+    # whose fixed cost shows at short L.
     @staticmethod
     def forward(ctx, q, k1, v1, k2, v2, b: int, scale: float):
-        L = q.shape[2]
+        L, Hkv = q.shape[2], k1.shape[1]
         with torch.autocast(q.device.type, enabled=False):
             # 1) near: b scores per query (offset d = i - p), fp32; -inf before the sequence start
-            qs = (q.float() * scale).unflatten(1, (k1.shape[1], -1))  # [B, Hkv, G, L, D], pre-scaled
-            first = _first_masks(L, b, q.device)  # b x [L-d, 1] float
+            qg = q.float().unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
+            first = _first_masks(L, b, q.device)  # b x [L-d, 1]
             kd, vd = _near_rows(k1, k2, first), _near_rows(v1, v2, first)  # b x [B, Hkv, 1, L-d, D]
-            s = qs.new_full((*qs.shape[:-1], b), float("-inf"))  # [B, Hkv, G, L, b]
+            s = qg.new_full((*qg.shape[:-1], b), float("-inf"))  # [B, Hkv, G, L, b]
             for d in range(len(kd)):
-                s[..., d:, d] = (qs[..., d:, :] * kd[d]).sum(-1)
+                s[..., d:, d] = (qg[..., d:, :] * kd[d]).sum(-1)
+            s *= scale
             lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, L]
             p = torch.exp(s - lse[..., None])
             out = p[..., 0, None] * vd[0]  # [B, Hkv, G, L, D]
@@ -89,69 +90,55 @@ class _BlockShifted(torch.autograd.Function):
         out = out.to(q.dtype)
         # the near scores and gathered rows are small ([B, H, L, b], b x [B, Hkv, L, D]): kept, not recomputed
         ctx.save_for_backward(q, k2, v2, out, lse, s, *kd, *vd)
-        ctx.b, ctx.scale, ctx.num_kv_heads = b, scale, k1.shape[1]
+        ctx.b, ctx.scale = b, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k2, v2, out, lse, s, *rows = ctx.saved_tensors
-        b, scale, Hkv = ctx.b, ctx.scale, ctx.num_kv_heads
-        kd, vd = rows[: len(rows) // 2], rows[len(rows) // 2 :]
-        L = q.shape[2]
+        b, scale, n = ctx.b, ctx.scale, len(rows) // 2
+        kd, vd = rows[:n], rows[n:]
+        L, Hkv = q.shape[2], k2.shape[1]
         first = _first_masks(L, b, q.device)
         # 1) near: dS = P (dP - rowsum(dO * O)), P from the MERGED log-sum-exp
         qg = q.float().unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
         g = grad.float().unflatten(1, (Hkv, -1))
         p = torch.exp(s - lse.unflatten(1, (Hkv, -1))[..., None])  # [B, Hkv, G, L, b]
-        delta = (g * out.float().unflatten(1, (Hkv, -1))).sum(-1)  # [B, Hkv, G, L]
-        dk1, dv1 = torch.zeros_like(k2, dtype=torch.float32), torch.zeros_like(v2, dtype=torch.float32)
-        dk2, dv2 = torch.zeros_like(dk1), torch.zeros_like(dv1)
-        for d in range(len(kd)):
-            q_d, g_d, p_d = (
-                qg[..., d:, :],
-                g[..., d:, :],
-                p[..., d:, d, None],
-            )  # queries i >= d, key row i - d
-            ds = (
-                p_d * ((g_d * vd[d]).sum(-1, keepdim=True) - delta[..., d:, None]) * scale
-            )  # [B, Hkv, G, L-d, 1]
-            if d == 0:
-                dq = ds * kd[0]  # [B, Hkv, G, L, D]
+        delta = (g * out.float().unflatten(1, (Hkv, -1))).sum(-1, keepdim=True)  # [B, Hkv, G, L, 1]
+        dk2, dv2 = torch.zeros_like(k2, dtype=torch.float32), torch.zeros_like(v2, dtype=torch.float32)
+        for d in range(n):  # queries i >= d read key row i - d
+            g_d, p_d = g[..., d:, :], p[..., d:, d, None]  # [B, Hkv, G, L-d, D], [..., 1]
+            ds = p_d * ((g_d * vd[d]).sum(-1, keepdim=True) - delta[..., d:, :]) * scale  # [..., L-d, 1]
+            dk = (ds * qg[..., d:, :]).sum(2)  # [B, Hkv, L-d, D]
+            dv = (p_d * g_d).sum(2)
+            if d == 0:  # the query's own position: always the first half
+                dq, dk1, dv1 = ds * kd[0], dk, dv  # dq [B, Hkv, G, L, D]
             else:
                 dq[..., d:, :].addcmul_(ds, kd[d])
-            _scatter((ds * q_d).sum(2), dk1, dk2, first[d])  # [B, Hkv, L-d, D]
-            _scatter((p_d * g_d).sum(2), dv1, dv2, first[d])
+                _scatter(dk, dk1, dk2, first[d])
+                _scatter(dv, dv1, dv2, first[d])
         dq = dq.flatten(1, 2)  # [B, H, L, D]
         # 2) far: the kernel's backward, given the merged output and log-sum-exp
         if L > b:
-            dq_f, dk_f, dv_f = _flash_backward(
+            far = (
                 grad[:, :, b:],
                 q[:, :, b:],
                 k2[:, :, : L - b],
                 v2[:, :, : L - b],
                 out[:, :, b:],
                 lse[..., b:],
-                0.0,
-                True,
-                scale=scale,
             )
+            dq_f, dk_f, dv_f = _flash_backward(*far, 0.0, True, scale=scale)
             dq[:, :, b:] += dq_f
             dk2[:, :, : L - b] += dk_f
             dv2[:, :, : L - b] += dv_f
-        return (
-            dq.to(q.dtype),
-            dk1.to(k2.dtype),
-            dv1.to(v2.dtype),
-            dk2.to(k2.dtype),
-            dv2.to(v2.dtype),
-            None,
-            None,
-        )
+        grads = (dq, dk1, dv1, dk2, dv2)
+        return *(x.to(q.dtype) for x in grads), None, None
 
 
 def _first_masks(L: int, b: int, device) -> list[Tensor]:
-    """Offset d = 0..min(b, L)-1: [L-d, 1] float, 1 where query i = p + d reads key row p from the first
-    half (p inside the query's block: i mod b >= d), 0 where from the second half."""
+    """Offset d = 0..min(b, L)-1: [L-d, 1] float, 1 where query i = p + d reads key row p from the
+    first half (p inside the query's block: i mod b >= d), 0 where from the second half."""
     i = torch.arange(L, device=device)
     return [(i[d:] % b >= d)[:, None].float() for d in range(min(b, L))]
 
