@@ -22,6 +22,7 @@ from dllmflow.diffusion.strategies.idlm import (
     idlm_attention_backend,
 )
 from dllmflow.errors import UserError
+from dllmflow.models import split_attention as split_module
 from dllmflow.models.shifted_attention import block_shifted_mask
 from dllmflow.models.split_attention import SPLIT_ATTENTION
 from dllmflow.settings import SettingsError, load_settings
@@ -384,11 +385,13 @@ def test_block_shifted_mask_is_the_dense_masks_noisy_rows(b):
     "case", ["padded", "supervise_padding", "no_padding", "left_padded", "all_padding_row"]
 )
 @pytest.mark.parametrize("b", [1, 2, 3])
-@pytest.mark.parametrize("chunk", [None, 2, 256])
-def test_split_attention_loss_and_grads_equal_the_dense_mask(case, b, chunk, monkeypatch):
-    if chunk is not None:  # the chunk form (devices without the shifted kernel); 2 -> several chunks
+@pytest.mark.parametrize("form", ["shifted", "short", 2, 256])
+def test_split_attention_loss_and_grads_equal_the_dense_mask(case, b, form, monkeypatch):
+    if form == "shifted":  # the block form's mask-free kernel, not its short-L masked SDPA
+        monkeypatch.setattr(split_module, "MASKED_MAX_LEN", 0)
+    elif form != "short":  # the chunk form (devices without the shifted kernel); 2 -> several chunks
         monkeypatch.setattr(idlm_masks, "SHIFTED_DEVICES", frozenset())
-        monkeypatch.setattr(idlm_masks, "NOISY_CHUNK", chunk)
+        monkeypatch.setattr(idlm_masks, "NOISY_CHUNK", form)
     batch = _batch(L=11 if b == 3 else 10)  # L=11 with b=3: a partial last block
     if case == "supervise_padding":
         batch["loss_mask"][1, 2:] = 1

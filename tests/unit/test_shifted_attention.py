@@ -65,15 +65,37 @@ def test_bf16_autocast_casts_mixed_inputs_like_sdpa():
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k1, v1, k2, v2))
 
 
-def test_split_forward_mask_fallback_equals_the_kernel_path(monkeypatch):
-    """The block form on a device without the kernel (or with dropout) runs one masked SDPA instead."""
-    L, module = 7, nn.Module()
+def _split_inputs(L, dtype=torch.float32):
+    module = nn.Module()
     module.num_key_value_groups = 2
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 2 * L, 8, generator=g)
     k, v = torch.randn(1, 2, 2 * L, 8, generator=g), torch.randn(1, 2, 2 * L, 8, generator=g)
-    split = SplitAttention(L, block_length=3)
+    return module, q, k, v.to(dtype)
+
+
+@pytest.mark.parametrize("fallback", ["short", "device"])
+def test_split_forward_mask_fallback_equals_the_kernel_path(fallback, monkeypatch):
+    """The block form at short L or on a device without the kernel (or with dropout) is one masked SDPA."""
+    module, q, k, v = _split_inputs(7)
+    split = SplitAttention(7, block_length=3)
+    monkeypatch.setattr(split_module, "MASKED_MAX_LEN", 0)
     fast, _ = split_attention_forward(module, q, k, v, None, scaling=0.3, split_attention=split)
-    monkeypatch.setattr(split_module, "SHIFTED_DEVICES", frozenset())
+    if fallback == "short":
+        monkeypatch.setattr(split_module, "MASKED_MAX_LEN", 7)
+    else:
+        monkeypatch.setattr(split_module, "SHIFTED_DEVICES", frozenset())
     masked, _ = split_attention_forward(module, q, k, v, None, scaling=0.3, split_attention=split)
     torch.testing.assert_close(fast, masked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_len", [0, 7])
+def test_split_forward_block_form_under_bf16_autocast(max_len, monkeypatch):
+    """fp32 q/k and bf16 v, as a HF decoder hands them over under autocast, on both block-form paths."""
+    monkeypatch.setattr(split_module, "MASKED_MAX_LEN", max_len)
+    module, q, k, v = _split_inputs(7, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = split_attention_forward(
+            module, q, k, v, None, split_attention=SplitAttention(7, block_length=2)
+        )
+    assert out.shape == (1, 14, 4, 8) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
