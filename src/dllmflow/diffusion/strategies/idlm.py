@@ -18,8 +18,8 @@ GPU; on CPU (flex has no backward there) the split sdpa of `dllmflow.models.spli
 clean half causal, the noisy half one causal call over the clean copy shifted by block_length plus
 block_length window scores per query (`dllmflow.models.shifted_attention`), ~L^2 of causal-kernel work
 instead of the dense mask's 4L^2 (right-padded batches, i.e. every collated one, else the dense mask);
-eager keeps the dense 2L x 2L additive mask. All compute the same loss and gradients. A train step is
-about 2x a plain AR step on the same backbone at L = 128..2048 (`bench/train_step.py --sweep --modes idlm`).
+eager keeps the dense 2L x 2L additive mask. All compute the same loss and gradients. A CPU train step
+is 1.6x (L=128) to 2.15x (L=2048) a plain AR step on the same backbone (`bench/train_step.py --sweep`).
 
 The `block_length` curriculum (1 -> 2 -> 3) runs as successive fine-tunes: `curriculum_stages`
 turns one settings object with a list into one per stage, each starting from the previous stage's
