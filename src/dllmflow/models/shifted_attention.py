@@ -7,7 +7,7 @@ that set at the diagonal i - b instead of at the block start (i - b < i - r <= i
     far   second-half keys [0, i - b]   -> plain causal SDPA of q[b:] over k2[:L-b] (`is_causal`,
                                            no mask tensor: the fast causal kernel, ~L^2/2 scores)
     near  the b positions p in (i - b, i]: second half where p < i - r, first half where p >= i - r
-                                        -> b scores per query, gathered windows, tiny
+                                        -> b scores per query from shifted key rows, tiny
 
 The two softmax pieces merge exactly with their log-sum-exps. The backward reuses the causal
 kernel's own backward with the MERGED output and log-sum-exp (then its probabilities are the union
@@ -48,7 +48,7 @@ def block_shifted_attention(
 
 
 def block_shifted_mask(seq_len: int, block_length: int, dtype: torch.dtype, device=None) -> Tensor:
-    """The same pattern as an additive [L, 2L] mask over keys first ++ second (dropout / other devices)."""
+    """The same pattern as an additive [L, 2L] mask over keys first ++ second (short L, dropout, other devices)."""
     i = torch.arange(seq_len, device=device)[:, None]  # [L, 1]
     k = torch.arange(seq_len, device=device)[None, :]  # [1, L]
     start = i - i % block_length  # the query's block start
