@@ -22,6 +22,8 @@ from dllmflow.diffusion.strategies.idlm import (
     idlm_attention_backend,
 )
 from dllmflow.errors import UserError
+from dllmflow.models import split_attention as split_module
+from dllmflow.models.shifted_attention import block_shifted_mask
 from dllmflow.models.split_attention import SPLIT_ATTENTION
 from dllmflow.settings import SettingsError, load_settings
 
@@ -366,13 +368,31 @@ def _loss_and_grads(strategy, batch, split: bool):
     return total.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def test_split_block_form_on_cpu_builds_no_mask():
+    am = _batch(L=11)["attention_mask"]
+    split = idlm_split_attention(am, 3, torch.float32)
+    assert (split.seq_len, split.block_length, split.chunks) == (11, 3, ())
+
+
+@pytest.mark.parametrize("b", [1, 2, 3])
+def test_block_shifted_mask_is_the_dense_masks_noisy_rows(b):
+    L = 11
+    dense = idlm_dense_mask(None, b, dtype=torch.float32, seq_len=L)[0, 0]  # [2L, 2L]
+    torch.testing.assert_close(block_shifted_mask(L, b, torch.float32), dense[:L], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "case", ["padded", "supervise_padding", "no_padding", "left_padded", "all_padding_row"]
 )
-@pytest.mark.parametrize("chunk", [2, 256])
-def test_split_attention_loss_and_grads_equal_the_dense_mask(case, chunk, monkeypatch):
-    monkeypatch.setattr(idlm_masks, "NOISY_CHUNK", chunk)  # 2 -> several noisy chunks
-    batch = _batch(L=10)
+@pytest.mark.parametrize("b", [1, 2, 3])
+@pytest.mark.parametrize("form", ["shifted", "short", 2, 256])
+def test_split_attention_loss_and_grads_equal_the_dense_mask(case, b, form, monkeypatch):
+    if form == "shifted":  # the block form's mask-free kernel, not its short-L masked SDPA
+        monkeypatch.setattr(split_module, "MASKED_MAX_LEN", 0)
+    elif form != "short":  # the chunk form (devices without the shifted kernel); 2 -> several chunks
+        monkeypatch.setattr(idlm_masks, "SHIFTED_DEVICES", frozenset())
+        monkeypatch.setattr(idlm_masks, "NOISY_CHUNK", form)
+    batch = _batch(L=11 if b == 3 else 10)  # L=11 with b=3: a partial last block
     if case == "supervise_padding":
         batch["loss_mask"][1, 2:] = 1
     elif case == "no_padding":
@@ -382,7 +402,7 @@ def test_split_attention_loss_and_grads_equal_the_dense_mask(case, chunk, monkey
         batch["loss_mask"] = batch["loss_mask"].flip(1)
     elif case == "all_padding_row":
         batch["attention_mask"][1] = 0
-    strategy = build_strategy(_settings(block_length=2, auto_balance_clean_loss=True))
+    strategy = build_strategy(_settings(block_length=b, auto_balance_clean_loss=True))
     batch.update(strategy.corrupt(batch, [3, 4]))
     dense_loss, dense_grads = _loss_and_grads(strategy, batch, split=False)
     split_loss, split_grads = _loss_and_grads(strategy, batch, split=True)

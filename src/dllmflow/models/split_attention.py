@@ -5,19 +5,24 @@ causally to itself, and a first-half query only needs keys near it. One dense ad
 SDPA score all 4L^2 pairs; this attention function computes the two halves apart instead:
 
     second half   queries [L, 2L) over keys [L, 2L), `is_causal=True`, no mask tensor -> fast causal kernel
-    first half    per query chunk [a, e): keys first[a:e] ++ second[0:e] under the chunk's additive mask
-                  (a first-half query sees no second-half key at or after its own chunk, and no
-                  first-half key before the chunk: the caller's masks guarantee it)
+    first half    block form (`block_length`, CPU): `block_shifted_attention` -- a first-half query sees
+                  first-half keys of its own block up to itself and second-half keys before its block:
+                  one causal SDPA shifted by the block length + b window scores per query, no mask
+                  (short halves, L <= MASKED_MAX_LEN: one SDPA over all 2L keys under that pattern's mask)
+    first half    chunk form (`chunks`): per query chunk [a, e), keys first[a:e] ++ second[0:e] under the
+                  chunk's additive mask (a first-half query sees no second-half key at or after its own
+                  chunk, and no first-half key before the chunk: the caller's masks guarantee it)
 
-so the work is ~L^2/2 (causal) + ~L^2/2 (chunked first half) instead of 4L^2. With one chunk
-(a=0, e=L) the first half is SDPA over the full 2L keys with the first L rows of the dense mask.
+so the work is ~L^2/2 (causal) + ~L^2/2 (first half) instead of 4L^2; the block form runs both on the
+causal kernel. With one chunk (a=0, e=L) the first half is SDPA over the full 2L keys with the first L
+rows of the dense mask.
 
 It is registered as the transformers attention implementation `SPLIT_ATTENTION`; a forward that
 passes `split_attention=SplitAttention(...)` gets the split, any other call is plain `sdpa`:
 
     from dllmflow.models.split_attention import SplitAttention, use_split_attention
     use_split_attention(model)                              # config._attn_implementation = SPLIT_ATTENTION
-    model(input_ids=ids_2l, position_ids=pos, split_attention=SplitAttention(L, chunks))
+    model(input_ids=ids_2l, position_ids=pos, split_attention=SplitAttention(L, block_length=2))
 
 No mask function is registered with it, so transformers builds no (2L x 2L) mask for these calls;
 other callers must pass 4D masks, as every dllmflow caller does.
@@ -31,21 +36,31 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .shifted_attention import SHIFTED_DEVICES, block_shifted_attention, block_shifted_mask
 from .wrappers import unwrap
 
 SPLIT_ATTENTION = "dllmflow_split"
+# Up to this half length the block form runs as one masked SDPA over all 2L keys: at such L the
+# block-shifted kernel's fixed cost (a few dozen small CPU ops per layer) exceeds the 2L^2 scores
+# (measured: masked 2.2 ms vs 3.5 ms per layer at L=128, even at 256, block-shifted ahead from 512).
+MASKED_MAX_LEN = 256
 
 
 @dataclass(frozen=True)
 class SplitAttention:
-    """What one forward's split needs: the half length and the first half's chunk masks.
+    """What one forward's split needs: the half length and the first half's pattern, in one of two forms.
 
+    `block_length`: the block form (see `block_shifted_attention`); without dropout on `SHIFTED_DEVICES`
+    and for L > `MASKED_MAX_LEN` it runs mask-free, else through the same pattern as one [L, 2L] mask
+    (`block_shifted_mask`).
     `chunks`: (a, e, mask) with mask an additive [B, 1, e-a, (e-a)+e] over keys first[a:e] ++ second[0:e].
-    The second half is plainly causal (callers make sure no real query there needs more masking).
+    Both assume that no real query needs padding masked (right padding). The second half is plainly
+    causal (callers make sure no real query there needs more masking).
     """
 
     seq_len: int
-    chunks: tuple[tuple[int, int, Tensor], ...]
+    chunks: tuple[tuple[int, int, Tensor], ...] = ()
+    block_length: int | None = None
 
 
 def split_attention_forward(
@@ -88,7 +103,14 @@ def split_attention_forward(
     q_first, q_second = query.split(L, dim=2)  # [B, H, L, D] each
     k_first, k_second = key.split(L, dim=2)
     v_first, v_second = value.split(L, dim=2)
-    if len(chunks) == 1:  # one chunk (a=0, e=L): the full key sequence, in its own order
+    if split_attention.block_length is not None:
+        b = split_attention.block_length
+        if query.device.type in SHIFTED_DEVICES and dropout == 0.0 and L > MASKED_MAX_LEN:
+            parts = [block_shifted_attention(q_first, k_first, v_first, k_second, v_second, b, scaling)]
+        else:  # the same pattern through one mask: short halves, dropout, or a device without the kernel
+            mask = block_shifted_mask(L, b, query.dtype, query.device)  # [L, 2L]
+            parts = [F.scaled_dot_product_attention(q_first, key, value, attn_mask=mask, **sdpa_kwargs)]
+    elif len(chunks) == 1:  # one chunk (a=0, e=L): the full key sequence, in its own order
         parts = [F.scaled_dot_product_attention(q_first, key, value, attn_mask=chunks[0][2], **sdpa_kwargs)]
     else:
         sizes = [e - a for a, e, _ in chunks]

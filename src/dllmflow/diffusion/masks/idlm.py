@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dllmflow.models.shifted_attention import SHIFTED_DEVICES
 from dllmflow.models.split_attention import SplitAttention
 
 # Noisy queries per split-attention chunk (rounded down to a multiple of block_length). A chunk of c
@@ -103,9 +104,11 @@ def idlm_split_attention(
     """The same mask as `SplitAttention` for `dllmflow.models.split_attention` (sdpa without 4L^2 work).
 
     Right padding only (`right_padded`; the collator's): callers use the dense mask otherwise. Clean
-    queries: causal over the clean copy, no mask. Noisy queries, by chunks [a, e) with a a multiple of
-    `block_length`: a noisy query sees noisy keys of its own block (inside [a, e)) and clean keys before
-    its block (inside [0, e)), so keys noisy[a:e] ++ clean[0:e] hold every key it may see.
+    queries: causal over the clean copy, no mask. Noisy queries: a noisy query sees noisy keys of its
+    own block up to itself and clean keys before its block (M_BD, M_OBC). On `SHIFTED_DEVICES` (CPU),
+    unless `chunk` is given, that is the block form (`block_length` only: no mask tensor is built,
+    see `dllmflow.models.shifted_attention`). Otherwise by chunks [a, e) with a a multiple of
+    `block_length`: keys noisy[a:e] ++ clean[0:e] hold every key a query of the chunk may see.
 
     Right padding needs no clean mask: a real clean query never reaches a later (padded) key, and the
     padded query rows, which then differ from the dense mask's, are read by nobody (their keys are
@@ -120,6 +123,8 @@ def idlm_split_attention(
     L = seq_len
     valid = _valid(attention_mask, L, device)  # [B, L]
     dev = valid.device
+    if chunk is None and dev.type in SHIFTED_DEVICES:
+        return SplitAttention(seq_len=L, block_length=block_length)
     zero = torch.zeros((), dtype=dtype, device=dev)
     low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=dev)
     chunk = NOISY_CHUNK if chunk is None else chunk  # read at call time: tests shrink it
