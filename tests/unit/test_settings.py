@@ -227,3 +227,11 @@ def test_coerce_validates_dicts_once_and_with_run_dir_records_where_a_run_writes
     assert s.with_run_dir(tmp_path / "runs" / "x") is s  # the default run dir, spelled absolutely
     moved = s.with_run_dir("elsewhere")
     assert moved.run_dir == "elsewhere" and moved.resolved_run_dir == Path("elsewhere")
+
+
+def test_untrained_baseline_needs_a_tiny_model():
+    # A pretrained recipe (no model.tiny) asking for the untrained baseline is refused by name.
+    with pytest.raises(SettingsError, match="eval.untrained_baseline"):
+        load_settings(ROOT / "params" / "smollm2_idlm_lora.yaml", eval={"untrained_baseline": True})
+    # The demo recipe turns it on for its tiny model.
+    assert load_settings(ROOT / "params" / "tiny_addition.yaml").eval.untrained_baseline is True
