@@ -5,6 +5,7 @@ scripted stand-in models whose logits the test controls."""
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import math
 import warnings
@@ -20,7 +21,8 @@ from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR, build_sampler_config, sampler_supports
 from dllmflow.diffusion.samplers.idlm import IDLMSampler
 from dllmflow.diffusion.samplers.llada2 import LLaDA2Sampler
-from dllmflow.diffusion.samplers.nemotron import NemotronSampler, build_left_padded_canvas
+from dllmflow.diffusion.samplers.loop import build_left_padded_canvas
+from dllmflow.diffusion.samplers.nemotron import NemotronSampler
 from dllmflow.diffusion.samplers.scdd import SCDDSampler, scdd_step_probs
 from dllmflow.diffusion.schedules import scdd_schedule
 from dllmflow.errors import UserError
@@ -235,8 +237,8 @@ def test_no_mask_left_full_window_and_prompt_unchanged(model, tok, name):
         S = max(map(len, batch))
         for canvas in seen:
             for b, p in enumerate(batch):
-                # nemotron left-pads the prompts to S; the others left-align them
-                where = slice(S - len(p), S) if name == "nemotron" else slice(0, len(p))
+                # nemotron and llada2 left-pad the prompts to S; the others left-align them
+                where = slice(S - len(p), S) if name in ("nemotron", "llada2") else slice(0, len(p))
                 assert canvas[b, where].tolist() == p
 
 
@@ -267,7 +269,7 @@ def test_threshold_commits_at_least_one_per_forward(model, tok, name):
     assert m not in out
 
 
-@pytest.mark.parametrize("name", ["scdd", "nemotron", "idlm"])
+@pytest.mark.parametrize("name", ["scdd", "llada2", "nemotron", "idlm"])
 def test_batched_ragged_prompts_decode_in_one_batch(model, tok, name):
     sampler = make(name, model, tok, eos_token_id=None)
     assert sampler.supports_batching
@@ -283,15 +285,43 @@ def test_batched_ragged_prompts_decode_in_one_batch(model, tok, name):
         assert batched == [raw_generate(sampler, [p])[0] for p in ps]
 
 
-def test_llada2_loops_per_prompt(model, tok):
-    sampler = make("llada2", model, tok)
-    assert not sampler.supports_batching
-    seen, handle = record_inputs(model)
+def test_llada2_batch_with_editing_and_eos_decodes_each_row_as_alone(model, tok):
+    # editing (per-row post-steps) and an EOS stop per row: the batch still equals each row alone
+    sharp = copy.deepcopy(model)  # confident enough (lm_head x30) for edits above the threshold
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(30)
+    ps = prompts(tok) + [tok.encode("How many?")]
+    editing = dict(editing_threshold=0.3, max_post_steps=3)
+    eos = raw_generate(make("llada2", sharp, tok, eos_token_id=None, **editing), ps[:1])[0][0]
+    sampler = make("llada2", sharp, tok, eos_token_id=eos, **editing)
+    seen, handle = record_inputs(sharp)
     try:
-        out = sampler.generate(prompts(tok))
+        out = sampler.generate(ps)
     finally:
         handle.remove()
-    assert all(c.shape[0] == 1 for c in seen) and len(out.sequences) == 2 and out.nfe == len(seen)
+    alone = [sampler.generate([p]) for p in ps]
+    assert all(c.shape[0] == 3 for c in seen[: out.nfe])
+    assert out.sequences == [a.sequences[0] for a in alone]
+    assert out.row_nfe == [a.nfe for a in alone] and out.nfe == max(out.row_nfe)
+    assert len(set(out.row_nfe)) == 3  # the rows really leave at different forwards
+    unedited = make("llada2", sharp, tok, eos_token_id=eos).generate(ps)
+    assert unedited.sequences != out.sequences  # and edits really happened
+
+
+def test_llada2_checkpoint_generate_runs_one_prompt_at_a_time(model):
+    calls = []
+
+    class Recording(NativeLLaDA2):
+        def generate(self, inputs, temperature, block_length, steps, gen_length, eos_early_stop, threshold,
+                     eos_id, mask_id):  # fmt: skip
+            calls.append(inputs.tolist())
+            return super().generate(inputs, temperature, block_length, steps, gen_length, eos_early_stop,
+                                    threshold, eos_id, mask_id)  # fmt: skip
+
+    out = LLaDA2Sampler(Recording(model.config), _FakeTok(), build_sampler_config("llada2")).generate(
+        [[11, 12], [13]]
+    )
+    assert calls == [[[11, 12]], [[13]]] and out.nfe == 2 and out.sequences == [[5, 6, 7], [5, 6, 7]]
 
 
 # ---- nemotron: cache == no cache, per-row EOS ------------------------------------------------------
@@ -421,7 +451,7 @@ def test_idlm_per_row_eos():
 def test_llada2_editing_rewrites_committed_tokens():
     calls = []
 
-    def fickle(x, attn):  # 7 everywhere while filling, then 9 confidently
+    def fickle(x, attn, *_):  # 7 everywhere while filling, then 9 confidently
         calls.append(x.shape[1])
         logits = torch.zeros(*x.shape, 40, dtype=torch.float64)
         masks_left = bool((x[0, 2:] == 0).any())
@@ -441,7 +471,7 @@ def test_llada2_editing_rewrites_committed_tokens():
 
 
 def test_llada2_post_steps_are_bounded():
-    def flipper(x, attn):  # changes its mind on every forward
+    def flipper(x, attn, *_):  # changes its mind on every forward
         flipper.n += 1
         logits = torch.zeros(*x.shape, 40, dtype=torch.float64)
         logits[..., 7 + flipper.n % 2] = 20.0
@@ -501,7 +531,7 @@ def test_native_generate_is_used_when_the_checkpoint_has_one(model, tok):
 CAPABILITIES = {  # spec §3.1-3.6
     "llada": dict(infill=True, kv_cache=False, batching=True),
     "scdd": dict(infill=False, kv_cache=False, batching=True),
-    "llada2": dict(infill=False, kv_cache=False, batching=False),
+    "llada2": dict(infill=False, kv_cache=False, batching=True),
     "nemotron": dict(infill=False, kv_cache=True, batching=True),
     "gemma": dict(infill=False, kv_cache=False, batching=False),
     "idlm": dict(infill=False, kv_cache=False, batching=True),

@@ -1,7 +1,8 @@
 """`llada2`: LLaDA2 block refinement (spec §3.3), with LLaDA2.1's token editing.
 
 A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_length, steps, ...)`
-(LLaDA2.x) is decoded with it. Otherwise the same algorithm runs here, one prompt at a time:
+(LLaDA2.x) is decoded with it, one prompt at a time. Otherwise the same algorithm runs here, on a batch
+(prompts left-padded to a common length, each row decoded as it would be alone):
 
 * blocks of `block_size` (preset 32) after the prompt; `steps` (preset 32) is the step budget of
   EACH block, as in LLaDA2's own generate (not a total as for `llada`);
@@ -17,13 +18,15 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
 * decoding stops at an EOS with no mask before it (the EOS id: `eos_token_id`, else the tokenizer's).
 
     sampler = LLaDA2Sampler(model, tok, LLaDA2Config(editing_threshold=0.9))
-    result = sampler.generate([ids])
+    result = sampler.generate([ids_a, ids_b])
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -33,7 +36,18 @@ from torch import Tensor
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 
 from .base import Sampler, SamplerConfig, native_generate
-from .loop import block_geometry, first_eos_done, get_num_transfer_tokens, gumbel_argmax
+from .loop import (
+    BlockGeometry,
+    LeftPaddedCanvas,
+    block_geometry,
+    build_left_padded_canvas,
+    first_eos_done,
+    get_num_transfer_tokens,
+    gumbel_argmax,
+)
+
+# logits = forward(input_ids [B, T], 4D mask, position_ids [B, T], num_logits) -> [B, >= num_logits, V]
+RefineForward = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 
 
 class LLaDA2Config(SamplerConfig):
@@ -74,16 +88,88 @@ def edit_index(
     return editable & (x0 != current) & (conf > editing_threshold)
 
 
+def refine_blocks(
+    forward: RefineForward,
+    canvas: LeftPaddedCanvas,
+    cfg: LLaDA2Config,
+    geometry: BlockGeometry,
+    mask_id: int,
+    eos_id: int | None,
+    mask_dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+) -> tuple[int, Tensor]:
+    """LLaDA2 block refinement of a batch, in place on `canvas.x` (module docstring). Every row does
+    what it would alone: it leaves a block once it is full (or, with editing, once a post-step edits
+    nothing or `max_post_steps` ran), and stops at its EOS; the batch moves on when no row is left.
+    -> (nfe = forward calls, row_nfe [B] = forwards each row took part in)."""
+    x, S = canvas.x, canvas.prefix_len
+    B, G, bs, spb = x.shape[0], geometry.gen_length, geometry.block_size, cfg.steps
+    start = torch.full((B,), S, device=x.device)  # [B]
+    done = torch.zeros(B, dtype=torch.bool, device=x.device)  # [B] stopped at an EOS
+    nfe, row_nfe = 0, torch.zeros(B, dtype=torch.long, device=x.device)
+    for j in range(geometry.num_blocks):
+        lo, hi = S + j * bs, min(S + (j + 1) * bs, S + G)
+        # Block j never sees later positions: the canvas is cut after it.
+        valid, pos, n = canvas.valid[:, :hi], canvas.position_ids[:, :hi], hi - lo
+        mask = block_causal_mask(valid, S, bs, causal_prefix=False, dtype=mask_dtype)  # [B, 1, hi, hi]
+        block = x[:, lo:hi]  # [B, b] a view: writes land in x
+        schedule = get_num_transfer_tokens(block == mask_id, spb)  # [B, spb]
+        post_steps = torch.zeros(B, dtype=torch.long, device=x.device)  # [B]
+        left = done.clone()  # [B] rows finished with this block
+        for i in range(spb + cfg.max_post_steps):
+            masked = block == mask_id  # [B, b]
+            full = ~masked.any(dim=1)  # [B]
+            # A full block is refined further only by editing, for at most max_post_steps forwards.
+            left |= full & ((cfg.editing_threshold <= 0) | (post_steps >= cfg.max_post_steps))
+            active = ~left  # [B]
+            if not active.any():
+                break
+            post_steps += (full & active).long()
+            logits = forward(x[:, :hi], mask, pos, n)[:, -n:].float()  # [B, b, V]
+            logits[..., mask_id] = -math.inf
+            nfe += 1
+            row_nfe += active.long()
+            x0 = gumbel_argmax(logits, cfg.temperature, generator=generator)  # [B, b]
+            conf = torch.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # [B, b]
+            last = i >= spb - 1  # the step budget is spent: commit the rest
+            k = masked.sum(dim=1) if last else schedule[:, i]  # [B]
+            transfer = refine_transfer(conf, masked & active[:, None], k, None if last else cfg.threshold)
+            edits = edit_index(x0, conf, block, ~masked & active[:, None], cfg.editing_threshold)  # [B, b]
+            block[transfer | edits] = x0[transfer | edits].to(x.dtype)
+            left |= active & full & ~edits.any(dim=1)  # a post-step that edited nothing ends the block
+            if eos_id is not None:
+                done |= first_eos_done(x, start, G, eos_id, mask_id)
+                left |= done
+        if bool(done.all()):
+            break
+    return nfe, row_nfe
+
+
 class LLaDA2Sampler(Sampler):
     name = "llada2"
     config_cls = LLaDA2Config
     supports_infill = False
     supports_kv_cache = False
-    supports_batching = False  # LLaDA2's generate takes one prompt; the base class loops
+    supports_batching = True  # a checkpoint's own generate takes one prompt: then one at a time
 
-    def model_forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """attention_mask: the 4D block-causal float mask."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def model_forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, num_logits: int
+    ) -> Tensor:
+        """Logits [B, >= num_logits, V] ending at the last position; attention_mask: the 4D
+        block-causal float mask. Only the block's logits are computed when the model can (a 157k vocab
+        makes the prompt's logits the costliest part of a forward)."""
+        keep = {"logits_to_keep": num_logits} if self._keeps_logits else {}
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **keep,
+        ).logits
+
+    @functools.cached_property
+    def _keeps_logits(self) -> bool:
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _eos_id(self) -> int | None:
         if self.config.eos_token_id is not None:
@@ -93,51 +179,26 @@ class LLaDA2Sampler(Sampler):
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         native = native_generate(self.model, "gen_length", "block_length") if self.model is not None else None
         if native is not None:
-            return self._generate_native(native, prompt_ids[0])
-        (prompt,) = prompt_ids
-        cfg, gen = self.config, self.generator()
+            out = [self._generate_native(native, p) for p in prompt_ids]
+            return [s for o in out for s in o[0]], sum(o[1] for o in out), [n for o in out for n in o[2]]
+        cfg = self.config
         geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
-        S, G, bs, spb = len(prompt), geometry.gen_length, geometry.block_size, cfg.steps
-        x = torch.full((1, S + G), self.mask_id, dtype=torch.long, device=self.device)  # [1, T]
-        x[0, :S] = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        valid = torch.ones_like(x)
-        dtype = self._mask_dtype()
-        eos, start = self._eos_id(), torch.tensor([S], device=self.device)
-        nfe, done = 0, False
-        for j in range(geometry.num_blocks):
-            lo, hi = S + j * bs, min(S + (j + 1) * bs, S + G)
-            mask = block_causal_mask(valid[:, :hi], S, bs, causal_prefix=False, dtype=dtype)  # [1, 1, hi, hi]
-            block = x[:, lo:hi]  # [1, b] a view: writes land in x
-            schedule = get_num_transfer_tokens(block == self.mask_id, spb)  # [1, spb]
-            post_steps = 0
-            for i in range(spb + cfg.max_post_steps):
-                masked = block == self.mask_id  # [1, b]
-                if not masked.any():
-                    if cfg.editing_threshold <= 0 or post_steps >= cfg.max_post_steps:
-                        break
-                    post_steps += 1
-                logits = self._forward(x[:, :hi], mask)[:, lo:hi].float()  # [1, b, V]
-                logits[..., self.mask_id] = -math.inf
-                nfe += 1
-                x0 = gumbel_argmax(logits, cfg.temperature, generator=gen)  # [1, b]
-                conf = torch.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # [1, b]
-                if masked.any():
-                    last = i >= spb - 1  # the step budget is spent: commit the rest
-                    k = masked.sum(dim=1) if last else schedule[:, i]
-                    transfer = refine_transfer(conf, masked, k, None if last else cfg.threshold)
-                else:
-                    transfer = torch.zeros_like(masked)
-                edits = edit_index(x0, conf, block, ~masked, cfg.editing_threshold)
-                block[transfer | edits] = x0[transfer | edits].to(x.dtype)
-                if not masked.any() and not edits.any():
-                    break  # post-steps: nothing left to edit
-                if eos is not None and bool(first_eos_done(x, start, G, eos, self.mask_id)[0]):
-                    done = True
-                    break
-            if done:
-                break
-        x[x == self.mask_id] = self.fill_id  # after an early EOS stop
-        return [x[0, S:].tolist()], nfe, [nfe]
+        canvas = build_left_padded_canvas(
+            prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
+        )
+        nfe, row_nfe = refine_blocks(
+            self._forward,
+            canvas,
+            cfg,
+            geometry,
+            self.mask_id,
+            self._eos_id(),
+            self._mask_dtype(),
+            self.generator(),
+        )
+        gen = canvas.x[:, canvas.prefix_len :]  # [B, G]
+        gen[gen == self.mask_id] = self.fill_id  # after an early EOS stop
+        return gen.tolist(), nfe, row_nfe.tolist()
 
     def _mask_dtype(self) -> torch.dtype:
         if self.model is None:  # a scripted forward in tests

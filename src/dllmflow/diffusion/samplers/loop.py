@@ -1,7 +1,7 @@
 """The shared denoising loop of the [MASK]-filling samplers (spec §3.0): transfer schedule, token
 selection with the Gumbel trick, logit shift, block geometry and canvas, the standalone
-semi-autoregressive block sampler (`llada`, `idlm`) and infill (`llada`). Plain functions over
-tensors; the sampler files call them.
+semi-autoregressive block sampler (`llada`, `idlm`), infill (`llada`), and the left-padded canvas of
+block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the sampler files call them.
 
     geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
@@ -23,6 +23,8 @@ from typing import Literal
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveInt
 from torch import Tensor
+
+from dllmflow.errors import UserError
 
 from .base import SamplerConfig
 
@@ -166,6 +168,34 @@ def build_canvas(prompts: list[list[int]], gen_length: int, mask_id: int, fill_i
     pos = torch.arange(total, device=device)[None, :]  # [1, T]
     attention_mask = (pos < (lengths + gen_length)[:, None]).long()  # [B, T]
     return Canvas(x, attention_mask, lengths)
+
+
+@dataclass
+class LeftPaddedCanvas:
+    """Prompts right-aligned at a common length S (left padding), [MASK] over [S, S + G): every row's
+    block j is the same slice, as block-causal decoding (nemotron, llada2) needs."""
+
+    x: Tensor  # [B, S + G]
+    valid: Tensor  # [B, S + G] 0 on the left padding
+    position_ids: Tensor  # [B, S + G] 0 at each row's first real token
+    prefix_len: int  # S
+
+
+def build_left_padded_canvas(
+    prompts: list[list[int]], gen_length: int, mask_id: int, fill_id: int, device, *, sampler: str = "this"
+) -> LeftPaddedCanvas:
+    if any(len(p) == 0 for p in prompts):
+        raise UserError(f"sampler {sampler} needs a non-empty prompt for every row")
+    S = max(len(p) for p in prompts)
+    x = torch.full((len(prompts), S + gen_length), fill_id, dtype=torch.long, device=device)  # [B, T]
+    valid = torch.zeros_like(x)
+    for b, p in enumerate(prompts):
+        x[b, S - len(p) : S] = torch.tensor(p, dtype=torch.long, device=device)
+        valid[b, S - len(p) :] = 1
+    x[:, S:] = mask_id
+    # Positions restart at each row's first real token, so a padded row sees what it would alone.
+    position_ids = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [B, T]
+    return LeftPaddedCanvas(x, valid, position_ids, S)
 
 
 def first_eos_done(x: Tensor, gen_start: Tensor, gen_length: int, eos_id: int, mask_id: int) -> Tensor:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -37,13 +36,14 @@ from pydantic import Field, PositiveInt
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
-from dllmflow.errors import UserError
 
 from .base import Sampler, native_generate
 from .loop import (
     BlockConfig,
     BlockGeometry,
+    LeftPaddedCanvas,
     block_geometry,
+    build_left_padded_canvas,
     first_eos_done,
     get_num_transfer_tokens,
     get_transfer_index,
@@ -61,30 +61,6 @@ class NemotronConfig(BlockConfig):
     eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
     use_kv_cache: bool = True
     causal_context: bool = Field(True, description="Prompt attends causally; each block gets an AR seed.")
-
-
-@dataclass
-class LeftPaddedCanvas:
-    x: Tensor  # [B, S + G] prompts right-aligned at S, [MASK] after
-    valid: Tensor  # [B, S + G] 0 on the left padding
-    position_ids: Tensor  # [B, S + G] 0 at each row's first real token
-    prefix_len: int  # S
-
-
-def build_left_padded_canvas(
-    prompts: list[list[int]], gen_length: int, mask_id: int, fill_id: int, device
-) -> LeftPaddedCanvas:
-    if any(len(p) == 0 for p in prompts):
-        raise UserError("sampler nemotron needs a non-empty prompt for every row")
-    S = max(len(p) for p in prompts)
-    x = torch.full((len(prompts), S + gen_length), fill_id, dtype=torch.long, device=device)  # [B, T]
-    valid = torch.zeros_like(x)
-    for b, p in enumerate(prompts):
-        x[b, S - len(p) : S] = torch.tensor(p, dtype=torch.long, device=device)
-        valid[b, S - len(p) :] = 1
-    x[:, S:] = mask_id
-    position_ids = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [B, T]
-    return LeftPaddedCanvas(x, valid, position_ids, S)
 
 
 class _BlockCausalForward:
@@ -221,7 +197,7 @@ class NemotronSampler(Sampler):
         if native is not None:
             return self._generate_native(native, prompt_ids, geometry)
         canvas = build_left_padded_canvas(
-            prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device
+            prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
         nfe, row_nfe = decode_block_causal(
             self.model, canvas, cfg, geometry, self.mask_id, self.fill_id, self.generator()
