@@ -4,6 +4,12 @@
 SHELL := /bin/bash
 .PHONY: setup demo test test-fast lint bench
 
+# Two pytest-xdist workers: most slow tests are one busy process (a flow step, a server, a generation),
+# so two run side by side on 2 cores; e2e tests are dispatched one by one, first, and every other module
+# stays whole on one worker (tests/conftest.py). `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_DIST := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
 setup:
 	bash scripts/setup.sh
 
@@ -11,10 +17,10 @@ demo: setup
 	bash scripts/demo.sh
 
 test: setup
-	source scripts/env.sh && pytest -q
+	source scripts/env.sh && pytest -q $(PYTEST_DIST)
 
 test-fast: setup
-	source scripts/env.sh && pytest -q -m "not slow"
+	source scripts/env.sh && pytest -q $(PYTEST_DIST) -m "not slow"
 
 lint: setup
 	source scripts/env.sh && ruff check src flows tests bench && ruff format --check src flows tests bench

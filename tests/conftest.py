@@ -47,3 +47,25 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# `make test` runs `pytest -n 2 --dist loadscope --no-loadscope-reorder` (pytest-xdist): most slow tests
+# are one busy process (a flow step, a server, a generation), so two run side by side on 2 cores. The
+# work unit is a whole module (its module-scoped fixtures, e.g. prepared data or a trained checkpoint,
+# are built once), except the e2e tests: minutes each, they go one by one. Units are dispatched in
+# collection order, so the e2e tests start first and the short unit-test modules fill the end.
+_DISPATCH_ONE_BY_ONE = ("tests/e2e/",)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown (and unused) without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrTestScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path.startswith(_DISPATCH_ONE_BY_ONE) else path
+
+    return ModuleOrTestScheduling(config, log)

@@ -112,7 +112,7 @@ def _latest_run(proj: Path) -> dict:
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("INFO="))[5:])
 
 
-def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
+def test_flow_retry_champion_then_failed_run_resumes_under_a_stricter_gate(project):
     (project / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(_recipe(train_retries=1)))
     # The first train attempt dies right after its step-3 checkpoint; @retry must resume from it.
     env = _env(project, DLLM_FAIL_AT_STEP="3")
@@ -174,12 +174,33 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
     assert len(preds) == 1 and isinstance(preds[0], str)
 
     # A second run under a stricter gate (a speed floor no CPU run reaches; registry.* is not a DVC
-    # param): DVC skips the unchanged data, version 2 is registered as candidate but NOT promoted.
-    strict = _recipe(train_retries=1)
+    # param) and without retries, whose train dies after its step-3 checkpoint: the flow fails with the
+    # failing rank's error; `resume` reruns only from the failed step (start and prepare are cloned,
+    # train resumes from the checkpoint). DVC skipped the unchanged data, and version 2 is registered
+    # as candidate but NOT promoted. (One project for both: a flow run less than two separate tests.)
+    strict = _recipe(train_retries=0)
     strict["registry"]["gate"]["min_tokens_per_s"] = 1e9
     (project / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(strict))
-    _flow(project, "run", env=_env(project))
+    failed = _flow(project, "run", env=_env(project, DLLM_FAIL_AT_STEP="3"), check=False)
+    assert failed.returncode != 0
+    out = failed.stdout + failed.stderr
+    assert "injected failure" in out and "rank 0" in out  # the failing rank's error reaches the step
+
+    resumed = _flow(project, "resume", env=_env(project))
     run2 = _latest_run(project)
+    assert run2["successful"]
+    log = resumed.stdout + resumed.stderr
+    assert any("/prepare/" in line and "Cloning previously run task" in line for line in log.splitlines()), (
+        log
+    )
+    assert not any("/prepare/" in line and "Task is starting" in line for line in log.splitlines())
+    training2 = run2["training"]
+    assert training2["resumed"] is True
+    steps = [
+        json.loads(x)["step"]
+        for x in (Path(project) / training2["run_dir"] / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3, 4, 5, 6]
     assert run2["id"] != run["id"] and run2["data"]["reused"] is True
     reg2 = run2["registration"]
     assert reg2["version"] == 2 and reg2["gate_promoted"] is False
@@ -209,31 +230,6 @@ def test_flow_end_to_end_retry_resumes_and_champion_loads(project):
         aliases["tags"]["gate.decision"] == "rejected"
         and aliases["tags"]["gate.reason"] == reg2["gate_reason"]
     )
-
-
-def test_failed_flow_resume_reruns_only_the_failed_step(project):
-    (project / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(_recipe(train_retries=0)))
-    failed = _flow(project, "run", env=_env(project, DLLM_FAIL_AT_STEP="3"), check=False)
-    assert failed.returncode != 0
-    out = failed.stdout + failed.stderr
-    assert "injected failure" in out and "rank 0" in out  # the failing rank's error reaches the step
-
-    resumed = _flow(project, "resume", env=_env(project))
-    run = _latest_run(project)
-    assert run["successful"]
-    # start and prepare were cloned from the failed run, train resumed from its step-3 checkpoint.
-    log = resumed.stdout + resumed.stderr
-    assert any("/prepare/" in line and "Cloning previously run task" in line for line in log.splitlines()), (
-        log
-    )
-    assert not any("/prepare/" in line and "Task is starting" in line for line in log.splitlines())
-    training = run["training"]
-    assert training["resumed"] is True
-    steps = [
-        json.loads(x)["step"]
-        for x in (Path(project) / training["run_dir"] / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert steps == [1, 2, 3, 4, 5, 6]
 
 
 def test_bad_recipe_fails_before_any_step(project):
