@@ -91,7 +91,7 @@ print("INFO=" + json.dumps({
     "data": run["prepare"].task.data.data,
     "training": run["train"].task.data.training if run.successful else None,
     "registration": run["register"].task.data.registration if run.successful else None,
-    "evals": run["join"].task.data.evals if run.successful else None,
+    "evals": run["register"].task.data.evals if run.successful else None,
     "card": base64.b64decode(m.group(1)).decode() if m else "",
 }, default=str))
 """
@@ -144,7 +144,7 @@ def test_flow_retry_champion_then_failed_run_resumes_under_a_stricter_gate(proje
         "Sample generations",
         "Lineage",
         data["content_hash"],
-        "image",
+        "vegaChart",  # the loss curve, drawn by the card viewer
     ):
         assert needle in run["card"], needle
 

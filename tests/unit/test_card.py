@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from dllmflow.settings import load_settings
-from dllmflow.workflow.card import build_card_components, eval_rows, loss_figure, sample_row
+from dllmflow.workflow.card import build_card_components, eval_chart, eval_rows, loss_chart, sample_row
 
 LOSSES = [5.0, 4.25, 3.5]
 
@@ -50,12 +50,25 @@ def test_eval_rows_format_every_column():
     assert rows == [["s", "0.5", "-", "1235", "8", "-", "-"]]
 
 
-def test_loss_figure_plots_the_logged_curves(run):
+def test_loss_chart_plots_the_logged_curves(run):
     run_dir, _ = run
-    fig = loss_figure(str(run_dir))
-    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
-    assert list(lines["loss"].get_xdata()) == [1, 2, 3] and list(lines["loss"].get_ydata()) == LOSSES
-    assert list(lines["dllm_loss"].get_ydata()) == [v - 0.5 for v in LOSSES]
+    spec = loss_chart(str(run_dir))
+    values = spec["data"]["values"]
+    curve = {
+        name: [(v["step"], v["loss"]) for v in values if v["curve"] == name] for name in ("loss", "dllm_loss")
+    }
+    assert curve["loss"] == list(zip([1, 2, 3], LOSSES))
+    assert curve["dllm_loss"] == [(s, v - 0.5) for s, v in zip([1, 2, 3], LOSSES)]
+    assert spec["encoding"]["color"]["field"] == "curve" and spec["mark"]["type"] == "line"
+
+
+def test_eval_chart_has_one_labelled_point_per_sampler():
+    spec = eval_chart({"llada": {"metrics": {"tokens_per_s": 120.0, "exact_match_flexible": 0.25}}, "x": {}})
+    assert spec["data"]["values"] == [
+        {"sampler": "llada", "tokens_per_s": 120.0, "exact_match_flexible": 0.25},
+        {"sampler": "x", "tokens_per_s": 0.0, "exact_match_flexible": 0.0},
+    ]
+    assert [layer["mark"]["type"] for layer in spec["layer"]] == ["point", "text"]
 
 
 def test_card_components_hold_the_numbers(run):
@@ -87,7 +100,7 @@ def test_card_components_hold_the_numbers(run):
     assert lineage_rows["MLflow run"] == "r-42" and lineage_rows["model version"] == "m v3"
     assert lineage_rows["gate"] == "rejected: " + registration["gate_reason"]
     assert lineage_rows["git sha"] == "deadbeef"
-    assert sum(p["type"] == "image" for p in parts) == 2  # loss curve, accuracy vs speed
+    assert sum(p["type"] == "vegaChart" for p in parts) == 2  # loss curve, accuracy vs speed
 
 
 def test_card_without_evaluations_has_no_eval_figure_or_samples(run):
@@ -98,7 +111,7 @@ def test_card_without_evaluations_has_no_eval_figure_or_samples(run):
     tables = [p for p in parts if p["type"] == "table"]
     assert len(tables) == 2 and tables[0]["data"] in ([], [[]])  # metaflow renders no rows as [[]]
     assert dict(map(tuple, tables[1]["data"]))["gate"] == "promoted: None"
-    assert sum(p["type"] == "image" for p in parts) == 1
+    assert sum(p["type"] == "vegaChart" for p in parts) == 1
 
 
 def _card_html_data(parts) -> str:

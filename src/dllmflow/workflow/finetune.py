@@ -81,14 +81,7 @@ def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, An
     from dllmflow.data.prepare import prepare, read_manifest
 
     s = Settings.coerce(settings)
-    via_dvc, dvc_skipped = None, False
-    stage = None if force else _dvc_stage_for(s.dataset.prepared_dir)
-    if stage is not None:
-        proc = subprocess.run(["dvc", "repro", stage], capture_output=True, text=True)
-        if proc.returncode == 0:
-            via_dvc, dvc_skipped = stage, "didn't change" in proc.stdout
-        else:
-            log.warning("dvc repro %s failed, preparing directly:\n%s", stage, proc.stderr[-2000:])
+    via_dvc, dvc_skipped = None if force else _dvc_repro(s.dataset.prepared_dir)
     before = read_manifest(s.dataset.prepared_dir)
     manifest = prepare(s, force=force)
     return {
@@ -106,20 +99,32 @@ def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, An
     }
 
 
-def _dvc_stage_for(out_dir: str) -> str | None:
-    """The name of the dvc.yaml stage whose `outs` is `out_dir`, if this is a DVC repo."""
+def _dvc_repro(out_dir: str) -> tuple[str | None, bool]:
+    """`dvc repro` of the dvc.yaml stage whose `outs` is `out_dir`, through DVC's Python API (the CLI
+    in a subprocess would import DVC a second time, ~1 s of a tiny flow's prepare step). Returns
+    (stage name, skipped: its params and deps hashes were unchanged), or (None, False) when this is
+    not a DVC repo, no stage makes `out_dir`, or DVC failed (then prepare() runs directly)."""
     if not Path("dvc.yaml").is_file() or not Path(".dvc").is_dir():
-        return None
+        return None, False
+    stage = None
     try:
         from dvc.repo import Repo
 
         with Repo(".") as repo:
-            for stage in repo.index.stages:
-                if any(os.path.normpath(str(o.def_path)) == os.path.normpath(out_dir) for o in stage.outs):
-                    return stage.addressing
+            stage = next(
+                (
+                    st.addressing
+                    for st in repo.index.stages
+                    if any(os.path.normpath(str(o.def_path)) == os.path.normpath(out_dir) for o in st.outs)
+                ),
+                None,
+            )
+            if stage is None:
+                return None, False
+            return stage, not repo.reproduce(stage)  # [] = nothing reproduced: it didn't change
     except Exception as e:  # a broken DVC setup must not stop the flow: prepare() still runs
-        log.warning("could not read dvc.yaml stages: %s", e)
-    return None
+        log.warning("dvc repro %s failed, preparing directly: %s", stage or "(reading dvc.yaml)", e)
+    return None, False
 
 
 def _git_rev() -> str | None:
