@@ -9,6 +9,8 @@ database is created in both). Printed, not asserted:
 
     ratio = flow wall / bare train wall          (goal <= 1.5)
     ratio without evaluate = (flow wall - evaluate step) / bare train wall
+    Metaflow floor = wall of an empty flow of the same graph (same steps, same foreach width, each
+                     step doing nothing), run the same way: what Metaflow itself costs per run
 
 The evaluate step is product work, not overhead: the recipe's samplers (tiny_mdlm: llada and llada2,
 in parallel) each generating `eval.limit` x `eval.max_new_tokens` tokens (32 x 128), which on a busy
@@ -38,6 +40,42 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The FinetuneFlow graph with empty steps: Metaflow's own process-per-task cost, nothing of ours.
+_EMPTY_FLOW = """
+from metaflow import FlowSpec, step
+
+
+class EmptyFinetuneFlow(FlowSpec):
+    @step
+    def start(self):
+        self.next(self.prepare)
+
+    @step
+    def prepare(self):
+        self.next(self.train)
+
+    @step
+    def train(self):
+        self.samplers = list(range(WIDTH))
+        self.next(self.evaluate, foreach="samplers")
+
+    @step
+    def evaluate(self):
+        self.next(self.register)
+
+    @step
+    def register(self, inputs):
+        self.next(self.end)
+
+    @step
+    def end(self):
+        pass
+
+
+if __name__ == "__main__":
+    EmptyFinetuneFlow()
+"""
 
 _STEPS = """
 import json
@@ -102,6 +140,11 @@ def main() -> None:
 
     proc = subprocess.run([sys.executable, "-c", _STEPS], cwd=ROOT, env=env, capture_output=True, text=True)
     steps = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("STEPS="))[6:])
+    width = _foreach_width(env)
+    empty = tmp / "empty_flow.py"
+    empty.write_text(_EMPTY_FLOW.replace("WIDTH", str(width)))
+    floor = timed([sys.executable, str(empty), "run"], env, tmp)
+
     print(f"bare `dllmflow train` {args.steps} steps: {bare:.1f} s")
     print(
         f"flow {args.steps} steps: {flow:.1f} s   per step: "
@@ -110,6 +153,23 @@ def main() -> None:
     print(f"ratio (flow / bare train): {flow / bare:.2f}   (goal <= 1.5)")
     evaluate = steps.get("evaluate", 0.0)  # the longest branch: the samplers run in parallel
     print(f"ratio without evaluate ((flow - evaluate) / bare train): {(flow - evaluate) / bare:.2f}")
+    print(
+        f"Metaflow floor (the same graph, {width} evaluate branches, empty steps): {floor:.1f} s = "
+        f"{floor / bare:.2f} of bare train; ratio without it ((flow - floor) / bare train): "
+        f"{(flow - floor) / bare:.2f}"
+    )
+
+
+def _foreach_width(env: dict[str, str]) -> int:
+    proc = subprocess.run([sys.executable, "-c", _WIDTH], cwd=ROOT, env=env, capture_output=True, text=True)
+    return int(next(x for x in proc.stdout.splitlines() if x.startswith("WIDTH="))[6:])
+
+
+_WIDTH = """
+from metaflow import Flow, namespace
+namespace(None)
+print("WIDTH=" + str(len(list(Flow("FinetuneFlow").latest_run["evaluate"]))))
+"""
 
 
 if __name__ == "__main__":

@@ -285,6 +285,40 @@ def test_batched_ragged_prompts_decode_in_one_batch(model, tok, name):
         assert batched == [raw_generate(sampler, [p])[0] for p in ps]
 
 
+@pytest.mark.parametrize("name", ["llada", "idlm"])
+@pytest.mark.parametrize(
+    "over",
+    [{}, {"temperature": 0.7}, {"remasking": "random", "temperature": 0.5}, {"threshold": 0.3}],
+    ids=["greedy", "sampled", "random-remasking", "threshold"],
+)
+def test_block_sampler_heads_only_the_generation_windows_same_tokens(model, tok, name, over):
+    # llada and idlm take logits for the suffix that holds every row's window (idlm: one position more,
+    # its logit shift); a forward that cannot (the plain two-argument one the harness hands in) gives
+    # full logits. Both must commit the same tokens at the same forwards, whatever the RNG draws.
+    ps = [
+        tok.encode("What is 2 + 3?"),
+        tok.encode("Natalia sold 48 clips in April and May"),
+        tok.encode("Hi"),
+    ]
+    small = dict(steps=8, max_new_tokens=8, block_size=4)  # two blocks of 4
+    kept = SAMPLERS[name](model, tok, build_sampler_config(name, {**small, **over}, tok))
+    full = SAMPLERS[name](model, tok, kept.config, forward=lambda ids, mask: kept.model_forward(ids, mask))
+    head_rows = []
+    handle = model.lm_head.register_forward_pre_hook(lambda m, a: head_rows.append(a[0].shape[1]))
+    try:
+        with torch.inference_mode():
+            out_kept = kept._generate(ps)
+            rows_kept, head_rows[:] = list(head_rows), []
+            out_full = full._generate(ps)
+    finally:
+        handle.remove()
+    assert out_kept == out_full  # sequences, nfe, per-row nfe
+    total = max(map(len, ps)) + 8
+    shift = 1 if name == "idlm" else 0
+    assert set(head_rows) == {total}  # the full path heads every position
+    assert set(rows_kept) == {total - min(map(len, ps)) + shift}  # the kept path: the windows' suffix
+
+
 def test_llada2_batch_with_editing_and_eos_decodes_each_row_as_alone(model, tok):
     # editing (per-row post-steps) and an EOS stop per row: the batch still equals each row alone
     sharp = copy.deepcopy(model)  # confident enough (lm_head x30) for edits above the threshold

@@ -8,9 +8,12 @@ they get none, as in the reference recipe (spec §2.1), so padding stays visible
 
     from dllmflow.models.attention import forward_bidirectional
     logits = forward_bidirectional(model, noisy_ids, attention_mask)   # [B, L, V]
+    logits = forward_bidirectional(model, canvas, attention_mask, logits_to_keep=128)  # [B, 128, V]
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -55,15 +58,35 @@ def mask_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
 
 
 def forward_bidirectional(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, logits_to_keep: int = 0
 ) -> Tensor:
     """Logits [B, L, V] of `model` over `input_ids` [B, L] with bidirectional attention that ignores
-    padding keys (`attention_mask` [B, L], None = no padding)."""
+    padding keys (`attention_mask` [B, L], None = no padding); with `logits_to_keep` = n > 0, those of
+    the last n positions only, [B, n, V] (see `model_logits`)."""
     config = getattr(unwrap(model), "config", None)
     if getattr(config, "model_type", None) in NATIVELY_BIDIRECTIONAL:
-        return model(input_ids=input_ids).logits
+        return model_logits(model, logits_to_keep, input_ids=input_ids)
     B, L = input_ids.shape
     mask = bidirectional_mask(
         attention_mask, mask_dtype(model, input_ids.device), batch=B, length=L, device=input_ids.device
     )
-    return model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+    return model_logits(model, logits_to_keep, input_ids=input_ids, attention_mask=mask, use_cache=False)
+
+
+def model_logits(model: nn.Module, logits_to_keep: int = 0, **inputs) -> Tensor:
+    """`model(**inputs).logits`, or with `logits_to_keep` = n > 0 only the last n positions' [B, n, V].
+    A model whose forward takes HF's `logits_to_keep` runs its LM head on those n positions alone (the
+    head is a large share of a step at a real vocabulary, and [B, L, V] the largest tensor); any other
+    (remote code) is sliced after its full forward."""
+    if not logits_to_keep:
+        return model(**inputs).logits
+    if _takes_logits_to_keep(unwrap(model)):
+        inputs["logits_to_keep"] = logits_to_keep
+    return model(**inputs).logits[:, -logits_to_keep:]
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without an inspectable signature
+        return False

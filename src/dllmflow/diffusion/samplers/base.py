@@ -208,10 +208,12 @@ class Sampler(ABC):
         except (StopIteration, AttributeError):
             return torch.device("cpu")
 
-    def model_forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Logits [B, T, V] of the canvas. Default: a causal HF forward; masked-diffusion samplers
-        override this with the bidirectional one."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+    def model_forward(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0) -> Tensor:
+        """Logits [B, T, V] of the canvas ([B, n, V] of its last n positions with `logits_to_keep` = n).
+        Default: a causal HF forward; masked-diffusion samplers override this with the bidirectional one."""
+        from dllmflow.models.attention import model_logits
+
+        return model_logits(self.model, logits_to_keep, input_ids=input_ids, attention_mask=attention_mask)
 
     def generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.config.seed)

@@ -36,10 +36,10 @@ class LLaDASampler(Sampler):
     supports_kv_cache = False
     supports_batching = True
 
-    def model_forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def model_forward(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0) -> Tensor:
         from dllmflow.models.attention import forward_bidirectional
 
-        return forward_bidirectional(self.model, input_ids, attention_mask)  # [B, T, V]
+        return forward_bidirectional(self.model, input_ids, attention_mask, logits_to_keep)  # [B, T|n, V]
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         cfg = self.config

@@ -15,6 +15,7 @@ never a candidate token, so a committed position can never hold [MASK].
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ from dllmflow.errors import UserError
 
 from .base import SamplerConfig
 
-# logits = forward(input_ids [B, T], attention_mask [B, T]) -> [B, T, V]
+# logits = forward(input_ids [B, T], attention_mask [B, T]) -> [B, T, V]; a forward may also take
+# `logits_to_keep=n` and return the last n positions' [B, n, V] (`takes_logits_to_keep`)
 ForwardFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -198,6 +200,15 @@ def build_left_padded_canvas(
     return LeftPaddedCanvas(x, valid, position_ids, S)
 
 
+def takes_logits_to_keep(forward: Callable) -> bool:
+    """Whether a forward takes `logits_to_keep` (the samplers' `model_forward`s do; a plain
+    `forward(input_ids, attention_mask)` handed in, as tests and the lm-eval harness do, does not)."""
+    try:
+        return "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def first_eos_done(x: Tensor, gen_start: Tensor, gen_length: int, eos_id: int, mask_id: int) -> Tensor:
     """Rows whose generation window holds an EOS with no [MASK] before it. -> [B] bool."""
     pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
@@ -222,6 +233,14 @@ def run_block_sampler(
     logit_shift: position p reads logits[p - shift] (I-DLM's next-token checkpoints: 1)."""
     x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start
     bsz, total = x.shape
+    # Only the rows' windows [P_b, P_b + G) are ever filled, and with prompts left-aligned and filler
+    # after, their union is the suffix from the shortest prompt on (plus the `logit_shift` positions
+    # read from before it): logits for that suffix alone, through the forward's `logits_to_keep` when
+    # it takes one (the LM head then skips the prompts). Same commits: candidates keep their order.
+    keep = min(total, total - int(start.min()) + logit_shift)
+    off = total - keep
+    keep_kw = {"logits_to_keep": keep} if takes_logits_to_keep(forward) else {}
+    x_kept = x[:, off:]  # [B, keep], a view: commits land in x
     pos = torch.arange(total, device=x.device)[None, :]  # [1, T]
     gen_end = start + geometry.gen_length  # [B]
     done = torch.zeros(bsz, dtype=torch.bool, device=x.device)  # [B]
@@ -235,7 +254,7 @@ def run_block_sampler(
             candidates = in_block & (x == mask_id) & ~done[:, None]  # [B, T]
             if not candidates.any():
                 break
-            logits = shift_logits(forward(x, attn), logit_shift)  # [B, T, V]
+            logits = shift_logits(forward(x, attn, **keep_kw)[:, -keep:], logit_shift)  # [B, keep, V]
             logits[..., mask_id] = -math.inf  # a committed position must never hold [MASK]
             nfe += 1
             row_nfe += candidates.any(dim=1).long()  # forwards a row needed, not the batch's
@@ -246,13 +265,13 @@ def run_block_sampler(
                 logits,
                 cfg.temperature,
                 cfg.remasking,
-                candidates,
-                x,
+                candidates[:, off:],
+                x_kept,
                 k,
                 None if last else cfg.threshold,
                 generator,
             )
-            x[transfer] = x0[transfer]
+            x_kept[transfer] = x0[transfer]
             if cfg.eos_token_id is not None:
                 done |= first_eos_done(x, start, geometry.gen_length, cfg.eos_token_id, mask_id)
         if cfg.eos_token_id is not None and bool(done.all()):
