@@ -184,6 +184,7 @@ def test_bfloat16_trains_on_cpu(prepared, tmp_path):
 
 
 def test_golden_mdlm_holds_with_compile(prepared, tmp_path):
-    want = json.loads((ROOT / "tests" / "golden" / "mdlm.json").read_text())["loss"][:3]
+    recordings = json.loads((ROOT / "tests" / "golden" / "mdlm.json").read_text())["recordings"]
     got = _run(prepared, tmp_path / "compiled", 3, compile=True, compile_backend="aot_eager")
-    assert got == pytest.approx(want, rel=1e-5)
+    for r in recordings:  # one per machine kind; their first 3 steps agree to ~1e-7
+        assert got == pytest.approx(r["loss"][:3], rel=1e-5), r["machine"]
