@@ -14,6 +14,7 @@ they get none, as in the reference recipe (spec §2.1), so padding stays visible
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -80,13 +81,15 @@ def model_logits(model: nn.Module, logits_to_keep: int = 0, **inputs) -> Tensor:
     (remote code) is sliced after its full forward."""
     if not logits_to_keep:
         return model(**inputs).logits
-    if _takes_logits_to_keep(unwrap(model)):
+    if takes_logits_to_keep(unwrap(model).forward):
         inputs["logits_to_keep"] = logits_to_keep
     return model(**inputs).logits[:, -logits_to_keep:]
 
 
-def _takes_logits_to_keep(model: nn.Module) -> bool:
+def takes_logits_to_keep(forward: Callable) -> bool:
+    """Whether `forward` takes `logits_to_keep`: an HF model's forward, the samplers' `model_forward`s;
+    not remote code without it, nor a plain `forward(input_ids, attention_mask)` handed to a sampler."""
     try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
+        return "logits_to_keep" in inspect.signature(forward).parameters
     except (TypeError, ValueError):  # a forward without an inspectable signature
         return False

@@ -15,7 +15,6 @@ never a candidate token, so a committed position can never hold [MASK].
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pydantic import Field, NonNegativeFloat, PositiveInt
 from torch import Tensor
 
 from dllmflow.errors import UserError
+from dllmflow.models.attention import takes_logits_to_keep
 
 from .base import SamplerConfig
 
@@ -198,15 +198,6 @@ def build_left_padded_canvas(
     # Positions restart at each row's first real token, so a padded row sees what it would alone.
     position_ids = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [B, T]
     return LeftPaddedCanvas(x, valid, position_ids, S)
-
-
-def takes_logits_to_keep(forward: Callable) -> bool:
-    """Whether a forward takes `logits_to_keep` (the samplers' `model_forward`s do; a plain
-    `forward(input_ids, attention_mask)` handed in, as tests and the lm-eval harness do, does not)."""
-    try:
-        return "logits_to_keep" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def first_eos_done(x: Tensor, gen_start: Tensor, gen_length: int, eos_id: int, mask_id: int) -> Tensor:
