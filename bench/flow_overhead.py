@@ -87,11 +87,13 @@ import json
 from metaflow import Flow, namespace
 namespace(None)
 run = Flow("FinetuneFlow").latest_run
-out = {}
+out, width = {}, 0
 for step in run:
     tasks = list(step)
     out[step.id] = max((t.finished_at - t.created_at).total_seconds() for t in tasks)
+    width = len(tasks) if step.id == "evaluate" else width
 print("STEPS=" + json.dumps(out))
+print("WIDTH=" + str(width))
 """
 
 
@@ -149,7 +151,7 @@ def main() -> None:
 
     proc = subprocess.run([sys.executable, "-c", _STEPS], cwd=ROOT, env=env, capture_output=True, text=True)
     steps = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("STEPS="))[6:])
-    width = _foreach_width(env)
+    width = int(next(x for x in proc.stdout.splitlines() if x.startswith("WIDTH="))[6:])
     empty = tmp / "empty_flow.py"
     empty.write_text(_EMPTY_FLOW.replace("WIDTH", str(width)))
     floor = timed([sys.executable, str(empty), "run"], env, tmp)
@@ -169,18 +171,6 @@ def main() -> None:
         f"{floor / bare:.2f} of bare train; ratio without it ((flow - floor) / bare train): "
         f"{(flow - floor) / bare:.2f}"
     )
-
-
-def _foreach_width(env: dict[str, str]) -> int:
-    proc = subprocess.run([sys.executable, "-c", _WIDTH], cwd=ROOT, env=env, capture_output=True, text=True)
-    return int(next(x for x in proc.stdout.splitlines() if x.startswith("WIDTH="))[6:])
-
-
-_WIDTH = """
-from metaflow import Flow, namespace
-namespace(None)
-print("WIDTH=" + str(len(list(Flow("FinetuneFlow").latest_run["evaluate"]))))
-"""
 
 
 if __name__ == "__main__":

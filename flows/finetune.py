@@ -88,7 +88,7 @@ class FinetuneFlow(FlowSpec):
     @step
     def register(self, inputs):
         # The join of the sampler branches does the registration: a step less (a task process and
-        # Metaflow's gap between tasks, ~2.5 s of a tiny run); a failure here resumes here.
+        # its launch, ~2 s of a tiny run); a failure here resumes here.
         from dllmflow.workflow import finetune as workflow
 
         self.evals = {inp.sampler: inp.eval_result for inp in inputs}
