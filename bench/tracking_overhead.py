@@ -1,5 +1,5 @@
 """Cost of live MLflow tracking per training step: the tiny recipe trained in-process with and without
-rank 0's live logger (training/tracking.py) pointed at a local SQLite store.
+rank 0's live logger (training/live.py) pointed at a local SQLite store.
 
     OMP_NUM_THREADS=1 python bench/tracking_overhead.py                 # 60 steps, 3 rounds
     python bench/tracking_overhead.py --steps 200 --rounds 5 --recipe params/tiny_mdlm.yaml

@@ -208,7 +208,7 @@ class Runner:
     """One model + optimizer + batch; `step()` times one full optimizer step and its marked parts."""
 
     def __init__(self, model, loss_fn, batch, settings, optimizer: bool = True):
-        from dllmflow.training.parallel import DistInfo
+        from dllmflow.training.distributed import DistInfo
         from dllmflow.training.parallelize import apply_ac, compute_context
         from dllmflow.training.trainer import build_optimizer
 

@@ -28,7 +28,7 @@ from dllmflow.errors import UserError
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
 from dllmflow.training import checkpoint as ckpt
-from dllmflow.training.parallel import DistInfo
+from dllmflow.training.distributed import DistInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"

@@ -77,12 +77,13 @@ def _worker(out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from dllmflow.training.parallel import apply_parallel, init_distributed
+    from dllmflow.training.distributed import init_distributed
+    from dllmflow.training.parallelize import apply_fsdp
 
     world = int(os.environ["WORLD_SIZE"])
     settings, strategy, model, collate, rows = _setup(world)
     info = init_distributed(settings)
-    model = apply_parallel(model, settings, info)  # the trainer's path: fsdp_units() groups, then the root
+    model = apply_fsdp(model)  # the trainer's FSDP2 transform: fsdp_units() groups, then the root
     losses = _train(settings, strategy, model, collate, rows, info)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if info.rank == 0:
@@ -103,7 +104,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_fsdp2_two_ranks_match_single_process_and_keep_ties(tmp_path):
-    from dllmflow.training.parallel import DistInfo
+    from dllmflow.training.distributed import DistInfo
 
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dllmflow.training import checkpoint as ckpt
-from dllmflow.training.parallel import DistInfo
+from dllmflow.training.distributed import DistInfo
 
 INFO = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False)
 

@@ -21,7 +21,7 @@ from dllmflow.settings import (
     load_settings,
     load_settings_json,
 )
-from dllmflow.settings import MODES as SETTINGS_MODES
+from dllmflow.settings import MODE_NAMES as SETTINGS_MODES
 from dllmflow.workflow import finetune
 
 HERE = Path(__file__).resolve().parent
@@ -147,7 +147,7 @@ def _check_run_and_evaluate(s, run_dir: Path) -> None:
 
 def test_toy_mode_trains_in_process_and_evaluates(tmp_path):
     from dllmflow.data.prepare import prepare
-    from dllmflow.training.parallel import shutdown
+    from dllmflow.training.distributed import shutdown
     from dllmflow.training.trainer import run_training
 
     s = _toy_settings(tmp_path)

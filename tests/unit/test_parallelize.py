@@ -25,7 +25,7 @@ from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
 from dllmflow.settings.loader import SettingsError
-from dllmflow.training.parallel import DistInfo
+from dllmflow.training.distributed import DistInfo
 from dllmflow.training.parallelize import apply_ac, build_parallel_model, check_dtype
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dllmflow.settings import MODES, Settings, SettingsError, load_settings, load_settings_json
+from dllmflow.settings import MODE_NAMES, Settings, SettingsError, load_settings, load_settings_json
 
 ROOT = Path(__file__).resolve().parents[2]
 PARAMS = sorted((ROOT / "params").glob("*.yaml"))
@@ -94,7 +94,7 @@ def test_every_params_yaml_loads_with_every_value_it_sets(path):
 
     raw = yaml.safe_load(path.read_text())
     s = load_settings(path)
-    assert s.dllm.mode == raw.get("dllm", {}).get("mode", "mdlm") and s.dllm.mode in MODES
+    assert s.dllm.mode == raw.get("dllm", {}).get("mode", "mdlm") and s.dllm.mode in MODE_NAMES
     flat = s.flat()
     for key, value in _leaves(raw).items():
         assert key in flat, f"{path.name}: {key} vanished"

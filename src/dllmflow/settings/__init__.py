@@ -2,7 +2,7 @@
 
 from .dllm import (
     MODE_CONFIGS,
-    MODES,
+    MODE_NAMES,
     BlockDiffusionConfig,
     DFlashConfig,
     DFlashSection,
@@ -29,7 +29,7 @@ from .sections import *  # noqa: F403 - the section models, listed in sections._
 from .sections import __all__ as _SECTIONS
 
 __all__ = [
-    "MODES",
+    "MODE_NAMES",
     "MODE_CONFIGS",
     "BlockDiffusionConfig",
     "DFlashConfig",

@@ -179,7 +179,7 @@ DLLMConfig = Annotated[SerializeAsAny[DLLMBaseConfig], WrapValidator(_validate_d
 
 
 # The registered mode names, a live view: a mode registered at run time shows up here too.
-MODES = MODE_CONFIGS.keys()
+MODE_NAMES = MODE_CONFIGS.keys()
 
 
 class DFlashSection(_Section):

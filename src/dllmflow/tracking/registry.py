@@ -31,7 +31,7 @@ from typing import Any
 from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout, find_consolidated, read_metrics
 from dllmflow.settings import Settings
-from dllmflow.training.tracking import (
+from dllmflow.training.live import (
     MAX_BATCH_METRICS,
     create_run,
     is_number,

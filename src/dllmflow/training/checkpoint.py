@@ -85,7 +85,7 @@ from dllmflow.runs import (
     tmp_step_dir_name,
     write_latest,
 )
-from dllmflow.training.parallel import DistInfo, barrier, shares_rank0_disk
+from dllmflow.training.distributed import DistInfo, barrier, shares_rank0_disk
 
 OPTIM = "optim"
 TRAINER_STATE = "trainer_state.json"

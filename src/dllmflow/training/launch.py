@@ -31,7 +31,7 @@ from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout
 from dllmflow.settings.loader import parse_overrides  # re-exported: component.py, bench, tests
 from dllmflow.training.main import FAIL_MARKER
-from dllmflow.training.tracking import RUN_ID_ENV, create_run, end_run, tracking_env
+from dllmflow.training.live import RUN_ID_ENV, create_run, end_run, tracking_env
 
 ROLE = "trainer"
 CLUSTER_RDZV_PORT = 29500
@@ -105,7 +105,7 @@ def build_app(
 ):
     """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes.
     `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks; with `mlflow_run_id`,
-    rank 0 logs metrics live into that MLflow run (training/tracking.py)."""
+    rank 0 logs metrics live into that MLflow run (training/live.py)."""
     from torchx import specs
 
     lc = settings.launch
@@ -305,7 +305,7 @@ def _open_run(settings) -> str | None:
     never waits for MLflow; `dllmflow register` can still record the run afterwards)."""
     if not settings.registry.live_tracking:
         return None
-    from dllmflow.training.tracking import resolve_tracking_uri
+    from dllmflow.training.live import resolve_tracking_uri
 
     try:
         return create_run(settings, tags={"dllmflow.mode": settings.dllm.mode, "dllmflow.source": "train"})

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {rank}] {FAIL_MARKER} {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        from dllmflow.training.parallel import shutdown
+        from dllmflow.training.distributed import shutdown
 
         shutdown()
 

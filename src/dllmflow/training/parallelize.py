@@ -34,7 +34,7 @@ from torch import nn
 from dllmflow.errors import UserError
 from dllmflow.models import meta
 from dllmflow.models.lora import apply_lora, init_lora_weights, is_adapter_module
-from dllmflow.training.parallel import DistInfo, apply_ddp, decoder_blocks
+from dllmflow.training.distributed import DistInfo, apply_ddp, decoder_blocks
 
 if TYPE_CHECKING:
     from dllmflow.settings import Settings

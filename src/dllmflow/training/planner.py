@@ -175,7 +175,7 @@ def count_model(settings) -> ModelCount:
 
 def count_built(model, **frozen: Any) -> ModelCount:
     """Count a built (meta or real) model: totals, trainable, its largest block and what is outside them."""
-    from dllmflow.training.parallel import decoder_blocks
+    from dllmflow.training.distributed import decoder_blocks
 
     blocks = list({id(b): b for b in decoder_blocks(model)}.values())
     params = _numel(model.parameters())

@@ -36,7 +36,7 @@ from dllmflow.runs import (
     write_latest,
 )
 from dllmflow.training.checkpoint import file_owner
-from dllmflow.training.parallel import DistInfo, barrier, shares_rank0_disk
+from dllmflow.training.distributed import DistInfo, barrier, shares_rank0_disk
 
 ENDPOINT_ENVS = ("DLLMFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
 STATE_FILE = "trainer_state.json"  # written last by save_checkpoint and uploaded last: completeness

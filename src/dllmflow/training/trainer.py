@@ -37,7 +37,7 @@ from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
 from dllmflow.training import checkpoint as ckpt
 from dllmflow.training import storage
 from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
-from dllmflow.training.parallel import (
+from dllmflow.training.distributed import (
     DistInfo,
     all_reduce_sum,
     barrier,
@@ -46,7 +46,7 @@ from dllmflow.training.parallel import (
     shares_rank0_disk,
 )
 from dllmflow.training.parallelize import build_parallel_model, compute_context
-from dllmflow.training.tracking import build_live_logger
+from dllmflow.training.live import build_live_logger
 
 # Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
 FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"

@@ -1,7 +1,7 @@
 """Live MLflow tracking from the trainer: rank 0 sends each step's metrics to the run the launcher
 opened, batched, from a background thread, without ever stopping training.
 
-    from dllmflow.training.tracking import build_live_logger
+    from dllmflow.training.live import build_live_logger
     live = build_live_logger(settings, is_main=info.is_main)   # None: no run id in the env, or rank > 0
     live.log(record, step)        # non-blocking: a deque append
     live.close()                  # at the end: waits up to registry.flush_timeout_s for the server

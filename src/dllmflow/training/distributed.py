@@ -1,7 +1,7 @@
-"""Process group setup and data-parallel wrappers (DDP, FSDP2) for the trainer.
+"""The process group: setup, collectives, and the DDP wrapper for the trainer.
 
     dist_info = init_distributed(settings)    # torchrun env -> process group; plain python -> world 1
-    model = apply_fsdp2(model)                # or apply_ddp(model, dist_info.device)
+    model = apply_ddp(model, dist_info.device)  # FSDP2 sharding lives in parallelize.apply_fsdp
     with grad_sync(model, enabled=is_last_micro_batch): loss.backward()
 
 Nodes with a disk of their own: `shares_rank0_disk(path, info)` tells each rank whether it sees the files
@@ -66,28 +66,6 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
-
-
-def apply_fsdp2(model: nn.Module) -> nn.Module:
-    """Shard each decoder block, then the root (embeddings, norm, head). In place; returns the model.
-    A model whose blocks share weights lists its shard groups in `fsdp_units()` (DiffusionGemma: encoder
-    layer i and decoder layer i are one group, since torch refuses tied weights split across groups)."""
-    from torch.distributed.fsdp import fully_shard
-
-    units = model.fsdp_units() if hasattr(model, "fsdp_units") else decoder_blocks(model)
-    for unit in units:
-        fully_shard(unit)
-    fully_shard(model)
-    return model
-
-
-def apply_parallel(model: nn.Module, settings: Settings, info: DistInfo) -> nn.Module:
-    """`distributed.strategy` -> the wrapped model (unchanged without a process group)."""
-    if not info.distributed:
-        return model
-    if settings.distributed.strategy == "fsdp2":
-        return apply_fsdp2(model)
-    return apply_ddp(model, info.device)
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
