@@ -1,6 +1,9 @@
-"""The torchx component `dllmflow.components:train`: in-process, CLI dry runs (Kubernetes, Slurm), local run.
+"""The torchx component `dllmflow.train`: entry point, in-process, CLI dry runs (Kubernetes, Slurm), local run.
 
-Through the torchx CLI from the repo root (where ./.torchxconfig and the `dllmflow.components` link live):
+Through the torchx CLI, which finds the component by the installed package's entry point; the dry runs
+run outside the checkout, with the scheduler settings named by TORCHXCONFIG (infra/.torchxconfig):
+
+  * the entry point: `torchx builtins` lists `dllmflow.train` next to torchx's own components;
 
   * in-process: the AppDef is `build_app`'s, with the component's arguments applied to `launch:` and
     settings.json written once to the run dir;
@@ -21,21 +24,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dllmflow.components import train
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings, load_settings_json
+from dllmflow.training.component import train
 from dllmflow.training.launch import rank0_endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "params/tiny_mdlm.yaml"
+TORCHXCONFIG = ROOT / "infra" / ".torchxconfig"
 # world size 8 needs a global batch that 8 ranks x the local batch divide
 BATCH = "train.global_batch_size=16,train.local_batch_size=2"
 
 
-def torchx(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def torchx(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
     exe = str(Path(sys.executable).with_name("torchx"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([exe, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHXCONFIG": str(TORCHXCONFIG)}
+    proc = subprocess.run([exe, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -48,6 +52,20 @@ def scheduler_request(stdout: str) -> str:
 def torchrun_flags(command: str) -> dict[str, str]:
     args = shlex.split(command[command.index("torchrun") :])
     return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--") and i + 1 < len(args)}
+
+
+def test_entry_point_names_the_component_outside_the_checkout(tmp_path):
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep.value for ep in entry_points(group="torchx.components")}
+    assert found.get("dllmflow") == "dllmflow.training.component", (
+        f"torchx.components entry points {found}: the installed dllmflow metadata predates pyproject.toml's "
+        "entry point; re-run `bash scripts/setup.sh`"
+    )
+    listed = torchx("builtins", cwd=tmp_path).stdout
+    assert re.search(r"\. dllmflow\.train$", listed, re.M), listed
+    # torchx's own components stay reachable next to ours
+    assert re.search(r"\. dist\.ddp$", listed, re.M) and re.search(r"\. utils\.echo$", listed, re.M), listed
 
 
 def test_component_is_build_app_with_the_cli_arguments(tmp_path):
@@ -81,15 +99,15 @@ def test_component_is_build_app_with_the_cli_arguments(tmp_path):
 
 def test_kubernetes_dryrun_is_a_volcano_job_with_one_task_per_node(tmp_path):
     out = torchx(
-        "run", "--dryrun", "-s", "kubernetes", "dllmflow.components:train",
-        "--params", RECIPE, "--nnodes", "2", "--nproc_per_node", "4", "--gpu", "4", "--cpu", "16",
+        "run", "--dryrun", "-s", "kubernetes", "dllmflow.train",
+        "--params", str(ROOT / RECIPE), "--nnodes", "2", "--nproc_per_node", "4", "--gpu", "4", "--cpu", "16",
         "--memMB", "64000", "--image", "registry.example.com/dllmflow:1", "--env", "NCCL_DEBUG=INFO",
         "--mounts", "type=volume,src=dllmflow-runs,dst=/app/runs", "--run_dir", str(tmp_path / "run"),
-        "--set", BATCH,
+        "--set", BATCH, cwd=tmp_path,
     ).stdout  # fmt: skip
     job = yaml.safe_load(scheduler_request(out))
     assert job["kind"] == "Job" and job["apiVersion"].startswith("batch.volcano.sh")
-    assert job["spec"]["queue"] == "default"  # from ./.torchxconfig
+    assert job["spec"]["queue"] == "default"  # from infra/.torchxconfig (TORCHXCONFIG)
     tasks = job["spec"]["tasks"]
     assert [t["name"] for t in tasks] == ["trainer-0", "trainer-1"]  # replicas = nnodes
     for i, task in enumerate(tasks):
@@ -117,16 +135,17 @@ def test_kubernetes_dryrun_is_a_volcano_job_with_one_task_per_node(tmp_path):
 
 def test_slurm_dryrun_is_an_sbatch_script_with_one_hetjob_per_node(tmp_path):
     out = torchx(
-        "run", "--dryrun", "-s", "slurm", "dllmflow.components:train",
-        "--params", RECIPE, "--nnodes", "2", "--nproc_per_node", "4", "--gpu", "4", "--cpu", "16",
+        "run", "--dryrun", "-s", "slurm", "dllmflow.train",
+        "--params", str(ROOT / RECIPE), "--nnodes", "2", "--nproc_per_node", "4", "--gpu", "4", "--cpu", "16",
         "--memMB", "64000", "--env", "NCCL_DEBUG=INFO", "--run_dir", str(tmp_path / "run"), "--set", BATCH,
+        cwd=tmp_path,
     ).stdout  # fmt: skip
     script = scheduler_request(out)
     sbatch = re.findall(r"^#SBATCH --job-name=(\S+) (.*)$", script, re.M)
     assert [name for name, _ in sbatch] == ["trainer-0", "trainer-1"] and "#SBATCH hetjob" in script
     for _, opts in sbatch:
         assert "--gpus-per-task=4" in opts and "--cpus-per-task=16" in opts and "--mem=64000" in opts
-        assert "--partition=gpu" in opts  # from ./.torchxconfig
+        assert "--partition=gpu" in opts  # from infra/.torchxconfig (TORCHXCONFIG)
     sruns = [line for line in script.splitlines() if "torchrun" in line]
     assert len(sruns) == 2
     for line in sruns:
@@ -147,7 +166,7 @@ def test_local_cwd_run_trains(tmp_path):
     run = tmp_path / "run"
     overrides = f"dataset.limit=16,dataset.prepared_dir={prep},train.max_steps=2,train.local_batch_size=4"
     proc = torchx(
-        "run", "-s", "local_cwd", "dllmflow.components:train", "--params", RECIPE,
+        "run", "-s", "local_cwd", "dllmflow.train", "--params", RECIPE,
         "--run_dir", str(run), "--set", overrides, timeout=600,
     )  # fmt: skip
     assert "SUCCEEDED" in proc.stderr + proc.stdout

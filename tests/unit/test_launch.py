@@ -116,3 +116,70 @@ def test_run_dir_flag_is_the_run_dir_recorded_in_settings_json(tmp_path, monkeyp
     flow = load_settings(name="rd", run_dir="runs/rd/flow-1")
     launch_mod.launch(flow, run_dir=Path("runs/rd/flow-1").absolute(), wait=False)
     assert json.loads((tmp_path / "runs/rd/flow-1/settings.json").read_text())["run_dir"] == "runs/rd/flow-1"
+
+
+def _submitted_cfg(monkeypatch, settings) -> dict:
+    """The scheduler cfg `launch` hands torchx (a stand-in runner records it; nothing is submitted)."""
+    import torchx.runner
+
+    from dllmflow.training import launch as launch_mod
+
+    cfgs = []
+
+    class RecordingRunner:
+        def run(self, app, scheduler, cfg):
+            cfgs.append(dict(cfg))
+            return f"{scheduler}://fake/app"
+
+    monkeypatch.setattr(torchx.runner, "get_runner", lambda: RecordingRunner())
+    launch_mod.launch(settings, run_dir="run", wait=False)
+    return cfgs[0]
+
+
+def test_launch_reads_the_torchxconfig_the_torchx_cli_reads(tmp_path, monkeypatch):
+    """No .torchxconfig is read from the checkout: $TORCHXCONFIG names one (infra/.torchxconfig),
+    else ~/.torchxconfig and ./.torchxconfig, as for `torchx run`; launch.scheduler_args win."""
+    root = Path(__file__).resolve().parents[2]
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("TORCHXCONFIG", raising=False)
+    k8s = load_settings(
+        name="cfg", launch={"scheduler": "kubernetes", "scheduler_args": {"namespace": "mine"}}
+    )
+    assert _submitted_cfg(monkeypatch, k8s) == {"namespace": "mine"}  # nothing found, nothing invented
+
+    monkeypatch.setenv("TORCHXCONFIG", str(root / "infra" / ".torchxconfig"))
+    cfg = _submitted_cfg(monkeypatch, k8s)
+    assert cfg["queue"] == "default" and cfg["service_account"] == "dllmflow-trainer"  # from the file
+    assert cfg["namespace"] == "mine"  # launch.scheduler_args win over the file's ml-training
+
+    monkeypatch.delenv("TORCHXCONFIG")
+    (work / ".torchxconfig").write_text("[kubernetes]\nqueue = cwdq\n")
+    (home / ".torchxconfig").write_text("[kubernetes]\npriority_class = homepc\n")
+    cfg = _submitted_cfg(monkeypatch, k8s)
+    assert cfg == {"namespace": "mine", "queue": "cwdq", "priority_class": "homepc"}
+
+
+def test_torchx_component_is_registered_by_entry_point():
+    """`torchx run dllmflow.train` works from any directory: pyproject declares the component module in
+    torchx's entry point group, and torchx's linter accepts `train` there (else torchx hides it)."""
+    import tomllib
+
+    from torchx.specs.file_linter import validate
+
+    from dllmflow.training import component
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    group = project["entry-points"]["torchx.components"]
+    assert group["dllmflow"] == "dllmflow.training.component" == component.__name__
+    # registering a group hides torchx's builtins unless they are registered too
+    assert {group[k] for k in ("dist", "utils")} == {"torchx.components.dist", "torchx.components.utils"}
+    assert validate(component.__file__, "train") == []
+    # torchx offers every function of the module: `train` is the only one
+    import inspect
+
+    assert [n for n, _ in inspect.getmembers(component, inspect.isfunction)] == ["train"]

@@ -1,12 +1,16 @@
-"""torchx component `train`: settings resolved once into RUN/settings.json, then `build_app`'s AppDef.
+"""torchx component `dllmflow.train`: settings resolved once into RUN/settings.json, then `build_app`'s AppDef.
 
 The AppDef runs torchrun -> `python -m dllmflow.training.main --settings RUN/settings.json`.
 
-From the repo root (torchx 0.7 reads `X:Y` as FILE:FUNCTION; `./dllmflow.components` is a link to this
-file, and ./.torchxconfig holds the scheduler settings):
+torchx finds it through the package's entry point (pyproject.toml, group `torchx.components`:
+`dllmflow = dllmflow.training.component`), so it runs from any directory where dllmflow is installed.
+Scheduler settings (queue, namespace, partition, no workspace patching) come from a .torchxconfig:
+the one named by $TORCHXCONFIG (infra/.torchxconfig is the project's), else ~/.torchxconfig and
+./.torchxconfig:
 
-    torchx run -s local_cwd dllmflow.components:train --params params/tiny_mdlm.yaml --set train.max_steps=2
-    torchx run --dryrun -s kubernetes dllmflow.components:train --params params/x.yaml \\
+    export TORCHXCONFIG=$PWD/infra/.torchxconfig
+    torchx run -s local_cwd dllmflow.train --params params/tiny_mdlm.yaml --set train.max_steps=2
+    torchx run --dryrun -s kubernetes dllmflow.train --params params/x.yaml \\
         --nnodes 2 --nproc_per_node 8 --gpu 8 --image registry/dllmflow:tag \\
         --mounts type=volume,src=dllmflow-runs,dst=/app/runs --run_dir /app/runs/x
 
@@ -22,7 +26,8 @@ from typing import Dict, List, Optional
 
 from torchx import specs
 
-from dllmflow.training.launch import build_app, parse_overrides, rank0_endpoint
+# The module, not its functions: torchx offers every function of this module as a component.
+from dllmflow.training import launch as _launch
 
 
 def train(
@@ -64,7 +69,7 @@ def train(
     """
     from dllmflow.settings import load_settings
 
-    overrides = parse_overrides([f"{k}={v}" for k, v in (set or {}).items()])
+    overrides = _launch.parse_overrides([f"{k}={v}" for k, v in (set or {}).items()])
     launch = {
         key: value
         for key, value in {
@@ -87,5 +92,6 @@ def train(
     settings.write_json(run / "settings.json")
     # The CLI does not tell a component its scheduler: use the rank-0 host, which every torchx
     # scheduler names (local_cwd: localhost), rather than a free port that only a local run could use.
-    endpoint = None if settings.launch.rdzv_endpoint or settings.launch.nnodes == 1 else rank0_endpoint()
-    return build_app(settings, run, resume=resume, endpoint=endpoint)
+    lc = settings.launch
+    endpoint = None if lc.rdzv_endpoint or lc.nnodes == 1 else _launch.rank0_endpoint()
+    return _launch.build_app(settings, run, resume=resume, endpoint=endpoint)

@@ -8,9 +8,11 @@
 `build_app` is the one AppDef builder, in the style of `torchx.components.dist.ddp`: one role with
 `launch.nnodes` replicas, each running torchrun with `launch.nproc_per_node` workers and a c10d
 rendezvous (a free port on 127.0.0.1 for local schedulers unless `launch.rdzv_endpoint` is set; the
-rank-0 host for cluster schedulers). The torchx CLI component (`dllmflow.components:train`, in
+rank-0 host for cluster schedulers). The torchx CLI component (`dllmflow.train`, in
 training/component.py) wraps it. The scheduler is always named (`launch.scheduler`, default
-local_cwd), never torchx's default (local_docker). Edit ./.torchxconfig to leave this machine.
+local_cwd), never torchx's default (local_docker). Scheduler settings come from `launch.scheduler_args`,
+then the .torchxconfig the torchx CLI would read ($TORCHXCONFIG, e.g. infra/.torchxconfig; else
+~/.torchxconfig and ./.torchxconfig).
 """
 
 from __future__ import annotations
@@ -177,11 +179,12 @@ def launch(
     local = is_local_scheduler(lc.scheduler)
     cfg: dict[str, Any] = dict(lc.scheduler_args)
     # Scheduler settings a user edits to leave this machine (queue, namespace, partition, ...):
-    # `launch.scheduler_args` win over ./.torchxconfig (where the torchx CLI reads it too).
+    # `launch.scheduler_args` win over the .torchxconfig the torchx CLI reads: $TORCHXCONFIG if set, else
+    # ~/.torchxconfig and ./.torchxconfig (named here: torchx's default list holds the cwd at its import).
     from torchx.runner.config import apply as apply_torchxconfig
 
     check_scheduler(lc.scheduler)
-    apply_torchxconfig(lc.scheduler, cfg, dirs=[os.getcwd()])
+    apply_torchxconfig(lc.scheduler, cfg, dirs=[str(Path.home()), os.getcwd()])
     log_dir = None
     if local:
         log_dir = Path(cfg.setdefault("log_dir", str(layout.logs_dir)))
