@@ -118,6 +118,32 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(_one_cycle(graph, c) for c in components if len(c) > 1)
 
 
+def _describe(graph: dict[str, set[str]], cycle: list[str]) -> str:
+    """The cycle, and the rest of its strongly connected component when that holds more modules."""
+    component = _component_of(graph, cycle[0])
+    rest = sorted(component - set(cycle))
+    return " -> ".join(cycle) + (f"  (same component: {', '.join(rest)})" if rest else "")
+
+
+def _component_of(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules that reach `start` and are reached from it."""
+
+    def reach(edges: dict[str, set[str]]) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for w in edges[todo.pop()]:
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    reverse: dict[str, set[str]] = {v: set() for v in graph}
+    for v, ws in graph.items():
+        for w in ws:
+            reverse[w].add(v)
+    return reach(graph) & reach(reverse)
+
+
 def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     """A shortest cycle through the component's first module: start -> ... -> start (breadth first)."""
     start = min(component)
@@ -142,6 +168,9 @@ def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 def test_cycle_finder_names_the_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c", "a"]]
+    both = {"a": {"b", "c"}, "b": {"a"}, "c": {"a"}}  # one component, two shortest cycles
+    assert _cycles(both) == [["a", "b", "a"]]
+    assert _describe(both, ["a", "b", "a"]) == "a -> b -> a  (same component: c)"
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
@@ -162,7 +191,8 @@ def test_lazy_and_relative_imports_are_edges():
 
 
 def test_no_import_cycles_lazy_imports_included():
-    cycles = _cycles(_import_graph())
+    graph = _import_graph()
+    cycles = _cycles(graph)
     assert not cycles, "import cycles (lazy and TYPE_CHECKING imports count):\n" + "\n".join(
-        "  " + " -> ".join(c) for c in cycles
+        "  " + _describe(graph, c) for c in cycles
     )
