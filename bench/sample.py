@@ -41,7 +41,7 @@ def train_overfit_checkpoint(root: Path, steps: int) -> Path:
 def bench_prompts(ckpt, split: str, limit: int):
     """(model, tokenizer, chat-templated prompt ids) of the checkpoint's prepared data, as evaluate builds them."""
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.evaluation.accuracy import prompt_messages
+    from dllmflow.evaluation.protocol import prompt_messages
     from dllmflow.inference.generate import load_for_generation
 
     model, tok, settings = load_for_generation(ckpt, device="cpu")

@@ -7,7 +7,7 @@
 
 Each mode runs its own tiny recipe `params/tiny_<mode>.yaml` (plus `--set` overrides) through the real
 code paths: `prepare` (into a temp dir, `dataset.limit` small), `load_tokenizer`,
-`DLLMCollator.from_settings`, `build_strategy` -> `build_model` / `setup` / `corrupt` / `token_counts`
+`DLLMCollator.from_settings`, `build_strategy` + `build_mode_model` -> `setup` / `corrupt` / `token_counts`
 / `loss`, the trainer's optimizer and its global-count reduction of the loss terms. A timed step is
 what the trainer does per step: corrupt + forward + loss + backward + clip + AdamW step, on one
 collated batch of `train.local_batch_size` prepared rows (fresh per-sample seeds every step).
@@ -257,6 +257,7 @@ def build_mode(
     """Runners of `mode` (its own, and block_diffusion's sc p=0/1 variants) + its AR baseline's key.
 
     `variant` is a `VARIANTS` key; `length` (the sweep) = one row of exactly that many tokens."""
+    from dllmflow.diffusion.modes import build_mode_model
     from dllmflow.diffusion.strategies import build_strategy
 
     extra = dict(VARIANTS[variant])
@@ -275,7 +276,7 @@ def build_mode(
     def make(s, loss_wrapper=plain_loss):
         strategy = build_strategy(s)
         torch.manual_seed(seed)
-        model = strategy.build_model(tokenizer)
+        model = build_mode_model(s, tokenizer)
         strategy.setup(model, tokenizer, torch.device("cpu"))
         return strategy, Runner(model, strategy_loss(strategy, seed, loss_wrapper(strategy)), batch, s, opt)
 
@@ -300,7 +301,7 @@ def build_mode(
                 out[f"sc{int(p)}"] = make(s)[1]
             out["mask_ms"] = block_diffusion_mask_time(strategy, out["runner"], batch)
         torch.manual_seed(seed)
-        ar_model, ar_fn = strategy.build_model(tokenizer), gemma_encoder_ar_loss
+        ar_model, ar_fn = build_mode_model(settings, tokenizer), gemma_encoder_ar_loss
         backbone = "DiffusionGemma encoder"
     else:
         from dllmflow.models.build import build_model

@@ -1,5 +1,5 @@
 """Concurrent use: registrations racing on a fresh SQLite MLflow store all land with distinct versions
-(the store is created/migrated once, under a file lock: `tracking.registry.connect`), and two flow
+(the store is created/migrated once, under a file lock: `tracking.mlflow_run.connect`), and two flow
 runs of one recipe never share a run dir (`runs.flow_run_dir` is keyed by the Metaflow run id)."""
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def _register(uri: str, run_dir: str, queue) -> None:
     """One `dllmflow register`, in its own process: log the run, register its checkpoint."""
     try:
         from dllmflow.settings import load_settings
-        from dllmflow.tracking import registry
+        from dllmflow.tracking import mlflow_run, registry
 
         s = load_settings(model={"tiny": {}}, registry={"tracking_uri": uri, "model_name": NAME})
-        run_id = registry.log_run(s, run_dir)
+        run_id = mlflow_run.log_run(s, run_dir)
         version = registry.register_model(
             s, run_id, Path(run_dir) / "consolidated", sampler="llada", sampler_settings={"steps": 2}
         )

@@ -91,7 +91,7 @@ def test_generate_refuses_a_checkpoint_with_its_own_code(remote, capsys):
 
 
 def test_evaluate_and_the_pyfunc_refuse_it_too(remote, tmp_path):
-    from dllmflow.evaluation.accuracy import build_eval_runner
+    from dllmflow.evaluation.protocol import build_eval_runner
     from dllmflow.tracking.pyfunc import DllmGenerator
 
     ckpt, marker = remote
@@ -193,7 +193,7 @@ def test_pyfunc_refuses_a_sampler_that_does_not_fit_the_mode(generator):
 
 
 def test_generate_texts_refuses_by_the_checkpoints_mode(generator):
-    from dllmflow.tracking.registry import generate_texts
+    from dllmflow.tracking.pyfunc_runtime import generate_texts
 
     with pytest.raises(UserError, match="sampler 'idlm' does not fit"):
         generate_texts(generator.model, generator.tokenizer, ["hi"], sampler="idlm")

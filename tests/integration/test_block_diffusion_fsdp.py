@@ -27,6 +27,7 @@ def _setup(world: int):
     from dllmflow.data.collate import DLLMCollator
     from dllmflow.data.gsm8k import load_gsm8k_rows
     from dllmflow.data.tokenizer import encode_chat, train_bpe_tokenizer
+    from dllmflow.diffusion.modes import build_mode_model
     from dllmflow.diffusion.strategies import build_strategy
     from dllmflow.settings import load_settings
 
@@ -45,7 +46,7 @@ def _setup(world: int):
     )
     strategy = build_strategy(settings)
     torch.manual_seed(0)
-    model = strategy.build_model(tok)
+    model = build_mode_model(settings, tok)
     strategy.setup(model, tok, torch.device("cpu"))
     encoded = [dict(zip(("input_ids", "loss_mask"), encode_chat(tok, r["messages"]))) for r in rows]
     encoded = sorted(encoded, key=lambda r: len(r["input_ids"]))[:4]

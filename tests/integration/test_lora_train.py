@@ -64,12 +64,13 @@ def initial_and_trained(settings, checkpoint: Path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.diffusion.modes import build_mode_model
     from dllmflow.diffusion.strategies import build_strategy
 
     tokenizer = load_tokenizer(settings.dataset.prepared_dir)
     torch.manual_seed(settings.train.seed)
     strategy = build_strategy(settings)
-    model = apply_lora(strategy.build_model(tokenizer), settings)
+    model = apply_lora(build_mode_model(settings, tokenizer), settings)
     strategy.setup(model, tokenizer, torch.device("cpu"))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     state = get_model_state_dict(model)

@@ -18,7 +18,7 @@ from _services import mlflow_server_args
 from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
-from dllmflow.tracking import registry
+from dllmflow.tracking import mlflow_run, registry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     s = _settings(tmp_path, uri, gate={"tolerance": 0.05})
     run_dir = consolidated.parent
 
-    run1 = registry.log_run(
+    run1 = mlflow_run.log_run(
         s, run_dir, evals=_evals(0.5), lineage={"metaflow_run": "F/1", "data_content_hash": "abc"}
     )
     v1 = registry.register_model(s, run1, consolidated, sampler="llada", sampler_settings={"steps": 8})
@@ -92,10 +92,10 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     assert [m.value for m in client.get_metric_history(run1, "train/loss")] == [4.0, 3.0, 2.0]
     assert run.data.metrics["eval/llada/exact_match_flexible"] == 0.5
     # Same Metaflow pathspec -> the same MLflow run (a resumed flow does not fork the record).
-    assert registry.log_run(s, run_dir, evals={}, lineage={"metaflow_run": "F/1"}) == run1
+    assert mlflow_run.log_run(s, run_dir, evals={}, lineage={"metaflow_run": "F/1"}) == run1
 
     # A worse model outside the tolerance stays candidate; champion does not move.
-    run2 = registry.log_run(s, run_dir, evals=_evals(0.3), lineage={"metaflow_run": "F/2"})
+    run2 = mlflow_run.log_run(s, run_dir, evals=_evals(0.3), lineage={"metaflow_run": "F/2"})
     v2 = registry.register_model(s, run2, consolidated, sampler="llada")
     d2 = registry.apply_gate(s, v2, _evals(0.3), "llada")
     assert not d2["promoted"] and "<" in d2["reason"]
@@ -104,7 +104,7 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     assert client.get_model_version("reg-test", v2.version).tags["gate.decision"] == "rejected"
 
     # Within the tolerance it is promoted; a speed floor can still refuse.
-    run3 = registry.log_run(s, run_dir, evals=_evals(0.46), lineage={"metaflow_run": "F/3"})
+    run3 = mlflow_run.log_run(s, run_dir, evals=_evals(0.46), lineage={"metaflow_run": "F/3"})
     v3 = registry.register_model(s, run3, consolidated, sampler="llada")
     assert registry.apply_gate(s, v3, _evals(0.46), "llada")["promoted"]
     slow = _settings(tmp_path, uri, gate={"min_tokens_per_s": 1e9})
@@ -132,7 +132,7 @@ def test_champion_loads_without_training_dirs(tmp_path, consolidated):
     shutil.copytree(consolidated, ckpt)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     s = _settings(tmp_path, uri)
-    run = registry.log_run(s, consolidated.parent, evals=_evals(0.2), lineage={"metaflow_run": "F/9"})
+    run = mlflow_run.log_run(s, consolidated.parent, evals=_evals(0.2), lineage={"metaflow_run": "F/9"})
     v = registry.register_model(
         s, run, ckpt, sampler="llada", sampler_settings={"steps": 8, "max_new_tokens": 8}
     )
@@ -147,7 +147,7 @@ def test_champion_loads_without_training_dirs(tmp_path, consolidated):
 def test_dead_server_is_a_clear_error(tmp_path):
     s = _settings(tmp_path, f"http://127.0.0.1:{free_port()}")
     with pytest.raises(UserError, match="not reachable"):
-        registry.connect(s)
+        mlflow_run.connect(s)
 
 
 def test_missing_consolidated_dir_is_a_clear_error(tmp_path):
@@ -185,7 +185,7 @@ def test_real_mlflow_server(tmp_path, consolidated):
             assert time.time() < deadline, "mlflow server did not answer /health in 90 s"
             time.sleep(1)
         s = _settings(tmp_path, uri)
-        run = registry.log_run(s, consolidated.parent, evals=_evals(0.4), lineage={"metaflow_run": "S/1"})
+        run = mlflow_run.log_run(s, consolidated.parent, evals=_evals(0.4), lineage={"metaflow_run": "S/1"})
         v = registry.register_model(s, run, consolidated, sampler="llada", sampler_settings={"steps": 8})
         assert registry.apply_gate(s, v, _evals(0.4), "llada")["promoted"]
         preds = _load_champion_in_subprocess(uri, "reg-test", tmp_path)

@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.settings import load_settings
 
@@ -37,7 +38,7 @@ def make_strategy(target_dir: Path, tokenizer=None, seed: int = 0, **dflash):
     tokenizer = tokenizer or make_tokenizer()
     strategy = build_strategy(make_settings(target_dir, **dflash))
     torch.manual_seed(seed)
-    draft = strategy.build_model(tokenizer)
+    draft = build_mode_model(strategy.settings, tokenizer)
     strategy.setup(draft, tokenizer, torch.device("cpu"))
     return strategy, draft
 

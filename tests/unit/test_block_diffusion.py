@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from dllmflow.data.collate import DLLMCollator
 from dllmflow.data.gsm8k import load_gsm8k_rows
 from dllmflow.data.tokenizer import encode_chat, train_bpe_tokenizer
+from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.errors import UserError
 from dllmflow.models.diffusion_gemma import export_diffusion_gemma, load_diffusion_gemma
@@ -64,7 +65,7 @@ def make(tok, rows, seeds=SEEDS, **dllm):
     settings = make_settings(tok, **dllm)
     strategy = build_strategy(settings)
     torch.manual_seed(0)
-    model = strategy.build_model(tok)
+    model = build_mode_model(settings, tok)
     strategy.setup(model, tok, torch.device("cpu"))
     batch = DLLMCollator.from_settings(settings, tok)(rows[: len(seeds)])
     batch.update(strategy.corrupt(batch, seeds))
@@ -239,7 +240,7 @@ def test_model_self_conditioning_off_runs_one_pass(tok, rows):
     data["model"]["self_conditioning"] = False
     settings = load_settings(**data)
     strategy = build_strategy(settings)
-    model = strategy.build_model(tok)
+    model = build_mode_model(settings, tok)
     strategy.setup(model, tok, torch.device("cpu"))
     batch = DLLMCollator.from_settings(settings, tok)(rows)
     batch.update(strategy.corrupt(batch, SEEDS))
@@ -266,7 +267,7 @@ def test_finite_grads_and_freeze_router(tok, rows, freeze):
     settings = load_settings(**data)
     strategy = build_strategy(settings)
     torch.manual_seed(0)
-    model = strategy.build_model(tok).train()
+    model = build_mode_model(settings, tok).train()
     strategy.setup(model, tok, torch.device("cpu"))
     batch = DLLMCollator.from_settings(settings, tok)(rows)
     batch.update(strategy.corrupt(batch, SEEDS))
@@ -348,7 +349,7 @@ def test_vocab_mismatch_is_a_clear_error(tok):
     data = settings.to_dict()
     data["dllm"]["vocab_size"] = 999
     strategy = build_strategy(load_settings(**data))
-    model = build_strategy(settings).build_model(tok)
+    model = build_mode_model(settings, tok)
     with pytest.raises(UserError, match=rf"dllm.vocab_size=999 .* \({len(tok)}\)"):
         strategy.setup(model, tok, torch.device("cpu"))
 

@@ -19,7 +19,7 @@ from dllmflow.data.prepare import prepare
 from dllmflow.data.synthetic import addition_rows
 from dllmflow.data.tokenizer import load_tokenizer
 from dllmflow.errors import UserError
-from dllmflow.evaluation.accuracy import gold_answer
+from dllmflow.evaluation.protocol import gold_answer
 from dllmflow.settings import load_settings
 
 QA = [

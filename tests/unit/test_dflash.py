@@ -27,6 +27,7 @@ from dllmflow.diffusion.dflash_loss import (
     draft_accuracy,
     resolve_gamma,
 )
+from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.errors import UserError
 from dllmflow.models.dflash_draft import DFlashDraftModel, build_target_layer_ids, load_draft
@@ -383,16 +384,13 @@ def test_setup_resolves_and_freezes_the_target(setup_n3):
 def test_mask_id_resolution(tmp_path):
     target = tmp_path / "target"
     tok = make_tokenizer(with_mask=True)
-    s = build_strategy(make_settings(target, dllm={"mask_token_id": 3}))
-    s.build_model(tok)
-    assert s.mask_token_id == 3  # settings first
-    s = build_strategy(make_settings(target))
-    s.build_model(make_tokenizer(with_mask=True))
-    assert s.mask_token_id == NUM_WORDS + 2  # then the tokenizer's mask
+    draft = build_mode_model(make_settings(target, dllm={"mask_token_id": 3}), tok)
+    assert draft.config.mask_token_id == 3  # settings first
+    draft = build_mode_model(make_settings(target), make_tokenizer(with_mask=True))
+    assert draft.config.mask_token_id == NUM_WORDS + 2  # then the tokenizer's mask
     bare = make_tokenizer(with_mask=False)
-    s = build_strategy(make_settings(target))
-    s.build_model(bare)
-    assert s.mask_token_id == NUM_WORDS + 2  # then the target's tokenizer (saved with the tiny target)
+    draft = build_mode_model(make_settings(target), bare)
+    assert draft.config.mask_token_id == NUM_WORDS + 2  # then the target's tokenizer (saved with the tiny target)
     assert bare.mask_token_id is None
 
 
@@ -428,13 +426,12 @@ def test_strategy_rejects_unvalidated_bad_input(tmp_path):
     strategy = build_strategy(settings.model_copy(update={"dflash": flex}))
     tok = make_tokenizer()
     with pytest.raises(UserError, match="CUDA"):
-        strategy.setup(strategy.build_model(tok), tok, torch.device("cpu"))
+        strategy.setup(build_mode_model(strategy.settings, tok), tok, torch.device("cpu"))
 
 
 def test_block_size_unresolvable_or_too_small(tmp_path):
-    strategy = build_strategy(make_settings(tmp_path / "target", block_size=0))
     with pytest.raises(UserError, match="block_size"):
-        strategy.build_model(make_tokenizer())
+        build_mode_model(make_settings(tmp_path / "target", block_size=0), make_tokenizer())
     with pytest.raises(UserError, match="block_size"):
         resolve_block_size(0, torch.nn.Linear(1, 1))
     draft = torch.nn.Linear(1, 1)

@@ -9,8 +9,8 @@ import pytest
 from _tiny_eval import tiny_eval_export
 
 from dllmflow.cli import main
-from dllmflow.evaluation.accuracy import (
-    evaluate,
+from dllmflow.evaluation.accuracy import evaluate
+from dllmflow.evaluation.protocol import (
     gold_answer,
     gsm8k_extract_flexible,
     gsm8k_extract_strict,

@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance
 
 from dllmflow.cli import main
 from dllmflow.errors import UserError
-from dllmflow.evaluation.accuracy import evaluate, gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
+from dllmflow.evaluation.accuracy import evaluate
 from dllmflow.evaluation.harness import (
     DLLMFlowLM,
     draw_continuation_masks,
@@ -24,6 +24,7 @@ from dllmflow.evaluation.harness import (
     run_harness,
     truncate_at_stops,
 )
+from dllmflow.evaluation.protocol import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 from dllmflow.inference.generate import decode_response
 from dllmflow.models.attention import forward_bidirectional
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.diffusion.strategies.hybrid import HybridStrategy
 from dllmflow.errors import UserError
@@ -264,7 +265,7 @@ def test_end_to_end_tiny_qwen3_finite_grads_and_plain_export(tmp_path):
     strategy = build_strategy(s)
     assert isinstance(strategy, HybridStrategy)
     torch.manual_seed(0)
-    model = strategy.build_model(tok)  # mask id from the tokenizer
+    model = build_mode_model(s, tok)  # mask id from the tokenizer
     strategy.setup(model, tok, torch.device("cpu"))
     assert isinstance(model, HybridAdapter) and model.mask_token_id == tok.mask_token_id
 

@@ -143,10 +143,10 @@ def test_parts_need_an_encoder_decoder_model(tok):
 def test_dflash_draft_gets_adapters_on_its_layers_only(tmp_path):
     from _dflash_common import make_settings, make_tokenizer
 
-    from dllmflow.diffusion.strategies import build_strategy
+    from dllmflow.diffusion.modes import build_mode_model
 
     settings = make_settings(tmp_path / "target")
-    draft = build_strategy(settings).build_model(make_tokenizer())
+    draft = build_mode_model(settings, make_tokenizer())
     cfg = lora_settings().peft
     targets = lora_target_modules(draft, cfg)
     assert targets and all(t.startswith("layers.") for t in targets)  # not `fc`, never the target
@@ -223,6 +223,7 @@ def test_load_adapter_needs_an_adapter_dir(tok, tmp_path):
 
 
 def gemma(tok, **peft):
+    from dllmflow.diffusion.modes import build_mode_model
     from dllmflow.diffusion.strategies import build_strategy
 
     s = load_settings(
@@ -233,7 +234,7 @@ def gemma(tok, **peft):
     )
     strategy = build_strategy(s)
     torch.manual_seed(0)
-    model = apply_lora(strategy.build_model(tok), s)
+    model = apply_lora(build_mode_model(s, tok), s)
     strategy.setup(model, tok, torch.device("cpu"))
     return s, strategy, model
 

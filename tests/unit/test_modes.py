@@ -11,9 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from dllmflow.diffusion.modes import MODES, SAMPLERS_FOR_MODE, ModeSpec, load_object, register_mode
+from dllmflow.diffusion.modes import (
+    MODES,
+    SAMPLERS_FOR_MODE,
+    ModeSpec,
+    SamplerMisfitError,
+    check_sampler,
+    load_object,
+    register_mode,
+)
 from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.strategies import STRATEGIES, build_strategy
+from dllmflow.errors import UserError
 from dllmflow.settings import (
     MODE_CONFIGS,
     MDLMConfig,
@@ -46,10 +55,8 @@ def test_strategies_samplers_and_settings_follow_the_specs():
         assert SAMPLERS_FOR_MODE[name] == spec.samplers
         assert MODE_CONFIGS[name] is spec.config
         assert all(s in SAMPLERS for s in spec.samplers), spec
-        if spec.model_builder is not None:
-            assert callable(load_object(spec.model_builder)), spec
-        else:  # the strategy must then build the model itself
-            assert "build_model" in vars(spec.strategy_class()), spec
+        assert callable(load_object(spec.model_builder)), spec
+        assert "build_model" not in vars(spec.strategy_class()), spec  # the spec builds the model
 
 
 @pytest.mark.parametrize("path", TINY_RECIPES, ids=[p.name for p in TINY_RECIPES])
@@ -86,6 +93,65 @@ def test_register_mode_refuses_a_conflict():
     with pytest.raises(ValueError, match="declares mode 'mdlm'"):
         register_mode(ModeSpec("mdlm2", MDLMConfig, "somewhere:Else"))
     assert MODES["mdlm"].strategy.endswith("mdlm:MDLMStrategy") and "mdlm2" not in MODES
+
+
+# ---- may sampler S decode mode M: one rule -----------------------------------------------------------
+
+
+def test_check_sampler_accepts_exactly_the_spec_samplers():
+    for name, spec in MODES.items():
+        for sampler in SAMPLERS:
+            if sampler in spec.samplers:
+                check_sampler(name, sampler)
+            else:
+                with pytest.raises(SamplerMisfitError):
+                    check_sampler(name, sampler)
+        check_sampler(None, next(iter(SAMPLERS)))  # no recorded mode: any known sampler
+
+
+def test_check_sampler_names_the_sampler_the_mode_and_the_choices():
+    with pytest.raises(SamplerMisfitError) as e:
+        check_sampler("hybrid", "idlm")
+    assert str(e.value) == (
+        "checkpoint was trained with dllm.mode=hybrid; sampler 'idlm' does not fit it. "
+        "Samplers that fit: nemotron, llada"
+    )
+    assert isinstance(e.value, UserError)
+    with pytest.raises(
+        SamplerMisfitError, match="dllm.mode=dflash; sampler 'llada' .* Samplers that fit: none"
+    ):
+        check_sampler("dflash", "llada")
+    with pytest.raises(SamplerMisfitError, match="dllm.mode=not_imported_plugin; .* fit: none"):
+        check_sampler("not_imported_plugin", "llada")
+
+
+def test_check_sampler_refuses_an_unknown_sampler_listing_the_samplers():
+    for mode in (None, "mdlm"):
+        with pytest.raises(UserError) as e:
+            check_sampler(mode, "nope")
+        assert not isinstance(e.value, SamplerMisfitError)
+        assert str(e.value) == f"unknown sampler 'nope'; choose one of: {', '.join(SAMPLERS)}"
+
+
+def test_every_sampler_check_asks_the_one_rule(monkeypatch):
+    """generate (a warning), the registered model (an error) and the sampler configs all defer to
+    `modes.check_sampler`: a mode whose spec lists a sampler fits it everywhere at once."""
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.inference.generate import check_sampler_fits, validate_sampler_request
+    from dllmflow.tracking.pyfunc_runtime import generate_texts
+
+    toy = ModeSpec("mdlm", MDLMConfig, MODES["mdlm"].strategy, samplers=("idlm",))
+    monkeypatch.setitem(MODES._specs, "mdlm", toy)
+    settings = load_settings()
+    assert check_sampler_fits("idlm", settings) is None
+    with pytest.warns(UserWarning, match="sampler 'llada' does not fit"):
+        assert "Samplers that fit: idlm" in check_sampler_fits("llada", settings)
+    model = type("M", (), {"dllmflow_training_settings": settings})()
+    with pytest.raises(SamplerMisfitError, match="Samplers that fit: idlm"):
+        generate_texts(model, None, ["hi"], sampler="llada")
+    for check in (validate_sampler_request, build_sampler_config):
+        with pytest.raises(UserError, match="unknown sampler 'nope'; choose one of: llada"):
+            check("nope")
 
 
 def test_a_plugin_that_does_not_import_names_the_field():

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _dflash_common import NUM_WORDS, make_batch, make_settings, make_tokenizer
 
-from dllmflow.diffusion.modes import MODES
+from dllmflow.diffusion.modes import MODES, build_mode_model
 from dllmflow.diffusion.seeding import sample_seed
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.errors import UserError
@@ -51,7 +51,7 @@ def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def _eager_and_meta(strategy, tok, settings):
     torch.manual_seed(settings.train.seed)
-    eager = strategy.build_model(tok)
+    eager = build_mode_model(settings, tok)
     after = torch.get_rng_state()
     torch.manual_seed(settings.train.seed)
     built = build_parallel_model(strategy, tok, settings, CPU)

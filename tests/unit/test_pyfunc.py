@@ -48,7 +48,7 @@ def test_load_context_reads_the_checkpoint_and_the_recorded_generation(generator
 
 
 def test_predict_generates_with_the_recorded_sampler_and_settings(generator):
-    from dllmflow.tracking.registry import generate_texts
+    from dllmflow.tracking.pyfunc_runtime import generate_texts
 
     model, _ = generator
     out = model.predict(None, PROMPTS)
@@ -68,12 +68,12 @@ def test_predict_accepts_a_dataframe_or_a_single_string(generator):
 
 
 def test_params_override_the_recorded_settings_and_sentinels_are_ignored(generator, monkeypatch):
-    from dllmflow.tracking import registry
+    from dllmflow.tracking import pyfunc_runtime
 
     model, _ = generator
     calls = []
     monkeypatch.setattr(
-        registry,
+        pyfunc_runtime,
         "generate_texts",
         # the effective options: recorded settings, then the caller's own overrides
         lambda m, t, prompts, sampler, overrides=None, **kw: (

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.samplers.base import SamplerConfig, build_sampler_config
 from dllmflow.errors import UserError
-from dllmflow.tracking.registry import recorded_params, split_params
+from dllmflow.tracking.pyfunc_runtime import recorded_params, split_params
 
 
 class _Tok:

@@ -3,10 +3,14 @@
 A spec names the mode's `dllm:` config class, its strategy, the model builder, the samplers that decode
 its checkpoints (default first) and its extra evaluations. Every other table is derived from `MODES`:
 `STRATEGIES` (diffusion.strategies), `SAMPLERS_FOR_MODE` (here), `eval_samplers` (workflow.finetune),
-the settings' mode list (`register_mode` adds the config class to `settings.MODE_CONFIGS`).
+the settings' mode list (`register_mode` adds the config class to `settings.MODE_CONFIGS`). The one
+rule for "may sampler S decode a checkpoint of mode M" is `check_sampler` (generate, the registered
+model and the sampler configs all ask it).
 
-    from dllmflow.diffusion.modes import MODES, ModeSpec, register_mode
+    from dllmflow.diffusion.modes import MODES, ModeSpec, build_mode_model, check_sampler, register_mode
     MODES["mdlm"].samplers                          # ("llada", "llada2"); MODES["x"] -> KeyError listing choices
+    model = build_mode_model(settings, tokenizer)   # the trainable model of settings.dllm.mode
+    check_sampler("mdlm", "idlm")                   # SamplerMisfitError naming the samplers that fit
     register_mode(ModeSpec("toy", ToyConfig, "my_pkg.toy:ToyStrategy", samplers=("llada",)))
 
 Strategies and builders are "module:attr" strings imported on first use, so importing this module
@@ -17,11 +21,12 @@ that mode runs. A mode defined outside dllmflow registers from its own module, l
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dllmflow.common.lazy import load_object
+from dllmflow.errors import UserError
 from dllmflow.settings.dllm import (
     BlockDiffusionConfig,
     DFlashConfig,
@@ -34,16 +39,7 @@ from dllmflow.settings.dllm import (
     register_mode_config,
 )
 
-if TYPE_CHECKING:
-    from dllmflow.diffusion.strategies.base import Strategy
-
 DEFAULT_MODEL_BUILDER = "dllmflow.models.build:build_model"
-
-
-def load_object(path: str) -> Any:
-    """Import "package.module:attr" and return the attribute."""
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,10 @@ class ModeSpec:
     samplers:          samplers that decode its checkpoints, default (gated, registered) first.
     extra_evaluations: evaluations that are not a sampler (dflash: "acceptance" of the draft).
     model_builder:     "module:function" `(settings, tokenizer) -> nn.Module` building the trainable
-                       model; None = the strategy overrides `build_model` (it needs its own state).
+                       model (wrapped by DDP/FSDP2 and optimised); default: the configured model.
+
+    The spec only names its strategy (a `Strategy` subclass, the training math) and never imports
+    it, so that `diffusion.strategies` depends on this registry and not the other way round.
     """
 
     name: str
@@ -64,7 +63,7 @@ class ModeSpec:
     strategy: str
     samplers: tuple[str, ...] = ()
     extra_evaluations: tuple[str, ...] = ()
-    model_builder: str | None = DEFAULT_MODEL_BUILDER
+    model_builder: str = DEFAULT_MODEL_BUILDER
 
     @property
     def default_sampler(self) -> str | None:
@@ -75,14 +74,12 @@ class ModeSpec:
         """What the flow's evaluate step runs by default: the fitting samplers, then the extras."""
         return self.samplers + self.extra_evaluations
 
-    def strategy_class(self) -> type[Strategy]:
+    def strategy_class(self) -> type:
+        """The `Strategy` subclass, imported now (its heavy imports with it)."""
         return load_object(self.strategy)
 
     def build_model(self, settings: Any, tokenizer: Any) -> Any:
-        if self.model_builder is None:
-            raise TypeError(
-                f"mode {self.name!r} has no model_builder: its strategy must override build_model"
-            )
+        """The trainable model (on the current device context: `meta.build_on_meta()` for a skeleton)."""
         return load_object(self.model_builder)(settings, tokenizer)
 
 
@@ -138,31 +135,6 @@ class DerivedTable(Mapping[str, Any]):
         return name in self._modes
 
 
-class LazyRegistry(Mapping[str, Any]):
-    """A small explicit registry name -> "module:attr", imported on first use (the samplers use it)."""
-
-    def __init__(self, kind: str, entries: dict[str, str]):
-        self.kind = kind
-        self._entries = dict(entries)
-        self._loaded: dict[str, Any] = {}
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self._entries:
-            raise KeyError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(sorted(self._entries))}")
-        if name not in self._loaded:
-            self._loaded[name] = load_object(self._entries[name])
-        return self._loaded[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-
 MODES = ModeRegistry()
 
 
@@ -183,6 +155,35 @@ def register_mode(spec: ModeSpec) -> ModeSpec:
 
 # Which samplers decode a checkpoint trained with each mode (evaluation matrix, sampler checks).
 SAMPLERS_FOR_MODE = MODES.derive(lambda spec: spec.samplers)
+
+
+def build_mode_model(settings: Any, tokenizer: Any) -> Any:
+    """The trainable model of `settings.dllm.mode` (its `ModeSpec.model_builder`)."""
+    return MODES[settings.dllm.mode].build_model(settings, tokenizer)
+
+
+class SamplerMisfitError(UserError):
+    """A known sampler that does not decode checkpoints of the given mode (`dllmflow generate` only
+    warns about it; the registered model and the server refuse it)."""
+
+
+def check_sampler(mode: str | None, sampler: str) -> None:
+    """The one rule for "may `sampler` decode a checkpoint trained with `mode`": the sampler exists
+    (UserError listing the samplers), and, when the mode is known (None: not recorded, anything
+    goes), it is one of `MODES[mode].samplers` (SamplerMisfitError naming the sampler, the mode and
+    the samplers that fit). A mode this process has not registered (a plugin not imported) fits none."""
+    from dllmflow.diffusion.samplers import SAMPLERS  # a table of names: imports no sampler
+
+    if sampler not in SAMPLERS:
+        raise UserError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+    if mode is None:
+        return
+    fits = MODES[mode].samplers if mode in MODES else ()
+    if sampler not in fits:
+        raise SamplerMisfitError(
+            f"checkpoint was trained with dllm.mode={mode}; sampler {sampler!r} does not fit it. "
+            f"Samplers that fit: {', '.join(fits) or 'none (evaluate it with `dllmflow evaluate`)'}"
+        )
 
 
 # ---- the built-in modes ------------------------------------------------------------------------------
@@ -207,13 +208,13 @@ for _spec in (
         model_builder="dllmflow.models.diffusion_gemma:build_diffusion_gemma",
     ),
     # A DFlash export is a draft: no sampler decodes it alone; speculative decoding against its frozen
-    # target measures it. The strategy builds the draft (shaped like the target it resolves).
+    # target measures it. The draft is a checkpoint or a fresh one shaped like the target.
     ModeSpec(
         "dflash",
         DFlashConfig,
         f"{_S}.dflash:DFlashStrategy",
         extra_evaluations=("acceptance",),
-        model_builder=None,
+        model_builder="dllmflow.models.dflash_target:build_dflash_draft",
     ),
     ModeSpec("idlm", IDLMConfig, f"{_S}.idlm:IDLMStrategy", samplers=("idlm",)),
 ):
@@ -223,8 +224,10 @@ del _spec
 __all__ = [
     "MODES",
     "SAMPLERS_FOR_MODE",
-    "LazyRegistry",
     "ModeSpec",
+    "SamplerMisfitError",
+    "build_mode_model",
+    "check_sampler",
     "load_object",
     "register_mode",
 ]

@@ -239,7 +239,7 @@ def evaluate_dflash(
     """Speculative decoding on the prompts of the prepared `split` vs plain greedy decoding of the
     target. -> {"metrics", "protocol", "predictions"} (metrics as `acceptance_metrics`)."""
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.evaluation.accuracy import prompt_messages
+    from dllmflow.evaluation.protocol import prompt_messages
 
     trust = bool(settings and settings.model.trust_remote_code)  # the caller's settings only
     draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target, trust_remote_code=trust)

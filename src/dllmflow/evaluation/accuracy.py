@@ -11,16 +11,13 @@ flexible (the last number in the text), commas and `$` ignored. Speed: tokens/s 
 (trimmed) tokens, NFE = forward passes per example, tokens per forward. The protocol (sampler and all
 its settings, generation length, n-shot, chat template hash, limit, split, seed) is returned with the
 metrics and the predictions. In Python: `evaluate(checkpoint, settings, sampler="llada", limit=8)`.
-`--harness gsm8k` scores the same rows through lm-evaluation-harness instead (harness.py).
+`--harness gsm8k` scores the same rows through lm-evaluation-harness instead (harness.py). The prompts,
+the answer extraction and the checkpoint loading both share live in protocol.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import re
-from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,139 +25,17 @@ from typing import Any
 from dllmflow.common.files import atomic_write_json
 from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
-
-_NUMBER = r"-?\$?\s?\d[\d,]*(?:\.\d+)?"
-_STRICT = re.compile(r"####\s*(" + _NUMBER + ")")
-_ANY_NUMBER = re.compile(_NUMBER)
-EVAL_SETTINGS = ("max_new_tokens", "steps", "block_size", "threshold", "temperature", "seed")
-
-
-# ---- answer extraction --------------------------------------------------------------------------
-
-
-def normalize_number(text: str | None) -> str | None:
-    """'$1,234.50' -> '1234.5', '18.' -> '18', '-3' -> '-3'; None when no number is left."""
-    if text is None:
-        return None
-    s = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    try:
-        value = Decimal(s)
-    except InvalidOperation:
-        return None
-    if value == value.to_integral_value():
-        return str(int(value))
-    return format(value.normalize(), "f")
-
-
-def gsm8k_extract_strict(text: str) -> str | None:
-    """The number after the first `####` (GSM8K's answer line), normalised; None if absent."""
-    m = _STRICT.search(text)
-    return normalize_number(m.group(1)) if m else None
-
-
-def gsm8k_extract_flexible(text: str) -> str | None:
-    """The last number anywhere in the text, normalised; None if there is none."""
-    found = _ANY_NUMBER.findall(text)
-    return normalize_number(found[-1]) if found else None
-
-
-def gold_answer(reference: str) -> str | None:
-    return gsm8k_extract_strict(reference) or gsm8k_extract_flexible(reference)
-
-
-# ---- prompts ------------------------------------------------------------------------------------
-
-
-def prompt_messages(messages: list[dict], shots: list[list[dict]] = ()) -> list[dict]:
-    """The chat to answer: n-shot exemplar turns, then every turn but the final assistant one."""
-    head = [m for shot in shots for m in shot]
-    body = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
-    return head + list(body)
-
-
-def template_hash(tokenizer) -> str:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return hashlib.sha256(template.encode()).hexdigest()[:16]
-
-
-def _exemplars(prepared_dir: Path, n_shot: int) -> list[list[dict]]:
-    if n_shot == 0:
-        return []
-    from dllmflow.data.dataset import PreparedDataset
-
-    rows = PreparedDataset(prepared_dir, "train").rows(n_shot)
-    return [[m for m in r["messages"] if m["role"] != "system"][-2:] for r in rows]
-
+from dllmflow.evaluation.protocol import (
+    build_eval_runner,
+    eval_chats,
+    gold_answer,
+    gsm8k_extract_flexible,
+    gsm8k_extract_strict,
+    resolve_prepared_dir,
+    template_hash,
+)
 
 # ---- evaluation ---------------------------------------------------------------------------------
-
-
-@dataclass
-class EvalRunner:
-    """A checkpoint loaded for evaluation with one sampler (shared by `evaluate` and the lm-eval
-    adapter in `harness.py`). settings: the run's Settings or the checkpoint's own (None = neither)."""
-
-    model: Any
-    tokenizer: Any
-    runner: Any  # a dllmflow.diffusion.samplers Sampler
-    settings: Any
-    sampler: str
-
-    @property
-    def eval_cfg(self) -> Any:
-        return self.settings.eval if self.settings is not None else None
-
-
-def build_eval_runner(
-    checkpoint: str | Path,
-    settings: Any = None,
-    sampler: str = "llada",
-    overrides: dict[str, Any] | None = None,
-    device: str | None = None,
-) -> EvalRunner:
-    """Load `checkpoint` (on `device`, None = cuda if available) and build `sampler` from its preset <
-    settings.eval < `overrides` (one the sampler does not take is an error; `mask_id` picks the mask token)."""
-    from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import build_sampler_config
-    from dllmflow.inference.generate import check_sampler_fits, load_for_generation, validate_sampler_request
-
-    validate_sampler_request(sampler)
-    overrides = dict(overrides or {})
-    # A checkpoint's code runs only if the caller trusts it: --trust-remote-code or the settings passed.
-    trust = bool(overrides.pop("trust_remote_code", False)) or bool(
-        settings and settings.model.trust_remote_code
-    )
-    model, tokenizer, trained = load_for_generation(
-        checkpoint,
-        mask_id=overrides.pop("mask_id", None),
-        adapter=overrides.pop("adapter", None),
-        device=device,
-        trust_remote_code=trust,
-    )
-    settings = settings or trained
-    check_sampler_fits(sampler, trained or settings)
-    eval_cfg = settings.eval if settings is not None else None
-    # The eval section is shared by every sampler of the mode: a knob this one does not take is dropped.
-    values = {k: getattr(eval_cfg, k) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
-    config = build_sampler_config(sampler, overrides, tokenizer, defaults=values)
-    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
-    return EvalRunner(model, tokenizer, runner, settings, sampler)
-
-
-def resolve_prepared_dir(checkpoint: str | Path, settings: Any, prepared_dir: str | Path | None) -> Path:
-    if prepared_dir is None:
-        if settings is None:
-            raise UserError(
-                f"{checkpoint}: no settings.json next to the weights; pass --params or --prepared_dir"
-            )
-        prepared_dir = settings.dataset.prepared_dir
-    return Path(prepared_dir)
-
-
-def eval_chats(prepared_dir: Path, rows: list[dict], n_shot: int) -> list[list[dict]]:
-    """The chat each row is asked as: n-shot exemplars from the train split, then its question."""
-    shots = _exemplars(prepared_dir, n_shot)
-    return [prompt_messages(r["messages"], shots) for r in rows]
 
 
 def evaluate(
@@ -180,15 +55,12 @@ def evaluate(
     -> {"metrics", "protocol", "predictions"}.
     """
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.inference.generate import decode_response
     from dllmflow.models.limits import check_generation_fits
 
     # 1) what to run
     loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
-    model, tokenizer, runner, settings, eval_cfg = (
-        loaded.model, loaded.tokenizer, loaded.runner, loaded.settings, loaded.eval_cfg
-    )  # fmt: skip
-    prepared_dir = resolve_prepared_dir(checkpoint, settings, prepared_dir)
+    runner, eval_cfg = loaded.runner, loaded.eval_cfg
+    prepared_dir = resolve_prepared_dir(checkpoint, loaded.settings, prepared_dir)
     limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
     config = runner.config  # as it ran (scdd: the schedule read from the checkpoint)
     n_shot = eval_cfg.n_shot if eval_cfg is not None else 0
@@ -200,16 +72,41 @@ def evaluate(
         raise UserError(f"{prepared_dir}: split {split!r} has no rows to evaluate")
     chats = eval_chats(prepared_dir, rows, n_shot)
     prompts = [
-        list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+        list(loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
         for chat in chats
     ]
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
-    check_generation_fits(model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
+    check_generation_fits(loaded.model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
 
-    # 3) generate in batches
+    # 3) generate in batches, 4) score
+    outputs, elapsed, row_nfe = generate_in_batches(runner, prompts, order, batch_size, f"evaluate {sampler}")
+    predictions = score_predictions(rows, chats, outputs, loaded.tokenizer)
+    protocol = {
+        "sampler": sampler,
+        "sampler_settings": config.model_dump(mode="json"),
+        "max_new_tokens": config.max_new_tokens,
+        "n_shot": n_shot,
+        "chat_template_sha256": template_hash(loaded.tokenizer),
+        "limit": limit,
+        "split": split,
+        "seed": config.seed,
+        "batch_size": batch_size,
+        "mask_id": runner.mask_id,
+        "checkpoint": str(checkpoint),
+        "prepared_dir": str(prepared_dir),
+    }
+    metrics = score_metrics(predictions, elapsed, row_nfe)
+    return {"metrics": metrics, "protocol": protocol, "predictions": predictions}
+
+
+def generate_in_batches(
+    runner: Any, prompts: list[list[int]], order: list[int], batch_size: int, label: str
+) -> tuple[dict[int, list[int]], float, int]:
+    """Generate for `prompts` in `order`, `batch_size` at a time. -> (generated ids by prompt index,
+    seconds spent generating, forwards summed over rows)."""
     outputs: dict[int, list[int]] = {}
     elapsed, row_nfe = 0.0, 0
-    with Progress(f"evaluate {sampler}", len(order), unit="examples", every=batch_size) as bar:
+    with Progress(label, len(order), unit="examples", every=batch_size) as bar:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             result = runner.generate([prompts[i] for i in idx])
@@ -217,8 +114,16 @@ def evaluate(
             elapsed += result.elapsed_s
             row_nfe += sum(result.row_nfe) if result.row_nfe else result.nfe * len(idx)
             bar.advance(len(idx))
+    return outputs, elapsed, row_nfe
 
-    # 4) score
+
+def score_predictions(
+    rows: list[dict], chats: list[list[dict]], outputs: dict[int, list[int]], tokenizer: Any
+) -> list[dict[str, Any]]:
+    """One prediction per row: the decoded response, its strict and flexible answers and whether each
+    equals the gold answer."""
+    from dllmflow.inference.generate import decode_response
+
     predictions = []
     for i, r in enumerate(rows):
         text = decode_response(tokenizer, outputs[i])
@@ -230,9 +135,14 @@ def evaluate(
                  correct_strict=strict is not None and strict == gold,
                  correct_flexible=flexible is not None and flexible == gold, num_tokens=len(outputs[i]))
         )  # fmt: skip
+    return predictions
+
+
+def score_metrics(predictions: list[dict[str, Any]], elapsed: float, row_nfe: int) -> dict[str, Any]:
+    """Exact match (strict, flexible) beside speed: tokens/s, forwards per example, tokens per forward."""
     n = len(predictions)
     tokens = sum(p["num_tokens"] for p in predictions)
-    metrics = {
+    return {
         "exact_match_strict": sum(p["correct_strict"] for p in predictions) / n,
         "exact_match_flexible": sum(p["correct_flexible"] for p in predictions) / n,
         "tokens_per_s": tokens / max(elapsed, 1e-9),
@@ -240,21 +150,6 @@ def evaluate(
         "tokens_per_forward": tokens / max(row_nfe, 1),
         "num_examples": n,
     }
-    protocol = {
-        "sampler": sampler,
-        "sampler_settings": config.model_dump(mode="json"),
-        "max_new_tokens": config.max_new_tokens,
-        "n_shot": n_shot,
-        "chat_template_sha256": template_hash(tokenizer),
-        "limit": limit,
-        "split": split,
-        "seed": config.seed,
-        "batch_size": batch_size,
-        "mask_id": runner.mask_id,
-        "checkpoint": str(checkpoint),
-        "prepared_dir": str(prepared_dir),
-    }
-    return {"metrics": metrics, "protocol": protocol, "predictions": predictions}
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

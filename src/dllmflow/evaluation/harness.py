@@ -28,7 +28,7 @@ from torch import Tensor
 
 from dllmflow.errors import UserError
 
-from .accuracy import (
+from .protocol import (
     build_eval_runner,
     eval_chats,
     gold_answer,

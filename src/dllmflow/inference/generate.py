@@ -148,22 +148,17 @@ def _model_type(ckpt: Path) -> str | None:
         return None
 
 
-def sampler_misfit(sampler: str, mode: str | None) -> str | None:
-    """Why `sampler` does not decode a model trained with `mode` (naming the samplers that do), or None."""
-    from dllmflow.diffusion.modes import SAMPLERS_FOR_MODE
-
-    if mode is None or sampler in SAMPLERS_FOR_MODE.get(mode, ()):
-        return None
-    fits = ", ".join(SAMPLERS_FOR_MODE.get(mode, ())) or "none (evaluate it with `dllmflow evaluate`)"
-    return f"checkpoint was trained with dllm.mode={mode}; sampler {sampler!r} does not fit it. Samplers that fit: {fits}"
-
-
 def check_sampler_fits(sampler: str, settings: Any) -> str | None:
-    """A warning (also emitted) when the checkpoint's training mode is not one `sampler` decodes."""
-    msg = sampler_misfit(sampler, getattr(getattr(settings, "dllm", None), "mode", None))
-    if msg is not None:
-        warnings.warn(msg, UserWarning, stacklevel=2)
-    return msg
+    """A warning (also emitted) when the checkpoint's training mode is not one `sampler` decodes
+    (`diffusion.modes.check_sampler`, the one rule); an unknown sampler is an error."""
+    from dllmflow.diffusion.modes import SamplerMisfitError, check_sampler
+
+    try:
+        check_sampler(getattr(getattr(settings, "dllm", None), "mode", None), sampler)
+    except SamplerMisfitError as e:
+        warnings.warn(str(e), UserWarning, stacklevel=2)
+        return str(e)
+    return None
 
 
 def resolve_default_sampler(ckpt: str | Path) -> str:
@@ -252,11 +247,11 @@ def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def validate_sampler_request(sampler: str, infill: bool = False) -> None:
     """Checks that need no model: a known sampler, and infill only where the sampler can."""
+    from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.base import sampler_supports
 
-    if sampler not in SAMPLERS:
-        raise UserError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+    check_sampler(None, sampler)
     if infill and not sampler_supports(sampler, "infill"):
         able = [n for n in SAMPLERS if sampler_supports(n, "infill")]
         raise UserError(f"sampler {sampler!r} cannot infill; --infill works with: {', '.join(able)}")

@@ -3,6 +3,7 @@
 Block size, target layer ids and the mask id are resolved against the draft, the target and the
 tokenizer, in that order of precedence after the settings.
 
+    draft = build_dflash_draft(settings, tokenizer)     # the trainable draft (the dflash mode's builder)
     path = resolve_target_path("tiny:<dir>" | hub id | local dir, tokenizer)    # tiny: built once, seeded
     mask_id = resolve_mask_token_id(configured, tokenizer, path)
     bs = resolve_block_size(configured, draft); ids = resolve_target_layer_ids(configured, draft, n_layers)
@@ -22,7 +23,12 @@ import torch
 from torch import nn
 
 from dllmflow.errors import UserError
-from dllmflow.models.dflash_draft import build_target_layer_ids
+from dllmflow.models.dflash_draft import (
+    DFlashDraftModel,
+    build_draft_config,
+    build_target_layer_ids,
+    load_draft,
+)
 from dllmflow.models.mask_id import find_mask_id
 from dllmflow.models.meta import off_meta
 
@@ -126,9 +132,45 @@ def resolve_mask_token_id(configured: int | None, tokenizer, target_path: str | 
     return int(tokenizer.mask_token_id)
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_dflash_draft(settings, tokenizer) -> nn.Module:
+    """The trainable DFlash draft (the mode's model builder): a draft checkpoint
+    (`model.pretrained_model_name_or_path`) or a fresh draft of ours shaped like the target with
+    `dflash.num_draft_layers` layers, its mask id resolved as the strategy resolves it."""
+    from transformers import AutoConfig
+
+    dcfg, mcfg = settings.dflash, settings.model
+    path = resolve_target_path(dcfg.target_model_id, tokenizer)
+    mask_id = resolve_mask_token_id(settings.dllm.mask_token_id, tokenizer, path)
+    if mcfg.pretrained_model_name_or_path:
+        return load_draft(
+            mcfg.pretrained_model_name_or_path, mcfg.trust_remote_code, _DTYPES[mcfg.torch_dtype]
+        )
+    if dcfg.block_size <= 0:
+        raise UserError(
+            "dflash.block_size is 0 (read from the draft config) but there is no draft checkpoint "
+            "(model.pretrained_model_name_or_path); set dflash.block_size >= 2"
+        )
+    tcfg = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
+    vocab = (tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg).vocab_size
+    cfg = build_draft_config(
+        tcfg,
+        num_draft_layers=dcfg.num_draft_layers,
+        block_size=dcfg.block_size,
+        target_layer_ids=dcfg.target_layer_ids,
+        mask_token_id=mask_id,
+        target_model_id=dcfg.target_model_id,
+        own_mask_embedding=mask_id >= vocab,
+    )
+    return DFlashDraftModel(cfg).to(_DTYPES[mcfg.torch_dtype])
+
+
 __all__ = [
     "MASK_TOKEN",
     "TINY_TARGET_PREFIX",
+    "build_dflash_draft",
     "build_tiny_target",
     "resolve_block_size",
     "resolve_mask_token_id",

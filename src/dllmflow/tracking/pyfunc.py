@@ -21,7 +21,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
 from dllmflow.errors import UserError
-from dllmflow.tracking.registry import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
+from dllmflow.tracking.pyfunc_runtime import SPECULATIVE  # DFlash: greedy speculative decoding (lossless)
 
 
 class InvalidGenerationRequest(MlflowException, UserError):
@@ -61,8 +61,8 @@ class DllmGenerator(PythonModel):
             raise InvalidGenerationRequest(str(e)) from None
 
     def _predict(self, model_input, params):
-        from dllmflow.tracking.registry import (
-            check_sampler_mode,
+        from dllmflow.diffusion.modes import check_sampler
+        from dllmflow.tracking.pyfunc_runtime import (
             generate_texts,
             prompts_of,
             speculative_texts,
@@ -77,7 +77,7 @@ class DllmGenerator(PythonModel):
                 f"registered with sampler {registered!r}"
             )
         if sampler != SPECULATIVE:  # the registered sampler or the caller's: it must fit the mode
-            check_sampler_mode(sampler, self.generation.get("mode"))
+            check_sampler(self.generation.get("mode"), sampler)
         if sampler == SPECULATIVE:
             options = {**settings, **overrides}
             return speculative_texts(self.pair, prompts_of(model_input), options.get("max_new_tokens", 128))

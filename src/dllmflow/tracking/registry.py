@@ -1,19 +1,17 @@
-"""MLflow side of a run: one MLflow run per flow run, a pyfunc model that generates, registration with
-`candidate` / `champion` aliases and a gate that decides whether `champion` moves.
+"""The model registry: a finished run's consolidated checkpoint registered as a pyfunc model that
+generates (alias `candidate`), and the gate that decides whether `champion` moves to it.
 
-    from dllmflow.tracking.registry import open_run, log_eval, log_run, register_model, apply_gate
-    run_id = open_run(settings, lineage={...})          # flow start: training logs into it live
-    log_eval(settings, run_id, "llada", result)          # each evaluate branch
-    run_id = log_run(settings, run_dir, evals=..., lineage={...}, run_id=run_id)
+    from dllmflow.tracking.registry import apply_gate, register_model
     version = register_model(settings, run_id, consolidated_dir, sampler="llada")
-    decision = apply_gate(settings, version, evals)
+    decision = apply_gate(settings, version, evals, "llada")    # gate_decision: the rule, a plain function
 
 Consumers load the champion anywhere MLflow is reachable, with no access to the training directories:
 
     import mlflow
     mlflow.pyfunc.load_model("models:/dllmflow-tiny-mdlm@champion").predict(["What is 2 + 3?"])
 
-Tracking URI: `registry.tracking_uri`, else `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db`.
+The MLflow run it registers from: `tracking.mlflow_run`; what the model does at predict:
+`tracking.pyfunc` and `tracking.pyfunc_runtime`; the `dllmflow register` command: `tracking.register_cli`.
 """
 
 from __future__ import annotations
@@ -21,331 +19,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from dllmflow.errors import UserError
-from dllmflow.runs import RunLayout, find_consolidated, read_metrics
 from dllmflow.settings import Settings
-from dllmflow.training.live import (
-    MAX_BATCH_METRICS,
-    create_run,
-    is_number,
-    resolve_tracking_uri,
-    train_metrics,
-)
+from dllmflow.tracking.mlflow_run import connect
+from dllmflow.tracking.pyfunc_runtime import SPECULATIVE, build_signature
 
 CANDIDATE, CHAMPION = "candidate", "champion"
-SPECULATIVE = "acceptance"  # the DFlash evaluation/decoding (see mlflow_model.py)
 
 
-# ---- tracking ----------------------------------------------------------------------------------------
-
-
-def connect(settings: Settings | None = None) -> str:
-    """Point MLflow at the tracking store; a dead server fails here with one clear line."""
-    import mlflow
-
-    uri = resolve_tracking_uri(settings)
-    if uri.startswith(("http://", "https://")):
-        import httpx
-
-        try:
-            httpx.get(uri.rstrip("/") + "/health", timeout=10.0).raise_for_status()
-        except httpx.HTTPError as e:
-            raise UserError(
-                f"MLflow tracking server {uri} is not reachable ({type(e).__name__}); start it or fix "
-                "registry.tracking_uri / MLFLOW_TRACKING_URI"
-            ) from None
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    if uri.startswith("sqlite:///"):
-        _init_sqlite_store(uri)
-    return uri
-
-
-_INITIALISED_STORES: set[str] = set()
-
-
-def _init_sqlite_store(uri: str) -> None:
-    """Create/migrate a SQLite store once, under a file lock: two processes opening a fresh store at
-    once both run MLflow's schema migration and one fails (`duplicate column name`). Touching both
-    stores (tracking, registry) here migrates them; later opens find the tables and skip it."""
-    if uri in _INITIALISED_STORES:
-        return
-    from filelock import FileLock
-    from mlflow import MlflowClient
-
-    db = Path(uri[len("sqlite:///") :])
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{db}.lock"):
-        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-        client.search_experiments(max_results=1)
-        client.search_registered_models(max_results=1)
-    _INITIALISED_STORES.add(uri)
-
-
-def git_sha(cwd: str | os.PathLike | None = None) -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def open_run(
-    settings: Settings, *, lineage: dict[str, str] | None = None, run_name: str | None = None
-) -> str:
-    """The MLflow run of this flow run, opened at its start so that training and evaluation log into
-    it live: reused when one is tagged with the same Metaflow pathspec (a resumed flow does not fork
-    the record), else created RUNNING with the settings as params and the lineage as tags."""
-    connect(settings)
-    lineage = _tags(lineage)
-    experiment = _experiment_id(settings)
-    run_id = _existing_run(experiment, lineage.get("metaflow_run"))
-    if run_id is None:
-        run_id = create_run(settings, tags=_run_tags(settings, lineage), run_name=run_name)
-    return run_id
-
-
-def log_run(
-    settings: Settings,
-    run_dir: str | os.PathLike,
-    *,
-    evals: dict[str, dict[str, Any]] | None = None,
-    lineage: dict[str, str] | None = None,
-    run_name: str | None = None,
-    run_id: str | None = None,
-) -> str:
-    """Complete the MLflow run of a training run: lineage tags, settings.json and eval results (each
-    sampler once). `run_id` is the live run the flow opened at `start`; without it (a run dir trained
-    before live tracking, or with it off) the run is found by Metaflow pathspec or created. Training
-    curves normally arrived live; steps of metrics.jsonl the run lacks (no live tracking, or an outage
-    that outlasted `registry.flush_timeout_s`) are backfilled. Returns the MLflow run id."""
-    from mlflow import MlflowClient
-    from mlflow.entities import RunTag
-
-    connect(settings)
-    lineage = _tags(lineage)
-    opened_here = run_id is None
-    if run_id is None:
-        run_id = open_run(settings, lineage=lineage, run_name=run_name)
-    client = MlflowClient()
-    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in _run_tags(settings, lineage).items()])
-    backfill_train_metrics(client, run_id, run_dir)
-    settings_json = RunLayout(run_dir).settings_json
-    if settings_json.is_file():
-        client.log_artifact(run_id, str(settings_json))
-    logged = client.get_run(run_id).data.metrics
-    for sampler, result in (evals or {}).items():
-        if not any(k.startswith(f"eval/{sampler}/") for k in logged):  # evaluate logged it live
-            log_eval(settings, run_id, sampler, result)
-    if opened_here:
-        client.set_terminated(run_id, "FINISHED")
-    return run_id
-
-
-def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, Any]) -> None:
-    """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics and the JSON result."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
-    connect(settings)
-    client = MlflowClient()
-    now = int(time.time() * 1000)
-    metrics = [
-        Metric(f"eval/{sampler}/{k}", float(v), now, 0)
-        for k, v in result.get("metrics", {}).items()
-        if is_number(v)
-    ]
-    client.log_batch(run_id, metrics=metrics)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"eval_{sampler}.json"
-        path.write_text(json.dumps(result, indent=2, default=str))
-        client.log_artifact(run_id, str(path), artifact_path="eval")
-
-
-def backfill_train_metrics(client: Any, run_id: str, run_dir: str | os.PathLike) -> int:
-    """Log the steps of metrics.jsonl that the run does not hold yet (by `train/loss` history), in
-    batches. Returns how many steps were backfilled."""
-    have = {m.step for m in client.get_metric_history(run_id, "train/loss")}
-    missing = [row for row in read_metrics(run_dir) if int(row.get("step", 0)) not in have]
-    mtime = RunLayout(run_dir).metrics_jsonl
-    stamp = int(mtime.stat().st_mtime * 1000) if mtime.is_file() else None
-    metrics = [m for row in missing for m in train_metrics(row, int(row.get("step", 0)), stamp)]
-    for i in range(0, len(metrics), MAX_BATCH_METRICS):
-        client.log_batch(run_id, metrics=metrics[i : i + MAX_BATCH_METRICS])
-    return len(missing)
-
-
-def _tags(lineage: dict[str, Any] | None) -> dict[str, str]:
-    return {k: str(v) for k, v in (lineage or {}).items() if v is not None}
-
-
-def _run_tags(settings: Settings, lineage: dict[str, str]) -> dict[str, str]:
-    return {"dllmflow.mode": settings.dllm.mode, "git_sha": git_sha(), **lineage}
-
-
-def _experiment_id(settings: Settings) -> str:
-    import mlflow
-
-    return mlflow.set_experiment(settings.registry.experiment_name).experiment_id
-
-
-def _existing_run(experiment_id: str, pathspec: str | None) -> str | None:
-    if not pathspec:
-        return None
-    import mlflow
-
-    found = mlflow.search_runs(
-        [experiment_id],
-        filter_string=f"tags.metaflow_run = '{pathspec}'",
-        output_format="list",
-        max_results=1,
-    )
-    return found[0].info.run_id if found else None
-
-
-# ---- the pyfunc model ----------------------------------------------------------------------------------
-
-
-def generate_texts(
-    model: Any,
-    tokenizer: Any,
-    prompts: list[str],
-    *,
-    sampler: str = "llada",
-    overrides: dict[str, Any] | None = None,
-    **settings: Any,
-) -> list[str]:
-    """Chat-templated prompts -> generated texts with `sampler`: its preset, then the recorded
-    `settings` (knobs it does not take are dropped: models registered before the per-sampler configs
-    recorded every knob of every sampler), then the caller's `overrides` (one it does not take is an
-    error naming it). A sampler that does not fit the checkpoint's training mode, or prompts + new
-    tokens beyond the model's positions, are refused."""
-    import torch
-
-    from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR, build_sampler_config
-    from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
-    from dllmflow.models.limits import check_generation_fits
-
-    validate_sampler_request(sampler)
-    trained = getattr(model, TRAINING_SETTINGS_ATTR, None)  # set by load_for_generation
-    check_sampler_mode(sampler, getattr(getattr(trained, "dllm", None), "mode", None))
-    config = build_sampler_config(sampler, overrides, tokenizer, defaults=settings)
-    torch.manual_seed(config.seed)
-    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
-    ids = [encode_prompt(tokenizer, p) for p in prompts]
-    check_generation_fits(model, max(map(len, ids), default=0), config.max_new_tokens, runner.mask_id)
-    result = runner.generate(ids)
-    return [decode_response(tokenizer, seq) for seq in result.sequences]
-
-
-def check_sampler_mode(sampler: str, mode: str | None) -> None:
-    """UserError naming the sampler, the mode and the samplers that fit it (`dllmflow generate` only
-    warns; a served model must not answer with a sampler that decodes another mode's model)."""
-    from dllmflow.inference.generate import sampler_misfit
-
-    misfit = sampler_misfit(sampler, mode)
-    if misfit is not None:
-        raise UserError(misfit)
-
-
-def recorded_params(sampler: str, sampler_settings: dict[str, Any]) -> dict[str, Any]:
-    """What a registered model generates with (its signature's param defaults): the sampler and its
-    preset under the recorded settings."""
-    from dllmflow.diffusion.samplers.base import build_sampler_config
-
-    if sampler == SPECULATIVE:
-        return {"sampler": sampler, **sampler_settings}
-    preset = build_sampler_config(sampler, defaults=sampler_settings).model_dump()
-    return {"sampler": sampler, **sampler_settings, **preset}
-
-
-def split_params(generation: dict[str, Any], params: dict[str, Any] | None) -> tuple[str, dict, dict]:
-    """One `predict` call's (sampler, recorded settings, the caller's overrides). MLflow fills each param
-    the caller left out with its signature default (the recorded value), so only a value that differs
-    from the record is the caller's own, checked strictly against the sampler's options."""
-    recorded = generation.get("sampler_settings", {})
-    params = from_param_sentinels(params or {})
-    base = recorded_params(generation["sampler"], recorded)
-    overrides = {k: v for k, v in params.items() if base.get(k) != v}
-    sampler = overrides.pop("sampler", None) or generation["sampler"]
-    params.pop("sampler", None)
-    return sampler, {**recorded, **params}, overrides
-
-
-def speculative_texts(pair: tuple, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """DFlash: greedy speculative decoding with the draft against its frozen target (same text as the
-    target's own greedy decoding, fewer target forwards)."""
-    from dllmflow.evaluation.acceptance import speculative_generate
-    from dllmflow.inference.generate import decode_response, encode_prompt
-
-    draft, target, tokenizer, _, cfg = pair
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
-    out = []
-    for prompt in prompts:
-        result = speculative_generate(
-            draft,
-            target,
-            encode_prompt(tokenizer, prompt),
-            int(max_new_tokens),
-            int(cfg.block_size),
-            list(cfg.target_layer_ids),
-            mask_id,
-            tokenizer.eos_token_id,
-        )
-        out.append(decode_response(tokenizer, result.tokens))
-    return out
-
-
-def prompts_of(model_input: Any) -> list[str]:
-    if hasattr(model_input, "columns"):  # pandas DataFrame from the signature
-        column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
-        return [str(x) for x in model_input[column].tolist()]
-    if isinstance(model_input, str):
-        return [model_input]
-    return [str(x) for x in model_input]
-
-
-# MLflow params need a typed default; a sampler knob that is unset (None) travels as this sentinel.
-_UNSET = {"long": -1, "double": -1.0, "string": ""}
-_PARAM_TYPES = {
-    "sampler": "string",
-    "steps": "long",
-    "max_new_tokens": "long",
-    "block_size": "long",
-    "temperature": "double",
-    "threshold": "double",
-    "remasking": "string",
-    "seed": "long",
-}
-
-
-def from_param_sentinels(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in params.items() if k in _PARAM_TYPES and v != _UNSET[_PARAM_TYPES[k]]}
-
-
-def _signature(sampler: str, sampler_settings: dict[str, Any]):
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
-
-    recorded = recorded_params(sampler, sampler_settings)
-    params = []
-    for name, dtype in _PARAM_TYPES.items():
-        value = recorded.get(name)
-        params.append(ParamSpec(name, dtype, _UNSET[dtype] if value is None else value))
-    return ModelSignature(
-        inputs=Schema([ColSpec("string")]),  # a plain list of prompts
-        outputs=Schema([ColSpec("string", "text")]),
-        params=ParamSchema(params),
-    )
+# ---- registration ----------------------------------------------------------------------------------------
 
 
 def register_model(
@@ -401,7 +88,7 @@ def register_model(
                 python_model=str(Path(__file__).with_name("pyfunc.py")),
                 artifacts={**artifacts, "generation": str(gen_path)},
                 code_paths=[str(Path(__file__).parent)],
-                signature=_signature(sampler, sampler_settings),
+                signature=build_signature(sampler, sampler_settings),
                 input_example=["What is 2 + 3?"],
                 pip_requirements=_pip_requirements(),
             )
@@ -553,48 +240,3 @@ def apply_gate(
         "value": acc,
         "tokens_per_s": speed,
     }
-
-
-# ---- CLI -----------------------------------------------------------------------------------------------
-
-
-def add_cli_args(parser) -> None:
-    from dllmflow.common.cli_args import add_flag
-
-    add_flag(
-        parser, "--run-dir", required=True, help="A finished training run directory (holds settings.json)."
-    )
-    parser.add_argument(
-        "--eval", dest="eval_files", action="append", default=[], help="evaluate --output JSON files."
-    )
-    parser.add_argument(
-        "--sampler",
-        default=None,
-        help="Sampler recorded for the pyfunc (default: the first eval's, else the export's own).",
-    )
-
-
-def cli_main(args) -> int:
-    from dllmflow.settings import load_settings_json
-
-    run_dir = Path(args.run_dir)
-    settings = load_settings_json(RunLayout(run_dir).settings_json)
-    evals = {}
-    for f in args.eval_files:
-        result = json.loads(Path(f).read_text())
-        evals[result["protocol"]["sampler"]] = result
-    if not (sampler := args.sampler or next(iter(evals), None)):
-        from dllmflow.inference.generate import resolve_default_sampler
-
-        sampler = resolve_default_sampler(find_consolidated(run_dir))  # the export's, else its mode's
-    run_id = log_run(settings, run_dir, evals=evals, lineage={"git_sha": git_sha()})
-    version = register_model(
-        settings,
-        run_id,
-        find_consolidated(run_dir),
-        sampler=sampler,
-        sampler_settings=evals.get(sampler, {}).get("protocol", {}).get("sampler_settings"),
-    )
-    decision = apply_gate(settings, version, evals, sampler)
-    print(json.dumps({"run_id": run_id, **decision}, indent=2))
-    return 0

@@ -12,7 +12,7 @@ trainer needs no Metaflow and no `dllmflow.tracking` (a higher layer): it talks 
 
 When the server is unreachable, metrics stay buffered (one warning, then retries with exponential
 backoff); beyond `max_buffer` the oldest are dropped (one more warning). `metrics.jsonl` always holds
-every step, and `register` backfills the steps a run is missing (tracking/registry.py).
+every step, and `register` backfills the steps a run is missing (tracking/mlflow_run.py).
 """
 
 from __future__ import annotations

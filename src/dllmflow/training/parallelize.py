@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.errors import UserError
 from dllmflow.models import meta
 from dllmflow.models.lora import apply_lora, init_lora_weights, is_adapter_module
@@ -43,24 +44,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info: DistInfo) -> nn.Module:
-    """`strategy.build_model(tokenizer)` built on meta, transformed, sharded/replicated, materialised on
+    """`build_mode_model(settings, tokenizer)` built on meta, transformed, sharded/replicated, materialised on
     `info.device` and filled. Seed the global RNG first: a random init is drawn from it, as eagerly."""
     check_dtype(settings, info.device)
     rng = torch.get_rng_state()  # where the eager build would start drawing
     if settings.model.gguf_file:  # transformers has no meta loader for GGUF: the eager build, as before
-        eager = apply_lora(strategy.build_model(tokenizer).to(info.device), settings)
+        eager = apply_lora(build_mode_model(settings, tokenizer).to(info.device), settings)
         return _wrap(_transform(eager, settings, info), settings, info)
     # 1) pretrained: rank 0 reads the checkpoint (seeded, so resized embedding rows match the eager build)
     state = buffers = None
     if settings.model.pretrained_model_name_or_path is not None:
         state, buffers = {}, {}
         if info.is_main:
-            eager = apply_lora(strategy.build_model(tokenizer), settings)
+            eager = apply_lora(build_mode_model(settings, tokenizer), settings)
             state, buffers = eager.state_dict(), meta.non_persistent_buffers(eager)
             del eager
     # 2) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
-        model = apply_lora(strategy.build_model(tokenizer), settings)  # adapters before any sharding
+        model = apply_lora(build_mode_model(settings, tokenizer), settings)  # adapters before any sharding
     model = _transform(model, settings, info)
     # 3) allocate this rank's part and fill it
     meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module)

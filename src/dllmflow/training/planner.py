@@ -4,7 +4,7 @@
     from dllmflow.training.planner import plan_memory
     plan = plan_memory(settings, world_size=8); print(plan.table()); plan.fits(141 * 2**30)
 
-1) Parameters are counted exactly on the skeleton the trainer builds: the strategy's `build_model` (the
+1) Parameters are counted exactly on the skeleton the trainer builds: the mode's `build_model` (the
    mode's builder in `diffusion/modes.py`) under `models.meta.build_on_meta`, then `apply_lora`. No weight
    is read and nothing is downloaded: a pretrained model contributes only its `config.json` (local dir or
    the HF cache); a hub id without one fails naming the field. The tokenizer is the prepared one
@@ -159,6 +159,7 @@ def _gib(n: int) -> str:
 
 def count_model(settings) -> ModelCount:
     """Build the trainable model (and a dflash target) on the meta device and count it."""
+    from dllmflow.diffusion.modes import build_mode_model
     from dllmflow.diffusion.strategies import build_strategy
     from dllmflow.models import meta
     from dllmflow.models.lora import apply_lora
@@ -168,7 +169,7 @@ def count_model(settings) -> ModelCount:
         tokenizer, note = planning_tokenizer(settings)
         strategy = build_strategy(settings)
         with meta.build_on_meta():
-            model = apply_lora(strategy.build_model(tokenizer), settings)
+            model = apply_lora(build_mode_model(settings, tokenizer), settings)
         frozen = _frozen_target(settings, strategy, tokenizer)
     return count_built(model, notes=(note,) if note else (), **frozen)
 

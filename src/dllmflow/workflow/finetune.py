@@ -57,12 +57,12 @@ def start_tracking(settings: SettingsLike, *, pathspec: str | None = None) -> st
     """Open the flow run's MLflow run (settings as params, lineage tags) so that training, evaluation and
     registration log into it as they happen. None when `registry.live_tracking` is off (then `register`
     records the run at the end, as before)."""
-    from dllmflow.tracking import registry
+    from dllmflow.tracking import mlflow_run
 
     s = Settings.coerce(settings)
     if not s.registry.live_tracking:
         return None
-    return registry.open_run(s, lineage={"metaflow_run": pathspec, "git_sha": registry.git_sha()})
+    return mlflow_run.open_run(s, lineage={"metaflow_run": pathspec, "git_sha": mlflow_run.git_sha()})
 
 
 def flow_run_dir(settings: SettingsLike, run_id: str) -> str:
@@ -234,9 +234,9 @@ def evaluate_sampler(
             result["baseline"] = baseline
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
     if mlflow_run_id:
-        from dllmflow.tracking import registry
+        from dllmflow.tracking import mlflow_run
 
-        registry.log_eval(s, mlflow_run_id, sampler, result)
+        mlflow_run.log_eval(s, mlflow_run_id, sampler, result)
     return result
 
 
@@ -251,6 +251,7 @@ def untrained_baseline(settings: SettingsLike, sampler: str) -> dict[str, Any] |
     import torch
 
     from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.diffusion.modes import build_mode_model
     from dllmflow.diffusion.strategies import build_strategy
     from dllmflow.evaluation.accuracy import evaluate
 
@@ -261,7 +262,7 @@ def untrained_baseline(settings: SettingsLike, sampler: str) -> dict[str, Any] |
     tokenizer = load_tokenizer(s.dataset.prepared_dir)
     torch.manual_seed(s.train.seed)  # as the trainer seeds before its build
     strategy = build_strategy(s)
-    model = strategy.build_model(tokenizer)
+    model = build_mode_model(s, tokenizer)
     with tempfile.TemporaryDirectory(prefix="dllmflow-untrained-") as tmp:
         strategy.export(model, model.state_dict(), tokenizer, Path(tmp))
         s.write_json(Path(tmp) / "settings.json")
@@ -284,7 +285,7 @@ def register(
 ) -> dict[str, Any]:
     """Complete the MLflow run (`mlflow_run_id`, opened at `start`; else found or created here), log
     and register the model into it, apply the gate."""
-    from dllmflow.tracking import registry
+    from dllmflow.tracking import mlflow_run, registry
 
     s = Settings.coerce(settings)
     lineage = {
@@ -294,9 +295,9 @@ def register(
         "dvc_stage": data.get("dvc_stage") or "none",
         "metaflow_run": pathspec,
         "torchx_app_handle": training.get("app_handle"),
-        "git_sha": registry.git_sha(),
+        "git_sha": mlflow_run.git_sha(),
     }
-    run_id = registry.log_run(s, run_dir, evals=evals, lineage=lineage, run_id=mlflow_run_id)
+    run_id = mlflow_run.log_run(s, run_dir, evals=evals, lineage=lineage, run_id=mlflow_run_id)
     gated = _gated_sampler(s, evals)
     protocol = evals.get(gated, {}).get("protocol", {})
     sampler_settings = protocol.get("sampler_settings") or {"max_new_tokens": protocol.get("max_new_tokens")}
@@ -308,7 +309,7 @@ def register(
     )
     decision = registry.apply_gate(s, version, evals, gated)
     return {
-        "tracking_uri": registry.resolve_tracking_uri(s),
+        "tracking_uri": mlflow_run.resolve_tracking_uri(s),
         "run_id": run_id,
         "model_name": s.registry.model_name,
         "version": int(version.version),

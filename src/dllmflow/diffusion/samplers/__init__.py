@@ -6,7 +6,7 @@ sampler = SAMPLERS["llada"](model, tokenizer, config)
 
 from __future__ import annotations
 
-from dllmflow.diffusion.modes import LazyRegistry
+from dllmflow.common.lazy import LazyRegistry
 
 _P = "dllmflow.diffusion.samplers"
 SAMPLERS = LazyRegistry(

@@ -54,10 +54,10 @@ def build_sampler_config(
     off for a sampler without them). `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
     no tokenizer the sampler fills it from its own.
     """
+    from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
 
-    if name not in SAMPLERS:
-        raise UserError(f"unknown sampler {name!r}; choose one of: {', '.join(SAMPLERS)}")
+    check_sampler(None, name)  # a known sampler (which mode it may decode is the caller's question)
     sampler = SAMPLERS[name]
     fields = sampler.config_cls.model_fields
     explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -89,10 +89,10 @@ def _unknown_options_message(sampler: type[Sampler], unknown: list[str]) -> str:
 
 def sampler_supports(name: str, feature: Literal["infill", "kv_cache", "batching"]) -> bool:
     """The sampler class's `supports_<feature>` flag (the sampler modules import only torch)."""
+    from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
 
-    if name not in SAMPLERS:
-        raise UserError(f"unknown sampler {name!r}; choose one of: {', '.join(SAMPLERS)}")
+    check_sampler(None, name)
     return bool(getattr(SAMPLERS[name], f"supports_{feature}"))
 
 

@@ -56,7 +56,9 @@ class LossOutput:
 
 
 class Strategy(ABC):
-    """One training objective. Subclasses live one per file; a `ModeSpec` in `diffusion.modes` names each."""
+    """One training objective: corruption, token counts and loss, plus the per-mode hooks the trainer
+    calls around them (setup, metrics, export). Subclasses live one per file; a `ModeSpec` in
+    `diffusion.modes` names each, and builds the model it trains (`build_mode_model`)."""
 
     name: ClassVar[str]
 
@@ -71,14 +73,7 @@ class Strategy(ABC):
         returns one Settings per stage, each with its own run_dir, stage i>0 starting from stage i-1."""
         return [settings]
 
-    # ---- model --------------------------------------------------------------------------------
-    def build_model(self, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
-        """The trainable module (wrapped by DDP/FSDP2 and optimised): the mode's `ModeSpec.model_builder`
-        (default: the configured model). Override only when building needs the strategy's own state."""
-        from dllmflow.diffusion.modes import MODES
-
-        return MODES[self.settings.dllm.mode].build_model(self.settings, tokenizer)
-
+    # ---- before the first step ----------------------------------------------------------------
     def setup(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         """Validate the model/tokenizer against the settings, load auxiliary models, resolve the mask
         id (settings -> tokenizer). Raise `UserError` naming the field on a mismatch."""

@@ -7,13 +7,13 @@ token, bs-1 mask tokens). Logits come from the frozen target head; the loss is t
 of paper Eq. 4 summed here and divided by the global number of predicted tokens by the trainer.
 
     strategy = STRATEGIES["dflash"](settings)          # params/tiny_dflash.yaml, params/dflash_sft.yaml
-    draft = strategy.build_model(tokenizer)            # the trainable draft only
+    draft = build_mode_model(settings, tokenizer)      # the trainable draft only (models.dflash_target)
     strategy.setup(draft, tokenizer, device)           # loads the frozen target once
     batch.update(strategy.corrupt(batch, seeds)); out = strategy.loss(draft, batch)
 
 The math lives in plain-function modules: anchors and block inputs in `diffusion/dflash_blocks.py`,
 the decay CE and draft accuracy in `diffusion/dflash_loss.py`, the target (`tiny:<dir>`, hub id or
-local dir) and the resolved settings in `models/dflash_target.py`. Deliberate differences from the
+local dir), the resolved settings and the draft builder in `models/dflash_target.py`. Deliberate differences from the
 reference code (spec §7): the block mask is always built (1), the non-overlap sampler is per sample
 and cannot fail (3), draft accuracy is logged for every N (7).
 """
@@ -39,7 +39,6 @@ from dllmflow.diffusion.dflash_loss import (
 from dllmflow.diffusion.masks.dflash import dflash_block_mask, dflash_dense_mask
 from dllmflow.diffusion.seeding import generators
 from dllmflow.errors import UserError
-from dllmflow.models.dflash_draft import build_draft_config, load_draft
 from dllmflow.models.dflash_target import (
     resolve_block_size,
     resolve_mask_token_id,
@@ -87,38 +86,6 @@ class DFlashStrategy(Strategy):
         if self.mask_token_id is None:
             self.mask_token_id = resolve_mask_token_id(None, tokenizer, self.target_path(tokenizer))
         return self.mask_token_id
-
-    def build_model(self, tokenizer) -> nn.Module:
-        """The trainable draft: a draft checkpoint (`model.pretrained_model_name_or_path`) or a fresh
-        draft of ours shaped like the target with `dflash.num_draft_layers` layers."""
-        from transformers import AutoConfig
-
-        path = self.target_path(tokenizer)
-        mask_id = self._resolve_mask(tokenizer)
-        mcfg = self.settings.model
-        if mcfg.pretrained_model_name_or_path:
-            return load_draft(
-                mcfg.pretrained_model_name_or_path, mcfg.trust_remote_code, _DTYPES[mcfg.torch_dtype]
-            )
-        if self.dcfg.block_size <= 0:
-            raise UserError(
-                "dflash.block_size is 0 (read from the draft config) but there is no draft checkpoint "
-                "(model.pretrained_model_name_or_path); set dflash.block_size >= 2"
-            )
-        tcfg = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
-        vocab = (tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg).vocab_size
-        cfg = build_draft_config(
-            tcfg,
-            num_draft_layers=self.dcfg.num_draft_layers,
-            block_size=self.dcfg.block_size,
-            target_layer_ids=self.dcfg.target_layer_ids,
-            mask_token_id=mask_id,
-            target_model_id=self.dcfg.target_model_id,
-            own_mask_embedding=mask_id >= vocab,
-        )
-        from dllmflow.models.dflash_draft import DFlashDraftModel
-
-        return DFlashDraftModel(cfg).to(_DTYPES[mcfg.torch_dtype])
 
     def load_target(self, path: str, device: torch.device) -> nn.Module:
         """The frozen target in `dflash.target_torch_dtype`, replicated, no grads, never in the optimizer:

@@ -38,7 +38,7 @@ class HybridStrategy(Strategy):
         if not (isinstance(inner, HybridAdapter) or accepts_masked_indices(inner)):
             raise UserError(
                 f"dllm.mode=hybrid: {type(inner).__name__} does not accept `masked_indices`; build it with "
-                "HybridStrategy.build_model (or dllmflow.models.hybrid_adapter.build_hybrid_model)"
+                "the mode's builder, dllmflow.models.hybrid_adapter.build_hybrid_model"
             )
 
     def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:
@@ -79,7 +79,7 @@ class HybridStrategy(Strategy):
             raise UserError(
                 f"dllm.mode=hybrid: {type(unwrap(model)).__name__} returned no causal_logits (and no concatenated "
                 "[B, L+L_ar, V] logits); load Nemotron-Labs-Diffusion with dlm_paradigm: block_diff, or use a plain "
-                "causal LM so HybridStrategy.build_model can wrap it in the hybrid adapter"
+                "causal LM so build_hybrid_model can wrap it in the hybrid adapter"
             )
         diffusion, ar = hybrid_loss_sums(
             logits, causal, x, batch["noise_mask"], batch["p_mask"], batch["loss_mask"]

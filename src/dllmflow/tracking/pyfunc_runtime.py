@@ -1,0 +1,143 @@
+"""What a registered model does at `predict` (the glue `tracking/pyfunc.py` calls): split the call's
+params into the sampler, the recorded settings and the caller's overrides, and generate, with a
+diffusion sampler or (DFlash) speculative decoding. Also the MLflow signature those params come from,
+which registration logs.
+
+    sampler, settings, overrides = split_params(generation, params)   # generation.json + predict params
+    texts = generate_texts(model, tokenizer, prompts_of(model_input), sampler=sampler,
+                           overrides=overrides, **settings)
+
+Whether the sampler may decode the registered mode is `diffusion.modes.check_sampler` (an error here:
+a served model must not answer with a sampler that decodes another mode's model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SPECULATIVE = "acceptance"  # the DFlash evaluation/decoding: greedy speculative decoding (lossless)
+
+
+def generate_texts(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    sampler: str = "llada",
+    overrides: dict[str, Any] | None = None,
+    **settings: Any,
+) -> list[str]:
+    """Chat-templated prompts -> generated texts with `sampler`: its preset, then the recorded
+    `settings` (knobs it does not take are dropped: models registered before the per-sampler configs
+    recorded every knob of every sampler), then the caller's `overrides` (one it does not take is an
+    error naming it). A sampler that does not fit the checkpoint's training mode, or prompts + new
+    tokens beyond the model's positions, are refused."""
+    import torch
+
+    from dllmflow.diffusion.modes import check_sampler
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR, build_sampler_config
+    from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
+    from dllmflow.models.limits import check_generation_fits
+
+    validate_sampler_request(sampler)
+    trained = getattr(model, TRAINING_SETTINGS_ATTR, None)  # set by load_for_generation
+    check_sampler(getattr(getattr(trained, "dllm", None), "mode", None), sampler)
+    config = build_sampler_config(sampler, overrides, tokenizer, defaults=settings)
+    torch.manual_seed(config.seed)
+    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    check_generation_fits(model, max(map(len, ids), default=0), config.max_new_tokens, runner.mask_id)
+    result = runner.generate(ids)
+    return [decode_response(tokenizer, seq) for seq in result.sequences]
+
+
+def recorded_params(sampler: str, sampler_settings: dict[str, Any]) -> dict[str, Any]:
+    """What a registered model generates with (its signature's param defaults): the sampler and its
+    preset under the recorded settings."""
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+
+    if sampler == SPECULATIVE:
+        return {"sampler": sampler, **sampler_settings}
+    preset = build_sampler_config(sampler, defaults=sampler_settings).model_dump()
+    return {"sampler": sampler, **sampler_settings, **preset}
+
+
+def split_params(generation: dict[str, Any], params: dict[str, Any] | None) -> tuple[str, dict, dict]:
+    """One `predict` call's (sampler, recorded settings, the caller's overrides). MLflow fills each param
+    the caller left out with its signature default (the recorded value), so only a value that differs
+    from the record is the caller's own, checked strictly against the sampler's options."""
+    recorded = generation.get("sampler_settings", {})
+    params = from_param_sentinels(params or {})
+    base = recorded_params(generation["sampler"], recorded)
+    overrides = {k: v for k, v in params.items() if base.get(k) != v}
+    sampler = overrides.pop("sampler", None) or generation["sampler"]
+    params.pop("sampler", None)
+    return sampler, {**recorded, **params}, overrides
+
+
+def speculative_texts(pair: tuple, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """DFlash: greedy speculative decoding with the draft against its frozen target (same text as the
+    target's own greedy decoding, fewer target forwards)."""
+    from dllmflow.evaluation.acceptance import speculative_generate
+    from dllmflow.inference.generate import decode_response, encode_prompt
+
+    draft, target, tokenizer, _, cfg = pair
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
+    out = []
+    for prompt in prompts:
+        result = speculative_generate(
+            draft,
+            target,
+            encode_prompt(tokenizer, prompt),
+            int(max_new_tokens),
+            int(cfg.block_size),
+            list(cfg.target_layer_ids),
+            mask_id,
+            tokenizer.eos_token_id,
+        )
+        out.append(decode_response(tokenizer, result.tokens))
+    return out
+
+
+def prompts_of(model_input: Any) -> list[str]:
+    if hasattr(model_input, "columns"):  # pandas DataFrame from the signature
+        column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
+        return [str(x) for x in model_input[column].tolist()]
+    if isinstance(model_input, str):
+        return [model_input]
+    return [str(x) for x in model_input]
+
+
+# MLflow params need a typed default; a sampler knob that is unset (None) travels as this sentinel.
+_UNSET = {"long": -1, "double": -1.0, "string": ""}
+_PARAM_TYPES = {
+    "sampler": "string",
+    "steps": "long",
+    "max_new_tokens": "long",
+    "block_size": "long",
+    "temperature": "double",
+    "threshold": "double",
+    "remasking": "string",
+    "seed": "long",
+}
+
+
+def from_param_sentinels(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k in _PARAM_TYPES and v != _UNSET[_PARAM_TYPES[k]]}
+
+
+def build_signature(sampler: str, sampler_settings: dict[str, Any]):
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    recorded = recorded_params(sampler, sampler_settings)
+    params = []
+    for name, dtype in _PARAM_TYPES.items():
+        value = recorded.get(name)
+        params.append(ParamSpec(name, dtype, _UNSET[dtype] if value is None else value))
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),  # a plain list of prompts
+        outputs=Schema([ColSpec("string", "text")]),
+        params=ParamSchema(params),
+    )
