@@ -14,8 +14,8 @@ from torch import nn
 from dllmflow.diffusion.seeding import sample_seed
 from dllmflow.diffusion.strategies.base import LossOutput
 from dllmflow.settings import load_settings
-from dllmflow.training.step import clip_grad_norm
 from dllmflow.training.distributed import DistInfo
+from dllmflow.training.step import clip_grad_norm
 from dllmflow.training.trainer import lr_factor, train_step
 
 INFO = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False)
