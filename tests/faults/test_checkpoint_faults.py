@@ -218,7 +218,12 @@ def test_broken_latest_falls_back_to_newest_complete(run, prepared, reference, c
     breaker(_ckpts(run))
     with pytest.warns(ckfiles.CheckpointWarning, match="LATEST.*resuming from step_000003"):
         result = _train(prepared, run, resume=True)
-    assert "starting from step 0" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "starting from step 0" not in out
+    # The fallback reaches the terminal: one line on rank 0's stdout, the stream `dllmflow train` relays.
+    assert any(
+        ln.startswith("warning: LATEST") and "resuming from step_000003" in ln for ln in out.splitlines()
+    )
     assert result.losses == pytest.approx(_losses(reference)[3:], rel=1e-6)
     assert _losses(run) == pytest.approx(_losses(reference), rel=1e-6)  # steps 1-3 kept, not rewritten
     assert _steps(run) == ["step_000002", "step_000003", "step_000004"]  # nothing pruned early
@@ -300,3 +305,16 @@ def test_files_and_dirs_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     for p in [published, *published.rglob("*")]:
         was = tmp + str(p)[len(str(published)) :]
         assert was in synced or was + ".tmp" in synced, p  # JSON files: fsynced under their own tmp name
+
+
+def test_fallback_warning_reaches_the_dllmflow_train_terminal(run, prepared, capsys):
+    """Through the launcher (torchx local_cwd -> torchrun -> rank 0), not only in the per-rank log."""
+    from dllmflow.training.launch import launch
+
+    shutil.rmtree(_ckpts(run) / "step_000004")
+    _dangling(_ckpts(run))
+    result = launch(_settings(prepared), run_dir=run, resume=True)
+    assert result.state == "SUCCEEDED"
+    relayed = [ln for ln in capsys.readouterr().out.splitlines() if "warning: LATEST" in ln]
+    assert relayed and "resuming from step_000003" in relayed[0], relayed
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
