@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _plugins.fault_hooks import with_fault_env
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -115,7 +117,7 @@ def _latest_run(proj: Path) -> dict:
 def test_flow_retry_champion_then_failed_run_resumes_under_a_stricter_gate(project):
     (project / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(_recipe(train_retries=1)))
     # The first train attempt dies right after its step-3 checkpoint; @retry must resume from it.
-    env = _env(project, DLLM_FAIL_AT_STEP="3")
+    env = with_fault_env(_env(project), fail_at=3)
     _flow(project, "run", env=env)
     run = _latest_run(project)
     assert run["successful"]
@@ -181,7 +183,7 @@ def test_flow_retry_champion_then_failed_run_resumes_under_a_stricter_gate(proje
     strict = _recipe(train_retries=0)
     strict["registry"]["gate"]["min_tokens_per_s"] = 1e9
     (project / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(strict))
-    failed = _flow(project, "run", env=_env(project, DLLM_FAIL_AT_STEP="3"), check=False)
+    failed = _flow(project, "run", env=with_fault_env(_env(project), fail_at=3), check=False)
     assert failed.returncode != 0
     out = failed.stdout + failed.stderr
     assert "injected failure" in out and "rank 0" in out  # the failing rank's error reaches the step

@@ -27,7 +27,8 @@ import torch
 from dllmflow.errors import UserError
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
-from dllmflow.training import checkpoint as ckpt
+from dllmflow.training import checkpoint as ckfiles
+from dllmflow.training import checkpointer as ckpt
 from dllmflow.training.distributed import DistInfo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +134,7 @@ def test_poisoned_rng_file_runs_no_code(run, prepared, tmp_path, legacy):
     if legacy:
         good.unlink()
     _poison(target, marker)
-    ckpt._write_manifest(step)  # an attacker who can write the dir rewrites the manifest too
+    ckfiles.write_manifest(step)  # an attacker who can write the dir rewrites the manifest too
     with pytest.raises(UserError, match=rf"{target.name}: unreadable RNG state"):
         _train(prepared, run, resume=True, max_steps=5)
     assert not marker.exists()
@@ -146,7 +147,7 @@ def test_poisoned_dcp_metadata_runs_no_code(run, prepared, tmp_path):
     step = _ckpts(run) / "step_000004"
     metadata = step / "model" / ".metadata"
     _poison(metadata, marker)
-    ckpt._write_manifest(step)
+    ckfiles.write_manifest(step)
     with pytest.raises(UserError, match=r"model/\.metadata: refused.*io\.open is not allowed"):
         _train(prepared, run, resume=True, max_steps=5)
     assert not marker.exists()
@@ -157,7 +158,7 @@ def test_poisoned_dcp_metadata_runs_no_code(run, prepared, tmp_path):
 
 def test_metadata_allow_list_reads_a_real_checkpoint(reference):
     for part in ("model", "optim"):
-        md = ckpt._read_dcp_metadata(_ckpts(reference) / "step_000004" / part)
+        md = ckfiles.read_dcp_metadata(_ckpts(reference) / "step_000004" / part)
         assert md.state_dict_metadata
 
 
@@ -169,8 +170,8 @@ def test_flipped_byte_in_the_weights_is_named(run, prepared):
         shutil.rmtree(_ckpts(run) / step)
     weights = next((_ckpts(run) / "step_000004" / "model").glob("*.distcp"))
     _flip_byte(weights)
-    with pytest.raises(ckpt.CheckpointError, match=rf"{weights.name}: checksum mismatch"):
-        ckpt.verify_checkpoint(weights.parent.parent)
+    with pytest.raises(ckfiles.CheckpointError, match=rf"{weights.name}: checksum mismatch"):
+        ckfiles.verify_checkpoint(weights.parent.parent)
     # the only checkpoint is corrupt: a clear error naming it, nothing deleted or restarted
     with pytest.raises(
         UserError, match=rf"LATEST \(step_000004\) is unusable.*{weights.name}: checksum mismatch"
@@ -182,13 +183,13 @@ def test_flipped_byte_in_the_weights_is_named(run, prepared):
 def test_corrupt_newest_falls_back_to_the_previous(run, prepared, reference):
     _flip_byte(next((_ckpts(run) / "step_000004" / "optim").glob("*.distcp")))
     with pytest.warns(
-        ckpt.CheckpointWarning, match="LATEST .step_000004. is unusable.*resuming from step_000003"
+        ckfiles.CheckpointWarning, match="LATEST .step_000004. is unusable.*resuming from step_000003"
     ):
         result = _train(prepared, run, resume=True)
     assert result.final_step == STEPS and result.losses == pytest.approx(_losses(reference)[3:], rel=1e-6)
     assert _losses(run) == pytest.approx(_losses(reference), rel=1e-6)
     assert _steps(run) == ["step_000002", "step_000003", "step_000004"]
-    ckpt.verify_checkpoint(_ckpts(run) / "step_000004")  # rewritten whole
+    ckfiles.verify_checkpoint(_ckpts(run) / "step_000004")  # rewritten whole
 
 
 # ---- 4) a dangling or garbage LATEST -------------------------------------------------------------------
@@ -215,9 +216,14 @@ def _escaping(ckpts: Path) -> None:
 def test_broken_latest_falls_back_to_newest_complete(run, prepared, reference, capsys, breaker):
     shutil.rmtree(_ckpts(run) / "step_000004")  # so the resume has a step left to train
     breaker(_ckpts(run))
-    with pytest.warns(ckpt.CheckpointWarning, match="LATEST.*resuming from step_000003"):
+    with pytest.warns(ckfiles.CheckpointWarning, match="LATEST.*resuming from step_000003"):
         result = _train(prepared, run, resume=True)
-    assert "starting from step 0" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "starting from step 0" not in out
+    # The fallback reaches the terminal: one line on rank 0's stdout, the stream `dllmflow train` relays.
+    assert any(
+        ln.startswith("warning: LATEST") and "resuming from step_000003" in ln for ln in out.splitlines()
+    )
     assert result.losses == pytest.approx(_losses(reference)[3:], rel=1e-6)
     assert _losses(run) == pytest.approx(_losses(reference), rel=1e-6)  # steps 1-3 kept, not rewritten
     assert _steps(run) == ["step_000002", "step_000003", "step_000004"]  # nothing pruned early
@@ -299,3 +305,16 @@ def test_files_and_dirs_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     for p in [published, *published.rglob("*")]:
         was = tmp + str(p)[len(str(published)) :]
         assert was in synced or was + ".tmp" in synced, p  # JSON files: fsynced under their own tmp name
+
+
+def test_fallback_warning_reaches_the_dllmflow_train_terminal(run, prepared, capsys):
+    """Through the launcher (torchx local_cwd -> torchrun -> rank 0), not only in the per-rank log."""
+    from dllmflow.training.launch import launch
+
+    shutil.rmtree(_ckpts(run) / "step_000004")
+    _dangling(_ckpts(run))
+    result = launch(_settings(prepared), run_dir=run, resume=True)
+    assert result.state == "SUCCEEDED"
+    relayed = [ln for ln in capsys.readouterr().out.splitlines() if "warning: LATEST" in ln]
+    assert relayed and "resuming from step_000003" in relayed[0], relayed
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]

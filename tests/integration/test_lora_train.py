@@ -124,14 +124,13 @@ def test_lora_trains_only_the_adapters(mode, prep, target, tmp_path):
 def test_resume_reproduces_the_uninterrupted_run(prep, target, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from dllmflow.training.trainer import FAIL_AT_STEP_ENV, run_training
+    from _plugins.fault_hooks import FailAfterStep
+    from dllmflow.training.trainer import run_training
 
     settings = lora_settings("mdlm", prep, target, steps=4, checkpoint={"every_steps": 2, "keep_last": 2})
     straight = run_training(settings, tmp_path / "straight")
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, "2")
     with pytest.raises(RuntimeError, match="injected failure after step 2"):
-        run_training(settings, tmp_path / "resumed")
-    monkeypatch.delenv(FAIL_AT_STEP_ENV)
+        run_training(settings, tmp_path / "resumed", hooks=[FailAfterStep(2)])
     resumed = run_training(settings, tmp_path / "resumed", resume=True)
     assert resumed.losses == straight.losses[2:]
     losses = [r["loss"] for r in read_metrics(resumed.metrics_path)]

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from _prepared import prepare_tiny
 
+from _plugins.fault_hooks import with_fault_env
 from dllmflow.common.net import free_port
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
@@ -70,10 +71,8 @@ def _train(
     nodes: list[Path], resume: bool = False, fail_at: int | None = None
 ) -> list[subprocess.CompletedProcess]:
     """Both nodes' torchrun at once (static rendezvous on 127.0.0.1), each with its own --settings."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DLLM_FAIL_AT_STEP", "DLLM_FAIL_RANK")}
+    env = with_fault_env(dict(os.environ), fail_at)  # fault injection only from the test side
     env["OMP_NUM_THREADS"] = "1"
-    if fail_at is not None:
-        env["DLLM_FAIL_AT_STEP"] = str(fail_at)
     port = free_port()
     procs = []
     for rank, node in enumerate(nodes):

@@ -20,6 +20,7 @@ import yaml
 from _dvc_repo import file_hashes, init_repo, run
 from _prepared import prepare_tiny
 
+from _plugins.fault_hooks import FailAfterStep
 from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
 
@@ -51,10 +52,8 @@ def test_checkpoints_mirror_to_s3_and_resume_after_losing_the_local_disk(s3, pre
     remote = f"s3://{s3.bucket}/runs/tiny"
     settings = _settings(prep, remote)
     run_dir = tmp_path / "run"
-    monkeypatch.setenv("DLLM_FAIL_AT_STEP", "2")
     with pytest.raises(RuntimeError, match="injected failure after step 2"):
-        run_training(settings, run_dir)
-    monkeypatch.delenv("DLLM_FAIL_AT_STEP")
+        run_training(settings, run_dir, hooks=[FailAfterStep(2)])
     keys = s3.keys("runs/tiny/")
     assert "runs/tiny/LATEST" in keys and "runs/tiny/step_000002/trainer_state.json" in keys
     assert any(k.startswith("runs/tiny/step_000002/model/__0_") for k in keys)
@@ -91,10 +90,8 @@ def test_endpoint_down_at_checkpoint_time_keeps_latest_on_the_last_complete_step
     remote = f"s3://{s3.bucket}/runs/down"
     settings = _settings(prep, remote)
     run_dir = tmp_path / "run"
-    monkeypatch.setenv("DLLM_FAIL_AT_STEP", "2")
     with pytest.raises(RuntimeError, match="injected failure"):
-        run_training(settings, run_dir)
-    monkeypatch.delenv("DLLM_FAIL_AT_STEP")
+        run_training(settings, run_dir, hooks=[FailAfterStep(2)])
     # A copy of the bucket's state before the outage (moto keeps it in memory only).
     snapshot = tmp_path / "snapshot"
     storage.remote_fs(remote)[0].get(f"{s3.bucket}/runs/down/", str(snapshot) + "/", recursive=True)

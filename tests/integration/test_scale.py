@@ -19,6 +19,7 @@ import torch
 import yaml
 from _prepared import prepare_tiny
 
+from _plugins.fault_hooks import with_fault_env
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
 
@@ -56,9 +57,11 @@ def _params(prep: Path, run_dir: Path, tmp: Path, **extra) -> Path:
     return path
 
 
-def _train(params: Path, *flags: str, **env) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k not in ("DLLM_FAIL_AT_STEP", "DLLM_FAIL_RANK")}
-    e.update(OMP_NUM_THREADS="1", **env)
+def _train(
+    params: Path, *flags: str, fail_at: int | None = None, rank: int | None = None
+) -> subprocess.CompletedProcess:
+    e = with_fault_env(dict(os.environ), fail_at, rank)  # fault injection only from the test side
+    e.update(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "dllmflow.cli", "train", "--params", str(RECIPE), str(params), *flags]
     return subprocess.run(cmd, capture_output=True, text=True, env=e)
 
@@ -74,7 +77,7 @@ def test_fsdp2_meta_bf16_ac_trains_and_resumes_exactly(prep, tmp_path):
     assert len(want) == 4 and all(math.isfinite(x) for x in want) and want[-1] < want[0]
 
     params = _params(prep, tmp_path / "cut", tmp_path)
-    failing = _train(params, DLLM_FAIL_AT_STEP="3", DLLM_FAIL_RANK="1")
+    failing = _train(params, fail_at=3, rank=1)
     assert failing.returncode != 0
     resumed = _train(params, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -25,6 +25,7 @@ import torch
 import yaml
 from _prepared import prepare_tiny
 
+from _plugins.fault_hooks import with_fault_env
 from dllmflow.errors import UserError
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
@@ -58,7 +59,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if k not in ("DLLM_FAIL_AT_STEP", "DLLM_FAIL_RANK")}
+    e = with_fault_env(dict(os.environ))  # the test plugin loaded, no fault asked
     e["OMP_NUM_THREADS"] = "1"
     return e
 
@@ -180,7 +181,7 @@ def test_fsdp2_failing_rank_then_resume_matches_uninterrupted(reference, prep, t
 
     # 1) rank 1 dies after step 3; the last checkpoint is step 2
     failing = subprocess.run(
-        cmd, capture_output=True, text=True, env={**env(), "DLLM_FAIL_AT_STEP": "3", "DLLM_FAIL_RANK": "1"}
+        cmd, capture_output=True, text=True, env=with_fault_env(env(), fail_at=3, rank=1)
     )
     assert failing.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure after step 3" in failing.stderr, failing.stderr[

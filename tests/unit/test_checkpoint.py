@@ -10,7 +10,9 @@ import shutil
 import pytest
 import torch
 
-from dllmflow.training import checkpoint as ckpt
+from dllmflow.training import checkpoint as ckfiles
+from dllmflow.training import checkpointer as ckpt
+from dllmflow.training import fingerprint
 from dllmflow.training.distributed import DistInfo
 
 INFO = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), distributed=False)
@@ -26,9 +28,9 @@ def _fake_step(root, step):
 def test_latest_is_a_relative_symlink_replaced_in_place(tmp_path):
     a, b = _fake_step(tmp_path, 10), _fake_step(tmp_path, 20)
     assert ckpt.latest_checkpoint(tmp_path) is None
-    ckpt.update_latest(tmp_path, a.name)
+    ckpt.write_latest(tmp_path, a.name)
     assert os.readlink(tmp_path / "LATEST") == "step_000010"  # relative: the run dir can move
-    ckpt.update_latest(tmp_path, b.name)
+    ckpt.write_latest(tmp_path, b.name)
     assert ckpt.latest_checkpoint(tmp_path) == b
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_000010", "step_000020"]
 
@@ -40,7 +42,7 @@ def test_latest_txt_fallback_when_symlinks_fail(tmp_path, monkeypatch):
         raise OSError("symlinks not supported")
 
     monkeypatch.setattr(ckpt.os, "symlink", no_symlinks)
-    ckpt.update_latest(tmp_path, a.name)
+    ckpt.write_latest(tmp_path, a.name)
     assert (tmp_path / "LATEST.txt").read_text().strip() == "step_000005"
     assert ckpt.latest_checkpoint(tmp_path) == a
 
@@ -48,7 +50,7 @@ def test_latest_txt_fallback_when_symlinks_fail(tmp_path, monkeypatch):
 def test_prune_keeps_newest_and_latest_target(tmp_path):
     dirs = [_fake_step(tmp_path, s) for s in (2, 4, 6, 8)]
     (tmp_path / ".step_000010.tmp").mkdir()  # a save that died half-way
-    ckpt.update_latest(tmp_path, dirs[0].name)  # LATEST on an old one must survive pruning
+    ckpt.write_latest(tmp_path, dirs[0].name)  # LATEST on an old one must survive pruning
     ckpt.prune_checkpoints(tmp_path, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "LATEST",
@@ -123,7 +125,7 @@ def test_save_writes_a_manifest_and_no_pickled_rng(tmp_path):
     assert set(manifest["files"]) == files
     assert {"trainer_state.json", "rng/rank_00000.safetensors", "model/.metadata", "optim/.metadata"} <= files
     assert not list(step.rglob("*.pt"))
-    ckpt.verify_checkpoint(step)
+    ckfiles.verify_checkpoint(step)
 
 
 def test_file_owner_names_the_rank_that_wrote_each_file():
@@ -137,7 +139,7 @@ def test_file_owner_names_the_rank_that_wrote_each_file():
         "model/consolidated/model.safetensors": None,
         "model/__2_0.distcp": None,  # no rank 2 in a world of 2
     }
-    assert {rel: ckpt.file_owner(rel, world_size=2) for rel in owners} == owners
+    assert {rel: ckfiles.file_owner(rel, world_size=2) for rel in owners} == owners
 
 
 def test_resume_fetches_a_step_dir_this_disk_holds_only_part_of(tmp_path):
@@ -145,7 +147,7 @@ def test_resume_fetches_a_step_dir_this_disk_holds_only_part_of(tmp_path):
     _tiny_run(root, steps=2)
     shutil.copytree(root / "step_000002", remote / "step_000002")
     (root / "step_000002" / "rng" / "rank_00000.safetensors").unlink()  # another node's file, say
-    with pytest.warns(ckpt.CheckpointWarning, match="resuming from step_000001"):
+    with pytest.warns(ckfiles.CheckpointWarning, match="resuming from step_000001"):
         assert ckpt.resume_checkpoint(root, INFO) == root / "step_000001"
 
     fetched = []
@@ -157,12 +159,12 @@ def test_resume_fetches_a_step_dir_this_disk_holds_only_part_of(tmp_path):
 
     assert ckpt.resume_checkpoint(root, INFO, fetch) == root / "step_000002"
     assert fetched == ["step_000002"]
-    ckpt.verify_checkpoint(root / "step_000002")
+    ckfiles.verify_checkpoint(root / "step_000002")
 
     # a fetched copy that is corrupt too: named, then the fallback as before
     (remote / "step_000002" / "model" / "__0_0.distcp").write_bytes(b"garbage")
     (root / "step_000002" / "trainer_state.json").write_text("{}")
-    with pytest.warns(ckpt.CheckpointWarning, match=r"step_000002/model/__0_0.distcp: checksum mismatch"):
+    with pytest.warns(ckfiles.CheckpointWarning, match=r"step_000002/model/__0_0.distcp: checksum mismatch"):
         assert ckpt.resume_checkpoint(root, INFO, fetch) == root / "step_000001"
 
 
@@ -172,14 +174,14 @@ def test_rng_round_trip_through_safetensors_and_json(tmp_path):
     import numpy as np
 
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
-    ckpt._save_rng(tmp_path / "rng.safetensors", ckpt._rng_state())
+    ckfiles.save_rng(tmp_path / "rng.safetensors", ckfiles.rng_state())
     want = (torch.rand(4), random.random(), np.random.rand())
     torch.manual_seed(9), random.seed(9), np.random.seed(9)
     (tmp_path / "rng").mkdir()
     (tmp_path / "rng.safetensors").rename(tmp_path / "rng" / "rank_00000.safetensors")
-    ckpt._set_rng_state(ckpt._load_rng(tmp_path, 0))
+    ckfiles.set_rng_state(ckfiles.load_rng(tmp_path, 0))
     assert torch.equal(torch.rand(4), want[0]) and random.random() == want[1] and np.random.rand() == want[2]
-    assert ckpt._load_rng(tmp_path, 1) is None  # more ranks than were saved
+    assert ckfiles.load_rng(tmp_path, 1) is None  # more ranks than were saved
 
 
 def test_select_checkpoint_falls_back_past_garbage_latest_and_corrupt_dirs(tmp_path):
@@ -188,7 +190,7 @@ def test_select_checkpoint_falls_back_past_garbage_latest_and_corrupt_dirs(tmp_p
     (tmp_path / "LATEST").unlink()
     (tmp_path / "LATEST.txt").write_text("../../../etc\n")
     (tmp_path / "step_000003" / "trainer_state.json").write_text("{}")
-    with pytest.warns(ckpt.CheckpointWarning, match="'../../../etc'.*resuming from step_000002"):
+    with pytest.warns(ckfiles.CheckpointWarning, match="'../../../etc'.*resuming from step_000002"):
         assert ckpt.select_checkpoint(tmp_path) == tmp_path / "step_000002"
     assert ckpt.select_checkpoint(tmp_path / "empty") is None
 
@@ -196,10 +198,10 @@ def test_select_checkpoint_falls_back_past_garbage_latest_and_corrupt_dirs(tmp_p
 def test_fingerprint_ignores_run_length_and_names_what_changed():
     from dllmflow.settings import load_settings
 
-    base = ckpt.settings_fingerprint(load_settings())
-    assert ckpt.settings_fingerprint(load_settings(train={"max_steps": 999, "log_every": 7})) == base
-    other = ckpt.settings_fingerprint(load_settings(train={"lr": 0.5}, dataset={"seq_length": 64}))
+    base = fingerprint.settings_fingerprint(load_settings())
+    assert fingerprint.settings_fingerprint(load_settings(train={"max_steps": 999, "log_every": 7})) == base
+    other = fingerprint.settings_fingerprint(load_settings(train={"lr": 0.5}, dataset={"seq_length": 64}))
     with pytest.raises(
-        ckpt.CheckpointError, match=r"dataset\.seq_length: 256 -> 64; train\.lr: 0\.001 -> 0\.5\)"
+        ckfiles.CheckpointError, match=r"dataset\.seq_length: 256 -> 64; train\.lr: 0\.001 -> 0\.5\)"
     ):
-        ckpt.check_fingerprint({"settings_fingerprint": base}, other, "step_000001")
+        fingerprint.check_fingerprint({"settings_fingerprint": base}, other, "step_000001")

@@ -32,8 +32,8 @@ from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout
 from dllmflow.settings.loader import parse_overrides  # re-exported: component.py, bench, tests
-from dllmflow.training.main import FAIL_MARKER
 from dllmflow.training.live import RUN_ID_ENV, create_run, end_run, tracking_env
+from dllmflow.training.main import FAIL_MARKER
 
 ROLE = "trainer"
 CLUSTER_RDZV_PORT = 29500
@@ -172,10 +172,15 @@ def launch(
         settings = settings.with_run_dir(run_dir)
     layout = RunLayout(settings.resolved_run_dir.absolute())
     run_dir = layout.root
-    from dllmflow.training.checkpoint import check_fresh_run
+    from dllmflow.common.outputs import hold_dir_lock
+    from dllmflow.training.run_dir import check_fresh_run
 
-    check_fresh_run(layout, resume, overwrite)  # before settings.json of the run there is replaced
-    settings.write_json(layout.settings_json)
+    # Before settings.json of the run there is replaced: refuse a fresh run over checkpoints, an
+    # --overwrite of a dir that is not a run dir, and a run dir another writer holds (rank 0 then
+    # holds the lock for the whole training).
+    check_fresh_run(layout, resume, overwrite)
+    with hold_dir_lock(run_dir, "dllmflow train (launching)"):
+        settings.write_json(layout.settings_json)
     local = is_local_scheduler(lc.scheduler)
     cfg: dict[str, Any] = dict(lc.scheduler_args)
     # Scheduler settings a user edits to leave this machine (queue, namespace, partition, ...):

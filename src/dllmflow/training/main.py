@@ -5,7 +5,10 @@
 
 It knows nothing of Metaflow or torchx: the settings come only from the JSON file (written by
 `dllmflow train` / the flow), and the run dir is that file's directory (which `dllmflow train` also
-records in it as `run_dir`). A failure prints one line
+records in it as `run_dir`). It runs `Trainer(...).run()` (training/trainer.py): rank 0 holds the
+run dir's lock for the whole run, so a second writer fails at once with one line naming the holder's
+pid (on every rank). What rank 0 prints on stdout (progress, a resume's fallback `warning:` line)
+reaches the terminal of `dllmflow train`, which relays it. A failure prints one line
 `[rank N] dllmflow.training.main failed: ...` (plus the traceback for non-user errors) and exits 1, which
 the launcher quotes. After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) it resumes from LATEST
 (and `--overwrite` no longer applies: the restart must not delete the checkpoints of its own run).

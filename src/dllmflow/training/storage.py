@@ -1,8 +1,8 @@
 """Checkpoints mirrored to object storage (`checkpoint.remote_dir: s3://bucket/runs/<name>`), so a run
 that loses its local disk (a rescheduled pod, a node without a shared volume) resumes from the bucket.
 
-    mirror_checkpoint(remote, ckpt_root, step, info, keep_last)  # collective, after save_checkpoint
-    restore_run(remote, ckpt_root, info)                         # collective, before resume reads LATEST
+    mirror_checkpoint(remote, ckpt_root, step, info, keep_last)  # collective, after save_checkpoint (Checkpointer.save)
+    restore_run(remote, ckpt_root, info)                         # collective, before resume reads LATEST (Checkpointer.find)
 
 Remote layout (the local one of `dllmflow.runs`, with LATEST as an object holding the step dir name):
 
@@ -15,7 +15,7 @@ its own disk; rank 0 then uploads the rest (DCP metadata, the export, manifest.j
 files), trainer_state.json last, and LATEST. So multi-node training needs no shared volume, and a crash
 or an unreachable endpoint at any point leaves the remote LATEST on the last complete step dir. On
 resume, a node whose disk lacks the chosen step dir (or holds only its own ranks' part of it) downloads
-the whole remote step dir and verifies it against rank 0's manifest (`checkpoint.resume_checkpoint`
+the whole remote step dir and verifies it against rank 0's manifest (`checkpointer.resume_checkpoint`
 with `fetch=`), so every rank reads whatever DCP plans for it. Any fsspec URL works (s3://, gs://, a
 local path); for S3 the endpoint comes from DLLMFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL (MinIO, moto).
 """

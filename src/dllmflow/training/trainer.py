@@ -1,28 +1,32 @@
-"""The training loop: one strategy, DDP/FSDP2, globally normalised losses, atomic checkpoints.
+"""The training runtime: a Trainer (build, resume, train_step, log, save, export) over one strategy.
 
-    from dllmflow.training.trainer import run_training
+    from dllmflow.training.trainer import Trainer, run_training
     result = run_training(settings, "runs/tiny", resume=False)   # in-process: one rank
+    result = Trainer(settings, "runs/tiny", hooks=[MyHook()]).run()
     # or, one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.training.main --settings runs/tiny/settings.json
 
-One optimizer step (spec §1.3):
-  1) every micro-batch of the step is collated and corrupted first (noise seeded per sample by its
-     global position, so it does not depend on the topology);
-  2) per-term token counts are summed over micro-batches and all-reduced over ranks;
-  3) each micro-batch: total = sum_k w_k * sums_k / max(G_k, 1); backward of total * world_size
-     (DDP/FSDP2 average gradients over ranks; this turns the average back into global sum / global count);
-  4) clip; a NaN/inf loss or grad norm stops the run (`NonFiniteError`) before the AdamW step, so no
-     checkpoint or export ever holds such weights (`train.max_nonfinite_skips` lets that many steps be
-     skipped instead); AdamW step, LR schedule; metrics on rank 0; checkpoint every `checkpoint.every_steps`
-     (mirrored to `checkpoint.remote_dir` when set, and restored from it on resume: storage.py).
-The loss therefore does not depend on world size or gradient accumulation.
+`Trainer.run`: refuse a fresh run over checkpoints (run_dir.py) -> process group -> lock the run dir
+(rank 0 holds it until the end; a second writer is refused naming its pid) -> `build` (data,
+tokenizer, model on meta -> parallelize -> materialise, optimizer, scheduler, Checkpointer) ->
+`resume` (LATEST, or the newest complete checkpoint, restored from `checkpoint.remote_dir` when the
+local disk lost it) -> `fit`: per step `train_step` (forward/backward with global normalisation,
+step.py; clip; a NaN/inf loss or grad norm stops the run with `NonFiniteError` before the AdamW step,
+or skips it within `train.max_nonfinite_skips`), `log` (metrics.jsonl, console, live MLflow, MFU),
+`save` every `checkpoint.every_steps` (the last step always, with the consolidated `export`), then
+every hook's `after_step`.
+
+Hooks (`TrainerHook`) are passed in code only, never enabled from settings, env or a checkpoint; tests
+use them to kill a run at a step (tests/_plugins). A second loop (RL) subclasses the Trainer and
+overrides `build`/`train_step`, and reuses the Checkpointer as is.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
-from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,23 +38,25 @@ from dllmflow.errors import UserError
 from dllmflow.models.lora import export_with_lora
 from dllmflow.models.wrappers import unwrap
 from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
-from dllmflow.training import checkpoint as ckpt
-from dllmflow.training import storage
-from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
-from dllmflow.training.distributed import (
-    DistInfo,
-    all_reduce_sum,
-    barrier,
-    grad_sync,
-    init_distributed,
-    shares_rank0_disk,
-)
-from dllmflow.training.parallelize import build_parallel_model, compute_context
+from dllmflow.training.checkpointer import Checkpointer, full_state_dict
+from dllmflow.training.distributed import init_distributed
 from dllmflow.training.live import build_live_logger
+from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
+from dllmflow.training.parallelize import build_parallel_model, compute_context
+from dllmflow.training.run_dir import check_fresh_run, claim_run_dir
+from dllmflow.training.step import clip_grad_norm, train_step
 
-# Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
-FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"
-FAIL_RANK_ENV = "DLLM_FAIL_RANK"
+__all__ = [
+    "NonFiniteError",
+    "TrainResult",
+    "Trainer",
+    "TrainerHook",
+    "build_optimizer",
+    "check_finite",
+    "lr_factor",
+    "run_training",
+    "train_step",
+]
 
 
 class NonFiniteError(UserError):
@@ -70,6 +76,13 @@ class TrainResult:
         return RunLayout(self.run_dir).metrics_jsonl
 
 
+class TrainerHook:
+    """Called by the loop on every rank; override what you need. Passed in code only."""
+
+    def after_step(self, trainer: Trainer, step: int) -> None:
+        """After completed step `step` was logged and (when due) checkpointed."""
+
+
 def build_optimizer(model: torch.nn.Module, settings) -> torch.optim.Optimizer:
     t = settings.train
     params = [p for p in model.parameters() if p.requires_grad]
@@ -86,153 +99,6 @@ def lr_factor(step: int, settings) -> float:
         return 1.0
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def run_training(
-    settings, run_dir: str | os.PathLike | None = None, resume: bool = False, overwrite: bool = False
-) -> TrainResult:
-    """`resume`: continue from LATEST (or the newest complete checkpoint, see training/checkpoint.py);
-    with no checkpoint at all it starts from step 0 (nothing is lost: only steps that never reached a
-    checkpoint are rerun; an elastic restart before the first checkpoint lands here). Without `resume`, a
-    run dir that holds checkpoints is refused unless `overwrite` (which deletes them and the metrics)."""
-    from dllmflow.data.collate import DLLMCollator
-    from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.data.tokenizer import load_tokenizer
-    from dllmflow.diffusion.strategies import build_strategy
-    from dllmflow.training.data import GlobalBatches
-
-    # What settings.json (and so the export and MLflow params) records is the dir written to.
-    settings = settings.with_run_dir(run_dir) if run_dir is not None else settings
-    run = RunLayout(run_dir if run_dir is not None else settings.resolved_run_dir)
-    run_dir = run.root
-    ckpt.check_fresh_run(run, resume, overwrite)
-    overwrite = overwrite and not resume  # a resume (e.g. an elastic restart) never deletes anything
-    info = init_distributed(settings)
-    t = settings.train
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if overwrite:
-            ckpt.clear_run(run)
-        if overwrite or not run.settings_json.is_file():
-            settings.write_json(run.settings_json)
-    if overwrite and info.distributed:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not shares_rank0_disk(run_dir, info) and info.local_rank == 0:
-            ckpt.clear_run(run)  # a node with a disk of its own clears its copy too
-        barrier()  # no rank looks at the run dir before it is cleared
-
-    # 1) data, tokenizer, model, strategy (identical init on every rank: seeded before building)
-    prepared = settings.dataset.prepared_dir
-    tokenizer = load_tokenizer(prepared)
-    dataset = PreparedDataset(prepared, "train")
-    collator = DLLMCollator.from_settings(settings, tokenizer)
-    batches = GlobalBatches(
-        dataset, collator, t.global_batch_size, t.local_batch_size, info.rank, info.world_size, t.seed
-    )
-    torch.manual_seed(t.seed)
-    strategy = build_strategy(settings)
-    # meta build -> LoRA adapters -> activation checkpointing / compile / FSDP2 -> materialise -> init or
-    # load (-> DDP)
-    model = build_parallel_model(strategy, tokenizer, settings, info)
-    strategy.setup(model, tokenizer, info.device)
-    num_params = sum(p.numel() for p in model.parameters())
-    model.train()
-    optimizer = build_optimizer(model, settings)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, settings))
-
-    # 2) resume: never a silent restart over existing checkpoints, never another run's state
-    ckpt_root = run.checkpoints
-    log = MetricsLog(run.metrics_jsonl, enabled=info.is_main)
-    fingerprint = ckpt.settings_fingerprint(settings)  # stored in every checkpoint, checked on resume
-    start, latest = 0, None
-    remote = settings.checkpoint.remote_dir
-    if resume and remote:  # a run that lost its local disk resumes from the object store
-        storage.restore_run(remote, ckpt_root, info)
-    if resume:
-        # A node whose disk lacks the chosen step dir (no shared volume) fetches it from the remote.
-        fetch = (lambda name: storage.download_step_dir(remote, name, ckpt_root)) if remote else None
-        latest = ckpt.resume_checkpoint(ckpt_root, info, fetch)
-        if latest is None:
-            _print(info, f"--resume: no checkpoint under {ckpt_root} yet; starting from step 0")
-    if latest is not None:
-        start = ckpt.load_checkpoint(latest, model, optimizer, scheduler, info, fingerprint)["step"]
-        _print(info, f"resumed from {latest} at step {start}")
-    log.truncate_after(start)
-    # MLflow on rank 0 when the launcher passed a run id; closed below, or at exit after a failure.
-    live = build_live_logger(settings, info.is_main)
-
-    # 3) loop
-    result = TrainResult(run_dir=run_dir, final_step=start, checkpoint_dir=latest)
-    if latest is not None and export_dir(latest).is_dir():  # a finished run resumed: nothing left to do
-        result.consolidated_dir = export_dir(latest)
-    autocast = compute_context(settings, info)
-    fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
-    fail_rank = os.environ.get(FAIL_RANK_ENV)
-    tick = time.perf_counter()
-    skips = 0
-    # Rank 0: a live bar on a terminal, else (torchrun under the launcher, CI) a line every log_every steps.
-    bar = Progress("train", t.max_steps, unit="steps", every=t.log_every, start=start, enabled=info.is_main)
-    for step in range(start, t.max_steps):
-        record = train_step(model, strategy, batches, step, settings, info, autocast)
-        record["grad_norm"] = _clip(model, t.max_grad_norm)
-        record["lr"] = optimizer.param_groups[0]["lr"]
-        # Every rank sees the same global loss and norm, so every rank decides the same way.
-        if check_finite(record, step + 1, skips, settings):
-            skips += 1
-            record["skipped"] = True
-            _print(
-                info,
-                f"step {step + 1}: non-finite loss/grad_norm, update skipped ({skips}/{t.max_nonfinite_skips})",
-            )
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-        now = time.perf_counter()
-        dt, tick = now - tick, now
-        done = step + 1
-        record.update(step=done, epoch=done * t.global_batch_size / len(dataset), mode=settings.dllm.mode)
-        record["mem"] = memory_gib(info.device)
-        record["tps"] = record["tokens_per_step"] / dt
-        if t.peak_tflops:
-            flops = 6.0 * num_params * record["tokens_per_step"]
-            record["mfu"] = 100.0 * flops / 1e12 / (info.world_size * dt) / t.peak_tflops
-        result.losses.append(record["loss"])
-        log.write(record)
-        bar.advance(line=console_line(record, t.max_steps), loss=record["loss"], tok_s=record["tps"])
-        if live is not None:
-            live.log(record, done)
-
-        # 4) checkpoint (the final step always saves, with the consolidated export)
-        last = done == t.max_steps
-        if done % settings.checkpoint.every_steps == 0 or last:
-            mode = settings.checkpoint.save_consolidated
-            export = None
-            if mode == "every" or (mode == "final" and last):
-                export = _exporter(model, strategy, tokenizer, run_dir, info)
-            result.checkpoint_dir = ckpt.save_checkpoint(
-                ckpt_root,
-                done,
-                model,
-                optimizer,
-                scheduler,
-                info,
-                settings.checkpoint.keep_last,
-                extra_state={"samples_seen": done * t.global_batch_size, "settings_fingerprint": fingerprint},
-                export=export,
-            )
-            if remote:
-                storage.mirror_checkpoint(remote, ckpt_root, done, info, settings.checkpoint.keep_last)
-            if export is not None:
-                result.consolidated_dir = export_dir(result.checkpoint_dir)
-        result.final_step = done
-        if fail_at == done and fail_rank in (None, "", str(info.rank)):
-            raise RuntimeError(f"injected failure after step {done} ({FAIL_AT_STEP_ENV}={fail_at})")
-    bar.close()
-    if live is not None:
-        live.close()
-    return result
 
 
 def check_finite(record: dict[str, Any], step: int, skips: int, settings) -> bool:
@@ -254,82 +120,209 @@ def check_finite(record: dict[str, Any], step: int, skips: int, settings) -> boo
     )
 
 
-def train_step(model, strategy, batches, step: int, settings, info: DistInfo, autocast) -> dict[str, Any]:
-    """Forward/backward of every micro-batch of one step; returns globally reduced metrics."""
-    from dllmflow.diffusion.seeding import sample_seed
-
-    # 1) collate + corrupt everything first, so the denominators are known before any backward
-    micro = []
-    for mb in batches.step(step):
-        positions = mb.pop("global_index").tolist()
-        mb = {k: v.to(info.device) for k, v in mb.items()}
-        mb.update(strategy.corrupt(mb, [sample_seed(settings.train.seed, step, p) for p in positions]))
-        micro.append(mb)
-
-    # 2) global counts per loss term (+ tokens and supervised tokens for the metrics)
-    local = defaultdict(float)
-    for mb in micro:
-        for k, v in strategy.token_counts(mb).items():
-            local[k] += float(v)
-        local["__tokens"] += mb["input_ids"].numel()
-        local["__supervised"] += float(mb["loss_mask"].sum())
-    counts = _reduce(local, info)
-
-    # 3) forward/backward with global denominators; gradients sync on the last micro-batch only
-    loss_sums = {"loss": 0.0, "dllm_loss": 0.0}
-    metric_sums: dict[str, float] = defaultdict(float)
-    for j, mb in enumerate(micro):
-        with grad_sync(model, enabled=j == len(micro) - 1):
-            with autocast:
-                out = strategy.loss(model, mb)
-                terms = {k: out.weight(k) * s / max(counts[k], 1.0) for k, s in out.sums.items()}
-                total = sum(terms.values())
-            (total * info.world_size).backward()
-        loss_sums["loss"] += float(total.detach())
-        loss_sums["dllm_loss"] += float(sum(terms[k].detach() for k in out.dllm_terms if k in terms))
-        for k, v in out.metric_sums.items():
-            metric_sums[k] += float(v)
-
-    # 4) global metrics
-    record: dict[str, Any] = _reduce(loss_sums, info)
-    if metric_sums:
-        record.update(strategy.finalize_metrics(_reduce(metric_sums, info)))
-    record["tokens_per_step"] = int(counts["__tokens"])
-    record["supervised_tokens"] = int(counts["__supervised"])
-    return record
+def run_training(
+    settings,
+    run_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    hooks: Sequence[TrainerHook] = (),
+) -> TrainResult:
+    """`Trainer(...).run()`. `resume`: continue from LATEST (or the newest complete checkpoint, see
+    training/checkpointer.py); with no checkpoint at all it starts from step 0 (nothing is lost: only
+    steps that never reached a checkpoint are rerun; an elastic restart before the first checkpoint
+    lands here). Without `resume`, a run dir that holds checkpoints is refused unless `overwrite`
+    (which deletes them and the metrics, in a dir that is a run dir: run_dir.py)."""
+    return Trainer(settings, run_dir, resume=resume, overwrite=overwrite, hooks=hooks).run()
 
 
-def _reduce(values: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """SUM over ranks of a dict of scalars, in one collective (on the device: NCCL needs CUDA tensors)."""
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=info.device)
-    return dict(zip(keys, all_reduce_sum(t).tolist()))
+class Trainer:
+    """One training run into one run dir. Attributes exist after `build`: info, tokenizer, dataset,
+    batches, strategy, model, optimizer, scheduler, checkpointer, metrics, autocast, result."""
 
+    def __init__(
+        self,
+        settings,
+        run_dir: str | os.PathLike | None = None,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        hooks: Sequence[TrainerHook] = (),
+    ) -> None:
+        # What settings.json (and so the export and MLflow params) records is the dir written to.
+        self.settings = settings.with_run_dir(run_dir) if run_dir is not None else settings
+        self.layout = RunLayout(run_dir if run_dir is not None else settings.resolved_run_dir)
+        self.resuming = resume
+        self.overwrite = overwrite and not resume  # a resume (an elastic restart) never deletes anything
+        self.hooks = list(hooks)
 
-def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
-    if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
-        norm = norm.full_tensor()
-    return float(norm)
+    def run(self) -> TrainResult:
+        """Collective: claim the run dir, build, resume, fit."""
+        check_fresh_run(self.layout, self.resuming, self.overwrite)
+        self.info = init_distributed(self.settings)
+        with claim_run_dir(
+            self.layout, self.settings, self.info, resume=self.resuming, overwrite=self.overwrite
+        ):
+            self.build()
+            start = self.resume()
+            return self.fit(start)
 
+    # ---- build / resume -------------------------------------------------------------------------
 
-def _exporter(model, strategy, tokenizer, run_dir: Path, info: DistInfo):
-    """Collective export of the consolidated HF dir into `<model_dir>/consolidated` (rank 0 writes)."""
-    import shutil
+    def build(self) -> None:
+        """Data, tokenizer, strategy, model, optimizer, scheduler, checkpointer (identical init on every
+        rank: seeded before building)."""
+        from dllmflow.data.collate import DLLMCollator
+        from dllmflow.data.dataset import PreparedDataset
+        from dllmflow.data.tokenizer import load_tokenizer
+        from dllmflow.diffusion.strategies import build_strategy
+        from dllmflow.training.data import GlobalBatches
 
-    def export(model_dir: Path) -> None:
-        state = ckpt.full_state_dict(model)
-        if info.is_main:
+        s, t, info = self.settings, self.settings.train, self.info
+        prepared = s.dataset.prepared_dir
+        self.tokenizer = load_tokenizer(prepared)
+        self.dataset = PreparedDataset(prepared, "train")
+        collator = DLLMCollator.from_settings(s, self.tokenizer)
+        self.batches = GlobalBatches(
+            self.dataset,
+            collator,
+            t.global_batch_size,
+            t.local_batch_size,
+            info.rank,
+            info.world_size,
+            t.seed,
+        )
+        torch.manual_seed(t.seed)
+        self.strategy = build_strategy(s)
+        # meta build -> LoRA adapters -> activation checkpointing / compile / FSDP2 -> materialise ->
+        # init or load (-> DDP)
+        self.model = build_parallel_model(self.strategy, self.tokenizer, s, info)
+        self.strategy.setup(self.model, self.tokenizer, info.device)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, s)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: lr_factor(n, s))
+        self.checkpointer = Checkpointer.from_settings(s, self.layout, info)
+        self.metrics = MetricsLog(self.layout.metrics_jsonl, enabled=info.is_main)
+        self.autocast = compute_context(s, info)
+
+    def resume(self) -> int:
+        """The step to start from (0 for a fresh run): never a silent restart over existing
+        checkpoints, never another run's state. Drops metrics logged after it."""
+        state = (
+            self.checkpointer.resume(self.model, self.optimizer, self.scheduler) if self.resuming else None
+        )
+        start, latest = (0, None) if state is None else (state["step"], state["dir"])
+        if self.resuming and state is None:
+            self._print(f"--resume: no checkpoint under {self.checkpointer.root} yet; starting from step 0")
+        elif latest is not None:
+            self._print(f"resumed from {latest} at step {start}")
+        self.metrics.truncate_after(start)
+        self.result = TrainResult(run_dir=self.layout.root, final_step=start, checkpoint_dir=latest)
+        if latest is not None and export_dir(latest).is_dir():  # a finished run resumed: nothing left
+            self.result.consolidated_dir = export_dir(latest)
+        return start
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def fit(self, start: int) -> TrainResult:
+        """Steps `start` .. train.max_steps: train_step, log, save when due, hooks."""
+        t = self.settings.train
+        # MLflow on rank 0 when the launcher passed a run id; closed below, or at exit after a failure.
+        self.live = build_live_logger(self.settings, self.info.is_main)
+        # Rank 0: a live bar on a terminal, else (torchrun under the launcher, CI) a line every log_every.
+        self.bar = Progress(
+            "train", t.max_steps, unit="steps", every=t.log_every, start=start, enabled=self.info.is_main
+        )
+        self.skips = 0
+        tick = time.perf_counter()
+        for step in range(start, t.max_steps):
+            record = self.train_step(step)
+            now = time.perf_counter()
+            dt, tick = now - tick, now
+            done = step + 1
+            self.log(record, done, dt)
+            if self.checkpointer.due(done, last=done == t.max_steps):
+                self.save(done)
+            self.result.final_step = done
+            for hook in self.hooks:
+                hook.after_step(self, done)
+        self.bar.close()
+        if self.live is not None:
+            self.live.close()
+        return self.result
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer update after `step` completed steps; the step's globally reduced record.
+        Every rank sees the same global loss and norm, so every rank decides the same way."""
+        t = self.settings.train
+        record = train_step(
+            self.model, self.strategy, self.batches, step, self.settings, self.info, self.autocast
+        )
+        record["grad_norm"] = clip_grad_norm(self.model, t.max_grad_norm)
+        record["lr"] = self.optimizer.param_groups[0]["lr"]
+        if check_finite(record, step + 1, self.skips, self.settings):
+            self.skips += 1
+            record["skipped"] = True
+            self._print(
+                f"step {step + 1}: non-finite loss/grad_norm, update skipped "
+                f"({self.skips}/{t.max_nonfinite_skips})"
+            )
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return record
+
+    def log(self, record: dict[str, Any], step: int, dt: float) -> None:
+        """Complete the record of step `step` (took `dt` s) and write it: metrics.jsonl, console, MLflow."""
+        t = self.settings.train
+        record.update(
+            step=step, epoch=step * t.global_batch_size / len(self.dataset), mode=self.settings.dllm.mode
+        )
+        record["mem"] = memory_gib(self.info.device)
+        record["tps"] = record["tokens_per_step"] / dt
+        if t.peak_tflops:
+            flops = 6.0 * self.num_params * record["tokens_per_step"]
+            record["mfu"] = 100.0 * flops / 1e12 / (self.info.world_size * dt) / t.peak_tflops
+        self.result.losses.append(record["loss"])
+        self.metrics.write(record)
+        self.bar.advance(line=console_line(record, t.max_steps), loss=record["loss"], tok_s=record["tps"])
+        if self.live is not None:
+            self.live.log(record, step)
+
+    # ---- checkpoint / export --------------------------------------------------------------------
+
+    def save(self, step: int) -> Path:
+        """Collective: checkpoint completed step `step` (with the consolidated export when
+        `checkpoint.save_consolidated` asks for it at this step)."""
+        mode, last = self.settings.checkpoint.save_consolidated, step == self.settings.train.max_steps
+        export = self.export if mode == "every" or (mode == "final" and last) else None
+        samples = step * self.settings.train.global_batch_size
+        self.result.checkpoint_dir = self.checkpointer.save(
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            extra_state={"samples_seen": samples},
+            export=export,
+        )
+        if export is not None:
+            self.result.consolidated_dir = export_dir(self.result.checkpoint_dir)
+        return self.result.checkpoint_dir
+
+    def export(self, model_dir: Path) -> None:
+        """Collective: the consolidated HF dir into `<model_dir>/consolidated` (rank 0 writes)."""
+        state = full_state_dict(self.model)
+        if self.info.is_main:
             out = model_dir / CONSOLIDATED
             out.mkdir(parents=True, exist_ok=True)
-            export_with_lora(strategy.export, unwrap(model), state, tokenizer, out, strategy.settings)
-            settings_json = RunLayout(run_dir).settings_json
+            export_with_lora(
+                self.strategy.export, unwrap(self.model), state, self.tokenizer, out, self.strategy.settings
+            )
+            settings_json = self.layout.settings_json
             shutil.copy2(settings_json, out / settings_json.name)
 
-    return export
+    def _print(self, msg: str) -> None:
+        if self.info.is_main:
+            print(msg, flush=True)
 
-
-def _print(info: DistInfo, msg: str) -> None:
-    if info.is_main:
-        print(msg, flush=True)

@@ -1,0 +1,73 @@
+"""The settings fingerprint a checkpoint carries, so a resume never continues another run's state.
+
+fingerprint = settings_fingerprint(settings)      # stored in trainer_state.json by the Checkpointer
+check_fingerprint(state, fingerprint, ckpt_dir)   # CheckpointError naming every field that changed
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dllmflow.training.checkpoint import CheckpointError, CheckpointWarning
+
+# Sections whose values shape the training state. Within them, fields that only set the run length, the
+# logging, the throughput or where the prepared data lives may change between a save and its resume.
+FINGERPRINT_SECTIONS = ("model", "tokenizer", "dataset", "dllm", "dflash", "peft", "train")
+FINGERPRINT_IGNORED = frozenset(
+    {
+        "train.max_steps",
+        "train.log_every",
+        "train.peak_tflops",
+        "train.num_workers",
+        "train.local_batch_size",  # global batch and per-sample noise fix the numbers, not the split
+        "train.activation_checkpointing",
+        "train.compile",
+        "train.compile_backend",
+        "dataset.prepared_dir",
+    }
+)
+
+
+def settings_fingerprint(settings) -> dict[str, Any]:
+    """{"sha256": ..., "fields": {"train.lr": 0.01, ...}}: what a resume must match (stored in the
+    checkpoint's trainer_state.json; the fields let a mismatch name what changed)."""
+    dump = settings.model_dump(mode="json", include=set(FINGERPRINT_SECTIONS))
+    fields = {k: v for k, v in _flatten(dump).items() if k not in FINGERPRINT_IGNORED}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return {"sha256": digest, "fields": fields}
+
+
+def check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any], ckpt_dir: Path) -> None:
+    saved = state.get("settings_fingerprint")
+    if saved is None:
+        warnings.warn(
+            f"{ckpt_dir}: no settings fingerprint (an older checkpoint); not checked",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+        return
+    if saved.get("sha256") == fingerprint["sha256"]:
+        return
+    old, new, unset = saved.get("fields", {}), fingerprint["fields"], "<unset>"
+    diffs = [
+        f"{k}: {old.get(k, unset)!r} -> {new.get(k, unset)!r}"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, unset) != new.get(k, unset)
+    ]
+    raise CheckpointError(
+        f"{ckpt_dir} was written with other settings ({'; '.join(diffs) or 'fingerprint differs'}); resume "
+        "with the settings it was trained with, or start over with --overwrite"
+    )
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(obj, dict) or not obj:
+        return {prefix: obj}
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+    return out
