@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from dllmflow.settings import load_settings
-from dllmflow.training import tracking
+from dllmflow.training import live as live_tracking
 
 
 def step_times(run_dir: Path) -> list[float]:
@@ -54,19 +54,19 @@ def main() -> None:
     times: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(args.rounds):
         for mode in ("off", "on"):
-            os.environ.pop(tracking.RUN_ID_ENV, None)
+            os.environ.pop(live_tracking.RUN_ID_ENV, None)
             if mode == "on":
-                os.environ[tracking.RUN_ID_ENV] = tracking.create_run(settings)
+                os.environ[live_tracking.RUN_ID_ENV] = live_tracking.create_run(settings)
             run_dir = tmp / f"{mode}{r}"
             run_training(settings, run_dir)
             times[mode] += step_times(run_dir)
-    os.environ.pop(tracking.RUN_ID_ENV, None)
+    os.environ.pop(live_tracking.RUN_ID_ENV, None)
 
     class Null:
         def log_batch(self, *a, **k):
             pass
 
-    live = tracking.LiveLogger(Null(), "x", flush_every_s=1.0)
+    live = live_tracking.LiveLogger(Null(), "x", flush_every_s=1.0)
     record = json.loads((tmp / "on0" / "metrics.jsonl").read_text().splitlines()[-1])
     t0 = time.perf_counter()
     for i in range(2000):

@@ -18,7 +18,7 @@ from _services import mlflow_server_args
 
 from dllmflow.common.net import free_port
 from dllmflow.settings import load_settings
-from dllmflow.training import tracking
+from dllmflow.training import live as live_tracking
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
@@ -85,7 +85,7 @@ def test_live_metrics_and_server_outage(tmp_path, prep, monkeypatch, caplog):
 
     from dllmflow.training import trainer
 
-    for k, v in tracking._HTTP_ENV.items():  # what build_live_logger sets, undone after the test
+    for k, v in live_tracking._HTTP_ENV.items():  # what build_live_logger sets, undone after the test
         monkeypatch.setenv(k, v)
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
@@ -94,14 +94,14 @@ def test_live_metrics_and_server_outage(tmp_path, prep, monkeypatch, caplog):
         _wait_healthy(uri, server)
         s = _settings(prep, uri)
         client = MlflowClient(uri)
-        live_run, outage_run = tracking.create_run(s), tracking.create_run(s)
+        live_run, outage_run = live_tracking.create_run(s), live_tracking.create_run(s)
 
         # 1) server up: metrics reach the run while training runs (checked from inside step 5)
-        monkeypatch.setenv(tracking.RUN_ID_ENV, live_run)
+        monkeypatch.setenv(live_tracking.RUN_ID_ENV, live_run)
         held, seen_mid_training = {}, []
 
         def capture(settings, is_main, **kw):
-            held["live"] = tracking.build_live_logger(settings, is_main, **kw)
+            held["live"] = live_tracking.build_live_logger(settings, is_main, **kw)
             return held["live"]
 
         calls = {"n": 0}
@@ -117,7 +117,7 @@ def test_live_metrics_and_server_outage(tmp_path, prep, monkeypatch, caplog):
         monkeypatch.setattr(trainer, "build_live_logger", capture)
         monkeypatch.setattr(trainer, "memory_gib", memory_probe)
         result = trainer.run_training(s, tmp_path / "live")
-        monkeypatch.setattr(trainer, "build_live_logger", tracking.build_live_logger)
+        monkeypatch.setattr(trainer, "build_live_logger", live_tracking.build_live_logger)
         monkeypatch.setattr(trainer, "memory_gib", real_memory_gib)
         assert result.final_step == STEPS
         assert seen_mid_training == [1, 2, 3, 4]
@@ -130,7 +130,7 @@ def test_live_metrics_and_server_outage(tmp_path, prep, monkeypatch, caplog):
 
         # 2) server down during training: training completes, a warning, then every step arrives
         _stop(server)
-        monkeypatch.setenv(tracking.RUN_ID_ENV, outage_run)
+        monkeypatch.setenv(live_tracking.RUN_ID_ENV, outage_run)
         restarted: dict = {}
 
         def restart_later():
@@ -139,12 +139,12 @@ def test_live_metrics_and_server_outage(tmp_path, prep, monkeypatch, caplog):
 
         thread = threading.Thread(target=restart_later)
         thread.start()
-        with caplog.at_level(logging.WARNING, logger=tracking.__name__):
+        with caplog.at_level(logging.WARNING, logger=live_tracking.__name__):
             result = trainer.run_training(s, tmp_path / "outage")  # close() waits for the server
         thread.join()
         server = restarted["server"]
         assert result.final_step == STEPS
-        messages = [r.getMessage() for r in caplog.records if r.name == tracking.__name__]
+        messages = [r.getMessage() for r in caplog.records if r.name == live_tracking.__name__]
         assert any("unreachable" in m and "training continues" in m for m in messages), messages
         assert any("reachable again" in m for m in messages), messages
         _wait_healthy(uri, server)

@@ -8,7 +8,7 @@ import threading
 import time
 
 from dllmflow.settings import load_settings
-from dllmflow.training import tracking
+from dllmflow.training import live as live_tracking
 
 
 class FakeClient:
@@ -37,7 +37,7 @@ def _record(i: int) -> dict:
 
 def test_batches_steps_and_timestamps():
     client = FakeClient()
-    live = tracking.LiveLogger(client, "r1", flush_every_s=60.0, flush_every_steps=5)
+    live = live_tracking.LiveLogger(client, "r1", flush_every_s=60.0, flush_every_steps=5)
     for i in range(1, 6):
         live.log(_record(i), i)
     deadline = time.time() + 10
@@ -59,8 +59,8 @@ def test_batches_steps_and_timestamps():
 
 def test_outage_warns_once_buffers_and_delivers(caplog):
     client = FakeClient(down=True)
-    live = tracking.LiveLogger(client, "r1", flush_every_s=0.05, flush_every_steps=1, backoff_max_s=0.1)
-    with caplog.at_level(logging.WARNING, logger=tracking.__name__):
+    live = live_tracking.LiveLogger(client, "r1", flush_every_s=0.05, flush_every_steps=1, backoff_max_s=0.1)
+    with caplog.at_level(logging.WARNING, logger=live_tracking.__name__):
         for i in range(1, 6):
             live.log(_record(i), i)
         assert not live.flush(timeout=0.5)  # still down: nothing delivered, log() never blocked
@@ -76,8 +76,8 @@ def test_outage_warns_once_buffers_and_delivers(caplog):
 
 def test_bounded_buffer_drops_oldest_and_close_gives_up(caplog):
     client = FakeClient(down=True)
-    live = tracking.LiveLogger(client, "r1", flush_every_s=0.05, max_buffer=6, backoff_max_s=0.05)
-    with caplog.at_level(logging.WARNING, logger=tracking.__name__):
+    live = live_tracking.LiveLogger(client, "r1", flush_every_s=0.05, max_buffer=6, backoff_max_s=0.05)
+    with caplog.at_level(logging.WARNING, logger=live_tracking.__name__):
         for i in range(1, 11):
             live.log(_record(i), i)  # 2 metrics per step: 20 logged, 6 kept
         assert live.dropped == 14
@@ -89,17 +89,17 @@ def test_bounded_buffer_drops_oldest_and_close_gives_up(caplog):
 
 def test_env_contract_and_rank0_only(monkeypatch, tmp_path):
     s = load_settings(registry={"tracking_uri": f"sqlite:///{tmp_path}/m.db"})
-    assert tracking.tracking_env(s, None) == {}
-    env = tracking.tracking_env(s, "abc")
-    assert env == {tracking.RUN_ID_ENV: "abc", tracking.URI_ENV: f"sqlite:///{tmp_path}/m.db"}
-    monkeypatch.delenv(tracking.RUN_ID_ENV, raising=False)
-    assert tracking.build_live_logger(s, is_main=True, client=FakeClient()) is None
-    monkeypatch.setenv(tracking.RUN_ID_ENV, "abc")
-    assert tracking.build_live_logger(s, is_main=False, client=FakeClient()) is None
+    assert live_tracking.tracking_env(s, None) == {}
+    env = live_tracking.tracking_env(s, "abc")
+    assert env == {live_tracking.RUN_ID_ENV: "abc", live_tracking.URI_ENV: f"sqlite:///{tmp_path}/m.db"}
+    monkeypatch.delenv(live_tracking.RUN_ID_ENV, raising=False)
+    assert live_tracking.build_live_logger(s, is_main=True, client=FakeClient()) is None
+    monkeypatch.setenv(live_tracking.RUN_ID_ENV, "abc")
+    assert live_tracking.build_live_logger(s, is_main=False, client=FakeClient()) is None
     off = load_settings(registry={"live_tracking": False})
-    assert tracking.build_live_logger(off, is_main=True, client=FakeClient()) is None
+    assert live_tracking.build_live_logger(off, is_main=True, client=FakeClient()) is None
     client = FakeClient()
-    live = tracking.build_live_logger(s, is_main=True, client=client)
+    live = live_tracking.build_live_logger(s, is_main=True, client=client)
     live.log(_record(1), 1)
     live.close()
     live.close()  # idempotent (also registered at exit)
