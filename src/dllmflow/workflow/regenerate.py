@@ -162,7 +162,7 @@ def serve_target(settings: Settings, source: str | None = None) -> Iterator[str]
     if s.regenerate.target_server:
         yield s.regenerate.target_server.rstrip("/")
         return
-    from dllmflow.inference.serve import local_server
+    from dllmflow.inference.serve_cli import local_server
 
     target = local_target_path(s, source)
     log.info("starting a local server for %s", target)
