@@ -18,7 +18,7 @@ import httpx
 
 from dllmflow.data.regen_client import regenerate
 from dllmflow.inference.engine import build_tiny_chat_lm
-from dllmflow.inference.serve import local_server
+from dllmflow.inference.serve_cli import local_server
 from dllmflow.settings import RegenerateConfig
 
 MODEL = "bench-target"

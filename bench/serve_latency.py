@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from dllmflow.inference.engine import build_tiny_chat_lm
-from dllmflow.inference.serve import local_server
+from dllmflow.inference.serve_cli import local_server
 
 MODEL = "bench-target"
 PROMPT = [{"role": "user", "content": "Natalia sold 48 clips to her friends in April."}]

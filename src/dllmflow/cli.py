@@ -37,7 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dllmflow.data.regen_client",
         "Regenerate assistant turns through an OpenAI-compatible server.",
     ),
-    "serve": ("dllmflow.inference.serve", "Serve a local causal LM as an OpenAI-compatible chat endpoint."),
+    "serve": (
+        "dllmflow.inference.serve_cli",
+        "Serve a local causal LM as an OpenAI-compatible chat endpoint.",
+    ),
     "register": ("dllmflow.tracking.register_cli", "Log a finished run to MLflow and register its model."),
     "plan": ("dllmflow.training.planner", "Per-rank training memory of a recipe (no weights, no GPU)."),
     "export": (

@@ -1,7 +1,8 @@
 """`dllmflow serve` against the official `openai` client and hostile input: streaming, strict validation
 (every unhonoured field refused by name), the max_tokens cap, the API key on every route but /health,
 per-request timeouts (504, the row leaves its batch) and round-robin scheduling (a short request is not
-starved by a long one). Real servers in subprocesses over a tiny random Llama; no mocks."""
+starved by a long one). Real servers in subprocesses over a tiny random Llama; no mocks. The slow engine
+is the real app with its decoding steps slowed from outside (tests/_serving.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import httpx
 import openai
 import pytest
 
+from _serving import fault_server
 from dllmflow.inference.engine import build_tiny_chat_lm
-from dllmflow.inference.serve import local_server
+from dllmflow.inference.serve_cli import local_server
 
 pytestmark = pytest.mark.slow  # two servers in subprocesses, ~a minute on a busy CPU
 
@@ -40,7 +42,7 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def guarded_server(model_dir):
     """An API key, a 2 s request timeout and a slow engine (50 ms per turn): a 900-token request times out."""
-    with local_server(
+    with fault_server(
         model_dir, served_model_name=MODEL, api_key=API_KEY, request_timeout_s=2, turn_delay_s=0.05
     ) as url:
         yield url
@@ -262,11 +264,15 @@ def test_chunked_decode_matches_hf_generate(model_dir):
         assert req.tokens == ref[0, len(req.prompt_ids) :].tolist() and req.finish_reason == "length"
 
 
-def test_help_hides_fault_injection_flags(capsys):
+def test_the_cli_has_no_fault_injection_flags(capsys):
+    """Failures and delays are injected by tests/_serving.py around the app, never by the product."""
     from dllmflow.cli import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    assert "--max-tokens-cap" in out and "--request-timeout-s" in out
-    assert not any(flag in out for flag in ("--fail-first", "--fail-status", "--delay-s", "--turn-delay-s"))
+    assert "--max-tokens-cap" in out and "--request-timeout-s" in out and "--max-body-bytes" in out
+    for flag in ("--fail-first", "--fail-status", "--delay-s", "--turn-delay-s"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--model-path", "m", flag, "1"])
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err

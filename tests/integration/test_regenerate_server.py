@@ -15,11 +15,11 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
+from _serving import fault_server
 from dllmflow.cli import main
 from dllmflow.common.net import free_port
-from dllmflow.data.regen_client import scan_shards
+from dllmflow.data.regen_shards import scan_shards
 from dllmflow.inference.engine import build_tiny_chat_lm
-from dllmflow.inference.serve import local_server
 
 pytestmark = pytest.mark.slow  # servers in subprocesses
 
@@ -35,13 +35,18 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir):
     # A little latency per request so concurrent requests overlap and a run can be killed mid-way.
-    with local_server(model_dir, served_model_name=MODEL, delay_s=0.05) as url:
+    with fault_server(model_dir, served_model_name=MODEL, delay_s=0.05) as url:
         yield url
 
 
 def stats(url: str, api_key: str | None = None) -> dict:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}  # /stats is behind the key too
     return httpx.get(url.removesuffix("/v1") + "/stats", headers=headers).json()
+
+
+def injected(url: str) -> int:
+    """Chat requests the fault middleware (tests/_serving.py) has failed so far."""
+    return httpx.get(url.removesuffix("/v1") + "/faults").json()["injected_failures"]
 
 
 def chat_rows(n: int, invalid_at: tuple[int, ...] = ()) -> list[dict]:
@@ -174,7 +179,7 @@ def test_injected_failures_abort_without_partial_shard_then_retries_succeed(
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("DLLMFLOW_API_KEY", raising=False)
     # Failures 1-2 (500, 500) exhaust --max-retries 1; failures 3-4 (429, 500) are retried on resume.
-    with local_server(model_dir, served_model_name=MODEL, fail_first=4, fail_status=[500, 500, 429, 500],
+    with fault_server(model_dir, served_model_name=MODEL, fail_first=4, fail_status=[500, 500, 429, 500],
                       api_key=API_KEY) as url:  # fmt: skip
         rc, _, err = run(capsys, args(inp, out, url, "--shard-size", "2", "--concurrency", "1"))
         assert rc == 2 and "API key" in err and "DLLMFLOW_API_KEY" in err  # the server wants a Bearer token
@@ -200,13 +205,13 @@ def test_injected_failures_abort_without_partial_shard_then_retries_succeed(
         assert summary["aborted"] and summary["rows_failed"] == 1 and summary["rows_written"] == 0
         assert scan_shards(out) == set() and not list(out.glob("*.tmp"))  # nothing partial written
         assert API_KEY not in err
-        assert stats(url, API_KEY)["injected_failures"] == 2
+        assert injected(url) == 2
 
         rc, summary, err = run(
             capsys, args(inp, out, url, "--shard-size", "2", "--concurrency", "1", "--resume")
         )
         assert rc == 0 and summary["retries"] == 2 and summary["rows_written"] == 4
-        assert stats(url, API_KEY)["injected_failures"] == 4
+        assert injected(url) == 4
         assert [len(s) for s in read_shards(out)] == [2, 2]
         assert API_KEY not in err
 

@@ -66,9 +66,9 @@ def test_guide_spellings_parse():
     assert args.max_new_tokens == 64 and args.no_kv_cache and args.sampler is None
     argv = ["evaluate", "--checkpoint", "c", "--prepared_dir", "d"]
     assert build_parser(argv)[0].parse_args(argv).prepared_dir == "d"
-    argv = ["serve", "--model_path", "m", "--max_batch_size", "3", "--fail_first", "1"]
+    argv = ["serve", "--model_path", "m", "--max_batch_size", "3", "--max_body_bytes", "1"]
     args = build_parser(argv)[0].parse_args(argv)
-    assert (args.model_path, args.max_batch_size, args.fail_first) == ("m", 3, 1)
+    assert (args.model_path, args.max_batch_size, args.max_body_bytes) == ("m", 3, 1)
     argv = ["regenerate", "--output_dir", "o", "--max_new_tokens", "9"]
     args = build_parser(argv)[0].parse_args(argv)
     assert (args.output_dir, args.max_new_tokens) == ("o", 9)

@@ -10,7 +10,7 @@ import pytest
 
 from dllmflow.data.chat import load_chat_rows
 from dllmflow.data.gsm8k import load_gsm8k_rows
-from dllmflow.data.regen_client import build_manifest, prepare_output_dir, write_shard
+from dllmflow.data.regen_shards import build_manifest, prepare_output_dir, write_shard
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings
 from dllmflow.workflow.regenerate import (

@@ -201,13 +201,11 @@ class Scheduler:
         chunk_tokens: int = 8,
         *,
         batch_wait_s: float = 0.005,
-        turn_delay_s: float = 0.0,
     ):
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.chunk_tokens = chunk_tokens
         self.batch_wait_s = batch_wait_s
-        self.turn_delay_s = turn_delay_s
         self.queue: asyncio.Queue[ChatRequest] = asyncio.Queue()
         self.active: collections.deque[Decode] = collections.deque()
         self.running: list[ChatRequest] = []  # rows of the batch taking its turn now
@@ -285,8 +283,6 @@ class Scheduler:
                 req.events.put_nowait(("tokens", list(req.tokens)))
         if decode.reqs:
             self.active.append(decode)
-        if self.turn_delay_s:
-            await asyncio.sleep(self.turn_delay_s)
 
 
 def build_tiny_chat_lm(

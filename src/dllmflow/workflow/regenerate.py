@@ -162,7 +162,7 @@ def serve_target(settings: Settings, source: str | None = None) -> Iterator[str]
     if s.regenerate.target_server:
         yield s.regenerate.target_server.rstrip("/")
         return
-    from dllmflow.inference.serve import local_server
+    from dllmflow.inference.serve_cli import local_server
 
     target = local_target_path(s, source)
     log.info("starting a local server for %s", target)
@@ -184,7 +184,8 @@ def regenerate_config(s: Settings, source: str):
 
 def pending_shards(cfg) -> list[int]:
     """Shards of `cfg` not yet on disk (what a resumed run would request)."""
-    from dllmflow.data.regen_client import build_prompts, load_rows, scan_shards
+    from dllmflow.data.regen_input import build_prompts, load_rows
+    from dllmflow.data.regen_shards import scan_shards
 
     rows = load_rows(cfg.input_data, cfg.split, cfg.dataset_name, cfg.shuffle_seed)
     prompts, _ = build_prompts(rows, cfg.messages_column, cfg.input_data)
@@ -193,14 +194,14 @@ def pending_shards(cfg) -> list[int]:
 
 
 def shard_files(out_dir: str | os.PathLike) -> list[Path]:
-    from dllmflow.data.regen_client import scan_shards, shard_path
+    from dllmflow.data.regen_shards import scan_shards, shard_path
 
     return [shard_path(out_dir, i) for i in sorted(scan_shards(out_dir))]
 
 
 def content_hash(out_dir: str | os.PathLike) -> str:
     """sha256 over (name, bytes) of every shard in index order, then the manifest."""
-    from dllmflow.data.regen_client import MANIFEST
+    from dllmflow.data.regen_shards import MANIFEST
 
     h = hashlib.sha256()
     for p in [*shard_files(out_dir), Path(out_dir) / MANIFEST]:
@@ -224,7 +225,8 @@ def regenerate_data(
 ) -> dict[str, Any]:
     """Export the source, serve the target (unless external), regenerate, stop the server. `resume=None`
     resumes when the output dir already holds shards (a changed setting then fails, naming it)."""
-    from dllmflow.data.regen_client import regenerate, scan_shards
+    from dllmflow.data.regen_client import regenerate
+    from dllmflow.data.regen_shards import scan_shards
 
     s = check_settings(settings)
     source = export_source(s)

@@ -1,0 +1,222 @@
+"""`dllmflow serve` on the command line, and `local_server`: the same server in a subprocess.
+
+    dllmflow serve --model-path runs/target --port 30000 --served-model-name target
+    python -m dllmflow.inference.serve_cli --model-path runs/target          # the same, without the cli
+
+    with local_server("runs/target", served_model_name="target") as url:    # http://127.0.0.1:PORT/v1
+        regenerate(cfg, server_url=url)
+
+`local_server` starts `dllmflow serve` in a subprocess, waits for `/health`, yields the base URL and
+stops the server on exit (the regeneration pipeline serves its target this way). `serve_process` does
+the same for any command that starts a server (tests wrap the app this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from dllmflow.common.cli_args import add_flag
+from dllmflow.common.net import free_port
+from dllmflow.errors import UserError
+from dllmflow.inference.requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
+
+log = logging.getLogger("dllmflow.inference.serve")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_flag(
+        p,
+        "--model-path",
+        required=True,
+        help="Local HF model dir (config, weights, tokenizer with a chat template).",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
+    p.add_argument("--port", type=int, default=30000)
+    add_flag(
+        p, "--served-model-name", default=None, help="The `model` clients must send (default: the dir name)."
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_flag(p, "--max-batch-size", type=int, default=16, help="Most requests generated together.")
+    add_flag(
+        p,
+        "--max-tokens-cap",
+        type=int,
+        default=1024,
+        help="Largest max_tokens a request may ask for (400 above).",
+    )
+    add_flag(
+        p, "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help="Largest request body in bytes (413 above; default 1 MiB).",
+    )  # fmt: skip
+    add_flag(
+        p, "--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+        help=f"Most messages in one chat request (400 above; default {DEFAULT_MAX_MESSAGES}).",
+    )  # fmt: skip
+    add_flag(
+        p, "--request-timeout-s", type=float, default=300.0,
+        help="A request unanswered after this long gets HTTP 504 and leaves its batch (default 300).",
+    )  # fmt: skip
+    add_flag(
+        p, "--chunk-tokens", type=int, default=8,
+        help="New tokens per batch per scheduling turn: smaller lets short requests past long ones sooner.",
+    )  # fmt: skip
+    add_flag(
+        p, "--api-key", default=None,
+        help="Require this Bearer token on every route but /health (default $DLLMFLOW_SERVE_API_KEY).",
+    )  # fmt: skip
+    add_flag(p, "--log-level", default="INFO")
+
+
+def app_from_args(args: argparse.Namespace):
+    """Check the flags, load the engine, build the app: (app, served model name)."""
+    from dllmflow.inference.engine import ChatEngine
+    from dllmflow.inference.serve import build_app
+
+    counts = ("max_batch_size", "max_tokens_cap", "chunk_tokens", "max_body_bytes", "max_messages")
+    if bad := [f"--{k.replace('_', '-')}" for k in counts if getattr(args, k) < 1]:
+        raise UserError(f"{', '.join(bad)} must be >= 1")
+    if args.request_timeout_s <= 0:
+        raise UserError(f"--request-timeout-s must be > 0 (got {args.request_timeout_s:g})")
+    engine = ChatEngine(args.model_path, args.dtype)
+    name = args.served_model_name or Path(args.model_path).resolve().name
+    app = build_app(
+        engine, name, max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
+        request_timeout_s=args.request_timeout_s, chunk_tokens=args.chunk_tokens,
+        api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+    )  # fmt: skip
+    return app, name
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app, name = app_from_args(args)
+    log.info("serving %s as %r on http://%s:%d/v1", args.model_path, name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    return 0
+
+
+# ---- subprocess helpers -------------------------------------------------------------------------
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, log_file: Path, what: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = log_file.read_text(errors="replace")[-3000:]
+            raise UserError(f"{what} exited with {proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise UserError(f"{what} did not answer {base}/health within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serve_process(
+    cmd: Sequence[str], base: str, *, env: dict[str, str] | None = None, what: str = "the server",
+    startup_timeout_s: float = 300.0, log_path: str | os.PathLike | None = None,
+) -> Iterator[str]:  # fmt: skip
+    """Run `cmd` (a server listening at `base`, e.g. `http://127.0.0.1:PORT`) until the block ends; yield
+    `base + "/v1"` once `base/health` is 200. Its output goes to `log_path` (default a temp file, removed
+    after), whose tail is shown if it exits before answering."""
+    own_log = log_path is None
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="dllmflow-serve-", suffix=".log")
+        os.close(fd)
+    log_file = Path(log_path)
+    with open(log_file, "wb") as out:
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(proc, base, log_file, what, startup_timeout_s)
+        yield f"{base}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if own_log:
+            log_file.unlink(missing_ok=True)
+
+
+def serve_args(model_path: str | os.PathLike, host: str, port: int, **options) -> list[str]:
+    """`dllmflow serve` flags for `model_path` on host:port; `options` (snake_case flags) left None keep
+    the CLI defaults."""
+    argv = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--log-level", "WARNING"]
+    for key, value in options.items():
+        if value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+@contextlib.contextmanager
+def local_server(
+    model_path: str | os.PathLike,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    served_model_name: str | None = None,
+    max_batch_size: int | None = None,
+    max_tokens_cap: int | None = None,
+    request_timeout_s: float | None = None,
+    chunk_tokens: int | None = None,
+    api_key: str | None = None,
+    startup_timeout_s: float = 300.0,
+    log_path: str | os.PathLike | None = None,
+) -> Iterator[str]:
+    """Run `dllmflow serve` in a subprocess; yield its base URL (`http://host:port/v1`) once `/health` is 200.
+
+    `port=None` picks a free one (give a fixed port when the URL must stay the same across runs, e.g. a
+    resumed regeneration, whose manifest records the server URL). Options left `None` keep the CLI
+    defaults. The server's log goes to `log_path` (default: a temp file) and its tail is shown if it fails
+    to start.
+    """
+    port = port or free_port(host)
+    options = dict(
+        served_model_name=served_model_name, max_batch_size=max_batch_size, max_tokens_cap=max_tokens_cap,
+        request_timeout_s=request_timeout_s, chunk_tokens=chunk_tokens,
+    )  # fmt: skip
+    cmd = [sys.executable, "-m", "dllmflow.cli", "serve", *serve_args(model_path, host, port, **options)]
+    env = {**os.environ, "DLLMFLOW_SERVE_API_KEY": api_key or ""}  # not on the command line (ps)
+    what = f"dllmflow serve --model-path {model_path}"
+    with serve_process(
+        cmd,
+        f"http://{host}:{port}",
+        env=env,
+        what=what,
+        startup_timeout_s=startup_timeout_s,
+        log_path=log_path,
+    ) as url:
+        yield url
+
+
+if __name__ == "__main__":  # `python -m dllmflow.inference.serve_cli ...` = `dllmflow serve ...` (layers)
+    from dllmflow.common.cli_args import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="dllmflow serve", description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
+    add_cli_args(parser)
+    try:
+        sys.exit(cli_main(parser.parse_args()))
+    except UserError as e:
+        print(f"dllmflow serve: error: {e}", file=sys.stderr)
+        sys.exit(2)
