@@ -44,12 +44,16 @@ def _checkpoint(tmp_path: Path, plugin: str) -> Path:
     data = json.loads((ckpt / "settings.json").read_text())
     data["plugins"] = [plugin]
     (ckpt / "settings.json").write_text(json.dumps(data))
-    (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    (ckpt / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+    )
     return ckpt
 
 
 def _not_imported(name: str, trace: Path) -> None:
-    assert not trace.exists() and name not in sys.modules, f"{name} was imported from a recorded settings.json"
+    assert not trace.exists() and name not in sys.modules, (
+        f"{name} was imported from a recorded settings.json"
+    )
 
 
 def test_reading_a_checkpoints_settings_imports_nothing(marker, tmp_path):
@@ -77,7 +81,9 @@ def test_an_unknown_recorded_plugin_mode_names_the_plugins(tmp_path):
     data = json.loads((ckpt / "settings.json").read_text())
     data["dllm"]["mode"] = "plugin_mode"
     (ckpt / "settings.json").write_text(json.dumps(data))
-    with pytest.raises(UserError, match=r"unknown mode 'plugin_mode'.*plugins \['some_plugin_pkg'\] are not imported"):
+    with pytest.raises(
+        UserError, match=r"unknown mode 'plugin_mode'.*plugins \['some_plugin_pkg'\] are not imported"
+    ):
         load_settings_json(ckpt / "settings.json")
 
 

@@ -119,7 +119,10 @@ def _trajectory(case: Case, prepared: Path, tmp: Path, **train) -> dict[str, lis
 
 def deviation(got: dict, want: dict) -> dict[str, float]:
     """Largest relative difference per series over the steps."""
-    return {k: max(abs(g - w) / abs(w) for g, w in zip(got[k], want[k], strict=True)) for k in ("loss", "grad_norm")}
+    return {
+        k: max(abs(g - w) / abs(w) for g, w in zip(got[k], want[k], strict=True))
+        for k in ("loss", "grad_norm")
+    }
 
 
 def read_golden(name: str) -> dict:
@@ -141,7 +144,9 @@ def test_golden_trajectory(name, prepared, tmp_path, request, monkeypatch):
     calls = []
     if name == "idlm_shifted":  # prove the kernel this case exists for takes part (the real one, counted)
         kernel = split_attention.block_shifted_attention
-        monkeypatch.setattr(split_attention, "block_shifted_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        monkeypatch.setattr(
+            split_attention, "block_shifted_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        )
     got = _trajectory(case, prepared(case.seq_length), tmp_path)
     assert len(got["loss"]) == STEPS
     if name == "idlm_shifted":
@@ -149,7 +154,9 @@ def test_golden_trajectory(name, prepared, tmp_path, request, monkeypatch):
     if request.config.getoption("--update-golden"):
         _write_golden(name, case, got)
     dev = deviation(got, read_golden(name))
-    assert max(dev.values()) <= REL, f"{name} moved from tests/golden/{name}.json: max rel deviation {dev} > {REL}"
+    assert max(dev.values()) <= REL, (
+        f"{name} moved from tests/golden/{name}.json: max rel deviation {dev} > {REL}"
+    )
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

@@ -323,7 +323,11 @@ def test_default_targets_hybrid_adapter(tok):
 def test_default_targets_diffusion_gemma_text_layers_only(tok):
     """Its MoE experts are fused 3-D weights (no Linear): attention + dense MLP of every text layer."""
     _, _, model = gemma(tok)
-    got = {n for n, _ in model.named_modules() if n.endswith(tuple(PROJ)) and hasattr(model.get_submodule(n), "lora_A")}
+    got = {
+        n
+        for n, _ in model.named_modules()
+        if n.endswith(tuple(PROJ)) and hasattr(model.get_submodule(n), "lora_A")
+    }
     scopes = ("model.decoder.layers.", "model.encoder.language_model.layers.")
     assert got and all(n.startswith(scopes) for n in got)
     assert {n.rpartition(".")[2] for n in got} == set(PROJ)
@@ -337,7 +341,9 @@ def test_default_targets_qwen3_moe_leave_experts_and_router_frozen():
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                          num_experts_per_tok=2, head_dim=8)  # fmt: skip
     model = Qwen3MoeForCausalLM(cfg)
-    want = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    want = {
+        f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
     assert _default_targets(model) == want
 
 
@@ -370,7 +376,9 @@ def test_default_targets_llada2_moe_keep_routed_experts_frozen():
     attn = [f"model.layers.{i}.attention.{p}" for i in range(2) for p in ("query_key_value", "dense")]
     dense_mlp = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]  # first_k_dense
     shared = [f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    experts = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    experts = [
+        f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     model = _Named("llada2_moe", [*attn, *dense_mlp, *shared, *experts, "model.layers.1.mlp.gate", "lm_head"])
     assert _default_targets(model) == {*attn, *dense_mlp, *shared}
     # an explicit choice is the user's: experts included when named

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dllmflow.models import split_attention as split_module
 from dllmflow.models import shifted_attention
+from dllmflow.models import split_attention as split_module
 from dllmflow.models.shifted_attention import block_shifted_attention, block_shifted_mask
 from dllmflow.models.split_attention import SplitAttention, split_attention_forward
 

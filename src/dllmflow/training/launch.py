@@ -30,8 +30,8 @@ from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout
 from dllmflow.settings.loader import parse_overrides  # re-exported: component.py, bench, tests
-from dllmflow.training.main import FAIL_MARKER
 from dllmflow.training.live import RUN_ID_ENV, create_run, end_run, tracking_env
+from dllmflow.training.main import FAIL_MARKER
 
 ROLE = "trainer"
 CLUSTER_RDZV_PORT = 29500

@@ -45,7 +45,12 @@ from dllmflow.training.distributed import DistInfo, apply_ddp, decoder_blocks
 if TYPE_CHECKING:
     from dllmflow.settings import Settings
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info: DistInfo) -> nn.Module:
@@ -163,8 +168,14 @@ def check_dtype(settings: Settings, device: torch.device) -> None:
             "train.dtype: bfloat16 or float32"
         )
     dflash = getattr(settings, "dflash", None)
-    if settings.train.dtype == "float64" and settings.dllm.mode == "dflash" and dflash.target_torch_dtype != "float64":
-        raise UserError("train.dtype=float64 needs the frozen target in float64: set dflash.target_torch_dtype: float64")
+    if (
+        settings.train.dtype == "float64"
+        and settings.dllm.mode == "dflash"
+        and dflash.target_torch_dtype != "float64"
+    ):
+        raise UserError(
+            "train.dtype=float64 needs the frozen target in float64: set dflash.target_torch_dtype: float64"
+        )
     if settings.train.dtype != "bfloat16":
         return
     if device.type == "cuda":

@@ -36,7 +36,6 @@ from dllmflow.models.wrappers import unwrap
 from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
 from dllmflow.training import checkpoint as ckpt
 from dllmflow.training import storage
-from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.distributed import (
     DistInfo,
     all_reduce_sum,
@@ -45,8 +44,9 @@ from dllmflow.training.distributed import (
     init_distributed,
     shares_rank0_disk,
 )
-from dllmflow.training.parallelize import build_parallel_model, compute_context
 from dllmflow.training.live import build_live_logger
+from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
+from dllmflow.training.parallelize import build_parallel_model, compute_context
 
 # Fault injection for tests: raise after step N (after its checkpoint), on every rank or on one.
 FAIL_AT_STEP_ENV = "DLLM_FAIL_AT_STEP"
