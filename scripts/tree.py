@@ -55,7 +55,7 @@ def describe(path: str) -> str:
         doc = ast.get_docstring(ast.parse(p.read_text())) or ""
         return doc.strip().splitlines()[0] if doc.strip() else ""
     if path.startswith("tests/golden/") and p.suffix == ".json":
-        return f"golden {p.stem} trajectory: loss + grad norm of the first optimizer steps, per machine kind (test_golden.py)"
+        return f"golden {p.stem} trajectory (float64): loss + grad norm of the first optimizer steps, one recording for every machine (test_golden.py)"
     if p.suffix == ".yaml" and path.startswith("params/"):
         first = next((ln for ln in p.read_text().splitlines() if ln.startswith("#")), "# recipe")
         return first.lstrip("# ").strip()

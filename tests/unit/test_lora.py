@@ -294,3 +294,94 @@ def test_generate_and_evaluate_take_an_adapter_flag():
         extra = ["--prompt", "x"] if add is gen_args else []
         args = parser.parse_args(["--checkpoint", "c", "--adapter", "a", *extra])
         assert args.adapter == "a"
+
+
+# ---- default targets per backbone family: the exact adapted modules ---------------------------------
+
+
+def _default_targets(model) -> set[str]:
+    return set(lora_target_modules(model, lora_settings().peft))
+
+
+def test_default_targets_qwen3_and_llama(tok):
+    for arch in ("qwen3", "llama"):
+        s = load_settings(model={"tiny": {"architecture": arch}}, peft={"r": 4})
+        model = build_model(s, tok)
+        layers = range(s.model.tiny.num_hidden_layers)
+        want = {f"model.layers.{i}.{part}.{p}" for i in layers for part, p in _where(PROJ)}
+        assert _default_targets(model) == want, arch  # never lm_head
+
+
+def test_default_targets_hybrid_adapter(tok):
+    from dllmflow.models.hybrid_adapter import HybridAdapter
+
+    s = load_settings(peft={"r": 4})
+    model = HybridAdapter(build_model(s, tok), mask_token_id=tok.mask_token_id)
+    want = {f"model.model.layers.{i}.{part}.{p}" for i in range(2) for part, p in _where(PROJ)}
+    assert _default_targets(model) == want
+
+
+def test_default_targets_diffusion_gemma_text_layers_only(tok):
+    """Its MoE experts are fused 3-D weights (no Linear): attention + dense MLP of every text layer."""
+    _, _, model = gemma(tok)
+    got = {
+        n
+        for n, _ in model.named_modules()
+        if n.endswith(tuple(PROJ)) and hasattr(model.get_submodule(n), "lora_A")
+    }
+    scopes = ("model.decoder.layers.", "model.encoder.language_model.layers.")
+    assert got and all(n.startswith(scopes) for n in got)
+    assert {n.rpartition(".")[2] for n in got} == set(PROJ)
+    assert not any("expert" in n or "router" in n for n in got)
+
+
+def test_default_targets_qwen3_moe_leave_experts_and_router_frozen():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, head_dim=8)  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg)
+    want = {
+        f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    assert _default_targets(model) == want
+
+
+class _Named(torch.nn.Module):
+    """A stand-in with a remote-code family's module names (LLaDA, LLaDA2 are not in transformers; the
+    target choice reads only `config.model_type` and the module tree)."""
+
+    def __init__(self, model_type: str, linears: list[str]):
+        super().__init__()
+        self.config = type("Config", (), {"model_type": model_type})()
+        for name in linears:
+            *path, leaf = name.split(".")
+            parent = self
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, torch.nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(leaf, torch.nn.Linear(4, 4))
+
+
+def test_default_targets_llada_not_its_lm_head():
+    """LLaDA's head `model.transformer.ff_out` shares its name with each block's MLP output."""
+    block = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+    blocks = [f"model.transformer.blocks.{i}.{p}" for i in range(2) for p in block]
+    model = _Named("llada", [*blocks, "model.transformer.ff_out"])
+    assert _default_targets(model) == set(blocks)
+
+
+def test_default_targets_llada2_moe_keep_routed_experts_frozen():
+    attn = [f"model.layers.{i}.attention.{p}" for i in range(2) for p in ("query_key_value", "dense")]
+    dense_mlp = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]  # first_k_dense
+    shared = [f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    experts = [
+        f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")
+    ]
+    model = _Named("llada2_moe", [*attn, *dense_mlp, *shared, *experts, "model.layers.1.mlp.gate", "lm_head"])
+    assert _default_targets(model) == {*attn, *dense_mlp, *shared}
+    # an explicit choice is the user's: experts included when named
+    explicit = lora_target_modules(model, lora_settings(target_modules=["experts.0.up_proj"]).peft)
+    assert explicit == ["model.layers.1.mlp.experts.0.up_proj"]

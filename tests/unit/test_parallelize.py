@@ -5,8 +5,9 @@ models/meta.py), on one CPU process.
     every backbone (Qwen3 mdlm/idlm, hybrid adapter, DiffusionGemma, DFlash draft) and a pretrained dir;
   * activation checkpointing (full, selective) leaves loss and gradients unchanged (fp32);
   * train.dtype=bfloat16 trains on CPU (autocast) with a finite, falling loss;
-  * the golden mdlm trajectory holds with train.compile on (backend aot_eager: inductor's C++ build
-    takes minutes on this 2-core machine, so the test uses the graph-capture path without codegen).
+  * the golden mdlm trajectory (float64) holds with train.compile on (backend aot_eager: inductor's C++
+    build takes minutes on this 2-core machine, so the test uses the graph-capture path without codegen);
+  * train.dtype=float64 is the CPU reference only; train.autocast_dtype is refused, naming train.dtype.
 """
 
 from __future__ import annotations
@@ -128,10 +129,12 @@ def test_activation_checkpointing_keeps_loss_and_grads(mode, ac, tmp_path):
 def test_dtype_settings_are_checked(monkeypatch):
     with pytest.raises(SettingsError, match="train.dtype"):
         load_settings(ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "float16"})
-    with pytest.raises(SettingsError, match="autocast_dtype is deprecated"):
-        load_settings(
-            ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "bfloat16", "autocast_dtype": "float16"}
-        )
+    with pytest.raises(SettingsError, match=r"train.autocast_dtype was removed: set train.dtype: bfloat16"):
+        load_settings(ROOT / "params" / "tiny_mdlm.yaml", train={"autocast_dtype": "bfloat16"})
+    f64 = load_settings(ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "float64"})
+    check_dtype(f64, torch.device("cpu"))
+    with pytest.raises(UserError, match=r"train.dtype=float64 is the CPU reference mode"):
+        check_dtype(f64, torch.device("meta"))
     settings = load_settings(ROOT / "params" / "tiny_mdlm.yaml", train={"dtype": "bfloat16"})
     check_dtype(settings, torch.device("cpu"))  # this CPU computes in bf16
 
@@ -184,7 +187,8 @@ def test_bfloat16_trains_on_cpu(prepared, tmp_path):
 
 
 def test_golden_mdlm_holds_with_compile(prepared, tmp_path):
-    recordings = json.loads((ROOT / "tests" / "golden" / "mdlm.json").read_text())["recordings"]
-    got = _run(prepared, tmp_path / "compiled", 3, compile=True, compile_backend="aot_eager")
-    for r in recordings:  # one per machine kind; their first 3 steps agree to ~1e-7
-        assert got == pytest.approx(r["loss"][:3], rel=1e-5), r["machine"]
+    """The float64 golden recording (one for every machine) holds for the compiled blocks too."""
+    golden = json.loads((ROOT / "tests" / "golden" / "mdlm.json").read_text())
+    assert golden["dtype"] == "float64"
+    got = _run(prepared, tmp_path / "compiled", 3, compile=True, compile_backend="aot_eager", dtype="float64")
+    assert got == pytest.approx(golden["loss"][:3], rel=1e-9)

@@ -235,3 +235,21 @@ def test_untrained_baseline_needs_a_tiny_model():
         load_settings(ROOT / "params" / "smollm2_idlm_lora.yaml", eval={"untrained_baseline": True})
     # The demo recipe turns it on for its tiny model.
     assert load_settings(ROOT / "params" / "tiny_addition.yaml").eval.untrained_baseline is True
+
+
+def test_gpu_recipes_train_in_bfloat16():
+    """A recipe asking for GPUs sets the FSDP2 mixed-precision policy (bf16 compute and all-gathers);
+    without it FSDP2 all-gathers fp32 parameters."""
+    gpu = [p for p in PARAMS if load_settings(p).launch.resources.gpu > 0]
+    assert len(gpu) >= 7, [p.name for p in gpu]
+    for path in gpu:
+        assert load_settings(path).train.dtype == "bfloat16", path.name
+
+
+def test_removed_autocast_dtype_is_refused_naming_train_dtype(tmp_path):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("train:\n  autocast_dtype: bfloat16\n")
+    with pytest.raises(SettingsError) as err:
+        load_settings(recipe)
+    message = str(err.value)
+    assert "\n" not in message and "train.autocast_dtype was removed: set train.dtype: bfloat16" in message

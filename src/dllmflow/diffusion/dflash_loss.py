@@ -45,7 +45,9 @@ def decay_ce_dense(
 
 
 def _chunk_ce(h: Tensor, weight: Tensor, bias: Tensor | None, t: Tensor) -> tuple[Tensor, Tensor]:
-    logits = F.linear(h.to(weight.dtype), weight, bias).float()  # [c, V]
+    logits = F.linear(h.to(weight.dtype), weight, bias)  # [c, V]
+    # at least fp32; float64 stays (this runs again in backward, outside the trainer's float64 context)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, t, reduction="none"), logits.argmax(-1)
 
 

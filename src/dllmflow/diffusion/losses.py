@@ -55,7 +55,8 @@ def _scdd_vocab_terms(
     """The only [n, V] work: A(v) = log(base_s + ρ_s p_θ(v)) with p_θ = softmax over v ≠ [MASK].
 
     Returns Σ_{v≠M} A(v), A(x), A(z) and log p_θ(z), each [n]."""
-    lg = logits.to(torch.float32, copy=True)  # a copy: the caller's logits stay untouched
+    # a copy: the caller's logits stay untouched; at least fp32 (a float64 reference run stays float64)
+    lg = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
     lg[:, mask_token_id] = float("-inf")
     logp = torch.log_softmax(lg, dim=-1)  # [n, V]; logp[:, M] = -inf
     A = torch.log(torch.addcmul(base_s[:, None], rho_s[:, None], logp.exp()).clamp_min(TINY))  # [n, V]

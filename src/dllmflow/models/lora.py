@@ -13,7 +13,10 @@ those; the DCP checkpoint holds the whole wrapped model, adapters included, so a
 
 Where adapters go: `peft.target_modules` (None = the family's attention + MLP projections, `DEFAULT_TARGETS`),
 within the text layers of the chosen `peft.parts` for an encoder-decoder model (DiffusionGemma). For
-dflash the trainable model is the draft, so the frozen target never gets adapters.
+dflash the trainable model is the draft, so the frozen target never gets adapters. The defaults stay
+inside the numbered decoder blocks (LLaDA's LM head is also called `ff_out`, like its MLP output) and
+leave routed MoE experts (`...experts.<i>...`, LLaDA2) frozen, as the guide's LoRA recipes do: the
+attention, dense MLPs and shared experts are adapted. An explicit `peft.target_modules` is taken as is.
 
 Tied weights: DiffusionGemma's encoder layer i and decoder layer i share every weight. Adapters on modules
 that share a base weight are tied too (one adapter on that weight), so the merge `W + (alpha/r) B A` is one
@@ -82,7 +85,7 @@ def lora_target_modules(model: nn.Module, cfg: PeftSection) -> list[str]:
     if cfg.target_modules is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         wanted = FAMILY_TARGETS.get(model_type, DEFAULT_TARGETS)
-        chosen = [n for n in linears if _matches(n, wanted)]
+        chosen = [n for n in linears if _matches(n, wanted) and _default_scope(n)]
         if not chosen:
             raise UserError(
                 f"peft.target_modules is unset and none of the default names ({', '.join(wanted)}) is a linear "
@@ -332,6 +335,12 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _default_scope(name: str) -> bool:
+    """Default targets: inside a numbered block (`layers.3.`, `blocks.0.`), never in a routed expert."""
+    parts = name.split(".")
+    return any(p.isdigit() for p in parts) and "experts" not in parts
 
 
 def _matches(name: str, targets) -> bool:

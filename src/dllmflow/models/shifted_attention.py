@@ -12,23 +12,43 @@ that set at the diagonal i - b instead of at the block start (i - b < i - r <= i
 The two softmax pieces merge exactly with their log-sum-exps. The backward reuses the causal
 kernel's own backward with the MERGED output and log-sum-exp (then its probabilities are the union
 softmax's, and its rowsum(dO * O) term is the union's), and writes the near part's gradient out.
-Needs `aten::_scaled_dot_product_flash_attention_for_cpu` (out + logsumexp): CPU only
-(`SHIFTED_DEVICES`); without dropout. Right padding needs no mask: a real query never reaches a
-later (padded) key. Run: `pytest -q tests/unit/test_shifted_attention.py`.
+Needs `aten::_scaled_dot_product_flash_attention_for_cpu` (out + logsumexp), a private op looked up
+on first use (`flash_ops`): CPU only (`SHIFTED_DEVICES`); without dropout. Where the op is missing
+(another torch build), the call runs masked SDPA under `block_shifted_mask` (same result, ~4x the
+scores) and warns once; importing this module never fails on it. Right padding needs no mask: a real
+query never reaches a later (padded) key. Scores and softmax run in fp32 (bf16/fp16 inputs) or in
+float64 (float64 inputs: the golden reference). Run: `pytest -q tests/unit/test_shifted_attention.py`.
 
     out = block_shifted_attention(q1, k1, v1, k2, v2, block_length=2, scale=None)  # [B, H, L, D]
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 # Devices with the causal kernel that returns its logsumexp and takes one in its backward.
 SHIFTED_DEVICES = frozenset({"cpu"})
+_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+@functools.cache
+def flash_ops() -> tuple | None:
+    """The private CPU flash kernel and its backward, or None (with one warning) where this torch lacks them."""
+    try:
+        return getattr(torch.ops.aten, _FLASH), getattr(torch.ops.aten, _FLASH + "_backward")
+    except (AttributeError, RuntimeError) as e:
+        warnings.warn(
+            f"torch {torch.__version__} has no aten::{_FLASH} ({e}): block-shifted attention runs as "
+            "masked SDPA (same result, more work)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def block_shifted_attention(
@@ -44,6 +64,11 @@ def block_shifted_attention(
     if torch.is_autocast_enabled(device):  # cast as autocast casts sdpa's inputs (the kernel takes one dtype)
         dtype = torch.get_autocast_dtype(device)
         q, k1, v1, k2, v2 = (x.to(dtype) for x in (q, k1, v1, k2, v2))
+    if flash_ops() is None:
+        mask = block_shifted_mask(q.shape[2], block_length, q.dtype, q.device)  # [L, 2L]
+        k, v = torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)  # [B, Hkv, 2L, D]
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return _BlockShifted.apply(q, k1, v1, k2, v2, block_length, scale)
 
 
@@ -63,11 +88,13 @@ class _BlockShifted(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k1, v1, k2, v2, b: int, scale: float):
         L, Hkv = q.shape[2], k1.shape[1]
+        acc = _acc_dtype(q)
+        flash = flash_ops()[0]
         with torch.autocast(q.device.type, enabled=False):
-            # 1) near: b scores per query (offset d = i - p), fp32; -inf before the sequence start
-            qg = q.float().unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
-            first = _first_masks(L, b, q.device)  # b x [L-d, 1]
-            kd, vd = _near_rows(k1, k2, first), _near_rows(v1, v2, first)  # b x [B, Hkv, 1, L-d, D]
+            # 1) near: b scores per query (offset d = i - p), fp32 (or f64); -inf before the sequence start
+            qg = q.to(acc).unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
+            first = _first_masks(L, b, q.device, acc)  # b x [L-d, 1]
+            kd, vd = _near_rows(k1, k2, first, acc), _near_rows(v1, v2, first, acc)  # b x [B, Hkv, 1, L-d, D]
             s = qg.new_full((*qg.shape[:-1], b), float("-inf"))  # [B, Hkv, G, L, b]
             for d in range(len(kd)):
                 s[..., d:, d] = (qg[..., d:, :] * kd[d]).sum(-1)
@@ -80,12 +107,12 @@ class _BlockShifted(torch.autograd.Function):
             out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [B, H, L, D], [B, H, L]
             # 2) far: causal over the second half shifted by b, merged by log-sum-exp
             if L > b:
-                o_far, lse_far = _flash(
+                o_far, lse_far = flash(
                     q[:, :, b:], k2[:, :, : L - b], v2[:, :, : L - b], 0.0, True, scale=scale
                 )
                 lse_near = lse[..., b:]
                 w_near = torch.sigmoid(lse_near - lse_far)[..., None]  # exp(lse_near - merged lse)
-                out[:, :, b:] = torch.lerp(o_far.float(), out[:, :, b:], w_near)
+                out[:, :, b:] = torch.lerp(o_far.to(acc), out[:, :, b:], w_near)
                 lse[..., b:] = torch.logaddexp(lse_near, lse_far)
         out = out.to(q.dtype)
         # the near scores and gathered rows are small ([B, H, L, b], b x [B, Hkv, L, D]): kept, not recomputed
@@ -99,13 +126,14 @@ class _BlockShifted(torch.autograd.Function):
         b, scale, n = ctx.b, ctx.scale, len(rows) // 2
         kd, vd = rows[:n], rows[n:]
         L, Hkv = q.shape[2], k2.shape[1]
-        first = _first_masks(L, b, q.device)
+        acc = _acc_dtype(q)
+        first = _first_masks(L, b, q.device, acc)
         # 1) near: dS = P (dP - rowsum(dO * O)), P from the MERGED log-sum-exp
-        qg = q.float().unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
-        g = grad.float().unflatten(1, (Hkv, -1))
+        qg = q.to(acc).unflatten(1, (Hkv, -1))  # [B, Hkv, G, L, D]
+        g = grad.to(acc).unflatten(1, (Hkv, -1))
         p = torch.exp(s - lse.unflatten(1, (Hkv, -1))[..., None])  # [B, Hkv, G, L, b]
-        delta = (g * out.float().unflatten(1, (Hkv, -1))).sum(-1, keepdim=True)  # [B, Hkv, G, L, 1]
-        dk2, dv2 = torch.zeros_like(k2, dtype=torch.float32), torch.zeros_like(v2, dtype=torch.float32)
+        delta = (g * out.to(acc).unflatten(1, (Hkv, -1))).sum(-1, keepdim=True)  # [B, Hkv, G, L, 1]
+        dk2, dv2 = torch.zeros_like(k2, dtype=acc), torch.zeros_like(v2, dtype=acc)
         for d in range(n):  # queries i >= d read key row i - d
             g_d, p_d = g[..., d:, :], p[..., d:, d, None]  # [B, Hkv, G, L-d, D], [..., 1]
             ds = p_d * ((g_d * vd[d]).sum(-1, keepdim=True) - delta[..., d:, :]) * scale  # [..., L-d, 1]
@@ -128,7 +156,7 @@ class _BlockShifted(torch.autograd.Function):
                 out[:, :, b:],
                 lse[..., b:],
             )
-            dq_f, dk_f, dv_f = _flash_backward(*far, 0.0, True, scale=scale)
+            dq_f, dk_f, dv_f = flash_ops()[1](*far, 0.0, True, scale=scale)
             dq[:, :, b:] += dq_f
             dk2[:, :, : L - b] += dk_f
             dv2[:, :, : L - b] += dv_f
@@ -136,17 +164,22 @@ class _BlockShifted(torch.autograd.Function):
         return *(x.to(q.dtype) for x in grads), None, None
 
 
-def _first_masks(L: int, b: int, device) -> list[Tensor]:
+def _acc_dtype(q: Tensor) -> torch.dtype:
+    """Where the near scores and softmax are computed: fp32 for bf16/fp16/fp32 inputs, float64 for float64."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _first_masks(L: int, b: int, device, dtype: torch.dtype) -> list[Tensor]:
     """Offset d = 0..min(b, L)-1: [L-d, 1] float, 1 where query i = p + d reads key row p from the
     first half (p inside the query's block: i mod b >= d), 0 where from the second half."""
     i = torch.arange(L, device=device)
-    return [(i[d:] % b >= d)[:, None].float() for d in range(min(b, L))]
+    return [(i[d:] % b >= d)[:, None].to(dtype) for d in range(min(b, L))]
 
 
-def _near_rows(x1: Tensor, x2: Tensor, first: list[Tensor]) -> list[Tensor]:
-    """Rows at offset d for queries i >= d (row i - d of its half), each [B, Hkv, 1, L-d, D] fp32."""
+def _near_rows(x1: Tensor, x2: Tensor, first: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """Rows at offset d for queries i >= d (row i - d of its half), each [B, Hkv, 1, L-d, D] in `dtype`."""
     L = x1.shape[2]
-    x1, x2 = x1.float(), x2.float()
+    x1, x2 = x1.to(dtype), x2.to(dtype)
     rows = [x1[:, :, None]]  # d = 0: the query's own position, always in its block
     for d in range(1, len(first)):
         rows.append(torch.where(first[d] > 0, x1[:, :, : L - d], x2[:, :, : L - d])[:, :, None])

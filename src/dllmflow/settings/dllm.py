@@ -188,7 +188,7 @@ class DFlashSection(_Section):
     target_model_id: str = Field(
         ..., min_length=1, description="Hub id or local dir of the frozen causal target."
     )
-    target_torch_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    target_torch_dtype: Literal["float32", "bfloat16", "float16", "float64"] = "bfloat16"
     block_size: int = Field(
         0, ge=0, description="Tokens per draft block; 0 reads the draft config. Must resolve >= 2."
     )

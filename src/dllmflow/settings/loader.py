@@ -52,6 +52,9 @@ ENV_DELIMITER = "__"
 
 # The merged YAML of the load in progress; pydantic-settings asks sources for data with no arguments.
 _YAML_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_YAML_DATA", default=None)
+# False while validating settings read back from a file someone else may have written (a checkpoint's or
+# an export's settings.json): its `plugins` are kept as data, never imported.
+_IMPORT_PLUGINS: contextvars.ContextVar[bool] = contextvars.ContextVar("_IMPORT_PLUGINS", default=True)
 
 
 class SettingsError(UserError, ValueError):
@@ -82,8 +85,9 @@ class Settings(BaseSettings):
         None, description="Where checkpoints, logs and settings.json go; None = runs/<name>."
     )
     # Validated before `dllm` (pydantic validates fields in definition order), so a mode a plugin
-    # registers is known when `dllm.mode` is checked; recorded in settings.json, so torchrun's
-    # children and the registered model import the same plugins. See docs/adding_a_mode.md.
+    # registers is known when `dllm.mode` is checked. Imported only from the caller's own recipe,
+    # overrides or env, and by the torchrun entry from the settings.json its launcher wrote; a
+    # checkpoint's or export's settings.json never imports anything. See docs/adding_a_mode.md.
     plugins: list[str] = Field(
         default_factory=list,
         description="Modules imported before validation, e.g. ones registering a mode (`register_mode`).",
@@ -117,6 +121,8 @@ class Settings(BaseSettings):
     @field_validator("plugins")
     @classmethod
     def _import_plugins(cls, plugins: list[str]) -> list[str]:
+        if not _IMPORT_PLUGINS.get():
+            return plugins
         for name in plugins:
             try:
                 importlib.import_module(name)
@@ -271,9 +277,11 @@ def load_settings_text(text: str, source: str = "<config>", **overrides: Any) ->
     return _load([(source, data)], overrides)
 
 
-def load_settings_json(path: str | os.PathLike) -> Settings:
+def load_settings_json(path: str | os.PathLike, import_plugins: bool = False) -> Settings:
     """Read a `settings.json` written by `Settings.write_json`. No env or YAML is consulted: what ran
-    is what was recorded."""
+    is what was recorded. Its `plugins` are not imported (a checkpoint's file must not run code here);
+    only the torchrun entry, reading the file its own launcher wrote from the caller's recipe, passes
+    `import_plugins=True`. A recorded plugin mode then needs its module imported by the caller."""
     path = Path(path)
     if not path.is_file():
         raise SettingsError(f"{path}: settings file not found")
@@ -281,12 +289,17 @@ def load_settings_json(path: str | os.PathLike) -> Settings:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise SettingsError(f"{path}: invalid JSON ({e})") from None
+    token = _IMPORT_PLUGINS.set(import_plugins)
     try:
         return Settings.model_validate(data)
     except ValidationError as e:
-        raise SettingsError(
-            format_validation_error(e, {k: str(path) for k in _flatten(data, False)})
-        ) from None
+        message = format_validation_error(e, {k: str(path) for k in _flatten(data, False)})
+        plugins = data.get("plugins") if isinstance(data, dict) else None
+        if plugins and not import_plugins:
+            message += f" (its plugins {plugins} are not imported from a recorded file: import them yourself)"
+        raise SettingsError(message) from None
+    finally:
+        _IMPORT_PLUGINS.reset(token)
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

@@ -7,7 +7,7 @@ YAML under `params/` only overrides them. Imports no torch.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -198,13 +198,11 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0.0)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
-    autocast_dtype: Literal["bfloat16", "float16", "none"] = Field(
-        "bfloat16", description="Deprecated, GPU only: autocast when train.dtype is float32; use train.dtype."
-    )
-    dtype: Literal["float32", "bfloat16"] = Field(
+    dtype: Literal["float32", "bfloat16", "float64"] = Field(
         "float32",
         description="Compute dtype: bfloat16 = FSDP2 mixed precision (fp32 reduce) or autocast; "
-        "master weights stay in model.torch_dtype.",
+        "master weights stay in model.torch_dtype. float64 (CPU only): the whole model in float64, "
+        "the golden-trajectory reference.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="Recompute decoder blocks in backward: every block (full) or every other one."
@@ -222,19 +220,15 @@ class TrainConfig(Section):
         0, description="Steps with a NaN/inf loss or grad norm to skip (no update) before the run fails."
     )
 
-    @model_validator(mode="after")
-    def _one_dtype_knob(self) -> TrainConfig:
-        legacy = self.autocast_dtype
-        if (
-            self.dtype != "float32"
-            and "autocast_dtype" in self.model_fields_set
-            and legacy not in ("none", self.dtype)
-        ):
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_autocast_dtype(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "autocast_dtype" in data:
             raise ValueError(
-                f"train.autocast_dtype={legacy} conflicts with train.dtype={self.dtype}: autocast_dtype is "
-                "deprecated (GPU only), set train.dtype alone"
+                "train.autocast_dtype was removed: set train.dtype: bfloat16 (FSDP2 mixed precision on "
+                "GPUs, autocast on one process)"
             )
-        return self
+        return data
 
 
 class PeftSection(Section):

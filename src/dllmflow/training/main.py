@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         from dllmflow.settings import load_settings_json
         from dllmflow.training.trainer import run_training
 
-        settings = load_settings_json(args.settings)
+        settings = load_settings_json(args.settings, import_plugins=True)  # written by our launcher
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         run_dir = Path(args.settings).resolve().parent
         result = run_training(settings, run_dir, resume=resume, overwrite=args.overwrite and not resume)

@@ -14,7 +14,12 @@ need; only rank 0 reads a pretrained checkpoint in full, and a GGUF file (no met
 Mixed precision (`train.dtype`, float32 by default): FSDP2 casts parameters to bf16 for compute and
 reduces gradients in fp32; DDP and a single process use autocast (CPU autocast supports bf16). The sharded
 or replicated master weights, gradients and optimizer state stay in `model.torch_dtype` (fp32 default).
-`train.autocast_dtype` is the older GPU-only knob: it still applies on CUDA when `train.dtype` is float32.
+`train.dtype: float64` (CPU only) is the reference mode of the golden trajectories: the skeleton is cast
+to float64 on meta, so weights, gradients and optimizer state are float64; the seeded init still draws
+in fp32 (the same values as a float32 run), and the corruption noise is untouched. `compute_context`
+then keeps every float32 upcast of a float64 value in float64 (`KeepFloat64`: HF's RMSNorm and rotary,
+`softmax(dtype=float32)`, the losses' `.float()`), so no float32 reduction, whose rounding depends on
+the CPU's SIMD width, enters the reference run.
 
 Activation checkpointing (`train.activation_checkpointing`): `full` recomputes every decoder block in
 backward, `selective` every other block (blocks 0, 2, 4, ...: about half the activation memory saved
@@ -29,7 +34,8 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.errors import UserError
@@ -40,7 +46,12 @@ from dllmflow.training.distributed import DistInfo, apply_ddp, decoder_blocks
 if TYPE_CHECKING:
     from dllmflow.settings import Settings
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info: DistInfo) -> nn.Module:
@@ -49,7 +60,7 @@ def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info
     check_dtype(settings, info.device)
     rng = torch.get_rng_state()  # where the eager build would start drawing
     if settings.model.gguf_file:  # transformers has no meta loader for GGUF: the eager build, as before
-        eager = apply_lora(build_mode_model(settings, tokenizer).to(info.device), settings)
+        eager = apply_lora(_master(build_mode_model(settings, tokenizer), settings).to(info.device), settings)
         return _wrap(_transform(eager, settings, info), settings, info)
     # 1) pretrained: rank 0 reads the checkpoint (seeded, so resized embedding rows match the eager build)
     state = buffers = None
@@ -61,7 +72,7 @@ def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info
             del eager
     # 2) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
-        model = apply_lora(build_mode_model(settings, tokenizer), settings)  # adapters before any sharding
+        model = apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings)  # before sharding
     model = _transform(model, settings, info)
     # 3) allocate this rank's part and fill it
     meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module)
@@ -71,13 +82,24 @@ def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info
     return _wrap(model, settings, info)
 
 
+def _master(model: nn.Module, settings: Settings) -> nn.Module:
+    """`train.dtype: float64`: the whole model in float64 (adapters added after follow the base dtype)."""
+    if settings.train.dtype != "float64":
+        return model
+    for module in model.modules():  # torch's grouped_mm has no float64 kernel: loop over the experts
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+            config._experts_implementation = "eager"
+    return model.to(torch.float64)
+
+
 def _transform(model: nn.Module, settings: Settings, info: DistInfo) -> nn.Module:
     t = settings.train
     apply_ac(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model, t.compile_backend)
     if info.distributed and settings.distributed.strategy == "fsdp2":
-        apply_fsdp(model, param_dtype=DTYPES[t.dtype] if t.dtype != "float32" else None)
+        apply_fsdp(model, param_dtype=DTYPES[t.dtype] if t.dtype == "bfloat16" else None)
     return model
 
 
@@ -139,7 +161,22 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
 
 
 def check_dtype(settings: Settings, device: torch.device) -> None:
-    """`train.dtype: bfloat16` on a device that cannot compute in it -> UserError naming the field."""
+    """`train.dtype: bfloat16` on a device that cannot compute in it, or float64 off the CPU -> UserError
+    naming the field."""
+    if settings.train.dtype == "float64" and device.type != "cpu":
+        raise UserError(
+            f"train.dtype=float64 is the CPU reference mode (golden tests); on {device.type} set "
+            "train.dtype: bfloat16 or float32"
+        )
+    dflash = getattr(settings, "dflash", None)
+    if (
+        settings.train.dtype == "float64"
+        and settings.dllm.mode == "dflash"
+        and dflash.target_torch_dtype != "float64"
+    ):
+        raise UserError(
+            "train.dtype=float64 needs the frozen target in float64: set dflash.target_torch_dtype: float64"
+        )
     if settings.train.dtype != "bfloat16":
         return
     if device.type == "cuda":
@@ -157,14 +194,29 @@ def check_dtype(settings: Settings, device: torch.device) -> None:
 
 
 def compute_context(settings: Settings, info: DistInfo) -> contextlib.AbstractContextManager:
-    """Autocast for DDP / one process under `train.dtype: bfloat16` (FSDP2 casts through its policy),
-    or the legacy GPU `train.autocast_dtype` when `train.dtype` is float32; else nothing."""
-    t = settings.train
+    """Autocast for DDP / one process under `train.dtype: bfloat16` (FSDP2 casts through its policy);
+    `KeepFloat64` under float64; else nothing. Reusable: the trainer enters it once per micro-batch."""
     fsdp = info.distributed and settings.distributed.strategy == "fsdp2"
-    if t.dtype != "float32":
-        if fsdp:
-            return contextlib.nullcontext()
-        return torch.autocast(info.device.type, dtype=DTYPES[t.dtype])
-    if info.device.type == "cuda" and t.autocast_dtype != "none":
-        return torch.autocast("cuda", dtype=DTYPES[t.autocast_dtype])
+    if settings.train.dtype == "bfloat16" and not fsdp:
+        return torch.autocast(info.device.type, dtype=torch.bfloat16)
+    if settings.train.dtype == "float64":
+        return KeepFloat64()
     return contextlib.nullcontext()
+
+
+class KeepFloat64(TorchFunctionMode):
+    """A float32 cast or compute dtype asked of a float64 tensor gives float64 instead (`x.float()`,
+    `x.to(torch.float32)`, `softmax(x, dtype=torch.float32)`, `x.new_zeros(.., dtype=torch.float32)`).
+    Model code upcasts low-precision activations this way; on a float64 model it would downcast. Values
+    that are float32 to begin with (the seeded noise, `t`, `p_mask`) stay as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
+            if func is Tensor.float:
+                return args[0]
+            if func in (Tensor.to, Tensor.type):
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)

@@ -46,7 +46,7 @@ from typing import Any
 from dllmflow.errors import UserError
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -384,10 +384,6 @@ def plan_memory(settings, world_size: int | None = None, count: ModelCount | Non
     if settings.distributed.strategy == "ddp":
         notes.append("ddp: DDP's gradient buckets add about one more copy of the gradients")
     master, compute = DTYPE_BYTES[settings.model.torch_dtype], DTYPE_BYTES[t.dtype]
-    if t.dtype == "float32" and t.autocast_dtype != "none" and master == 4:
-        notes.append(
-            f"on CUDA the legacy train.autocast_dtype={t.autocast_dtype} autocasts: activations about half"
-        )
     act = MODE_ACTIVATIONS.get(mode, ActivationShape())
     return memory_plan(
         count,

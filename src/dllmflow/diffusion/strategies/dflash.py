@@ -50,7 +50,12 @@ from dllmflow.models.wrappers import unwrap
 from .base import Batch, LossOutput, Strategy
 
 BACKENDS = ("sdpa", "flex_attention")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 class DFlashStrategy(Strategy):
