@@ -141,3 +141,35 @@ def test_export_output_replaces_its_own_staging_copy(export_dir, tmp_path, capsy
     assert cli_main(["export", "--checkpoint", str(export_dir), "--output", str(dest)]) == 0
     assert not (dest / "stale.txt").exists() and (dest / "config.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name != "dest"]  # no temp or old copy left
+
+
+# ---- other model dirs the project writes once: the tiny DFlash target, the offline SmolLM2 export ----
+
+
+@pytest.mark.parametrize("kind", ["file", "unrelated dir"])
+def test_tiny_target_dir_refuses_what_is_not_a_model(tmp_path, kind):
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+    from dllmflow.models.dflash_target import build_tiny_target
+
+    out = tmp_path / "target"
+    if kind == "file":
+        out.write_text("keep me")
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+    tok = train_bpe_tokenizer(["What is 2 + 3? The answer is 5."] * 5, 300, "<mask>", "<pad>", "<eos>")
+    with pytest.raises(OutputPathError, match=rf"{out}.*not a tiny DFlash target"):
+        build_tiny_target(out, tok)
+    assert (out if kind == "file" else out / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no temp left beside it
+
+
+def test_offline_export_refuses_a_dir_not_ours_before_reading_weights(tmp_path):
+    from dllmflow.models.offline import export_smollm2
+
+    out = tmp_path / "smollm2"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputPathError, match=rf"{out}.*not a model export"):
+        export_smollm2(out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]

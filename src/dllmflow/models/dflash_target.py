@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dllmflow.common.outputs import check_output_dir
 from dllmflow.errors import UserError
 from dllmflow.models.dflash_draft import build_target_layer_ids
 from dllmflow.models.mask_id import find_mask_id
@@ -75,6 +76,7 @@ def build_tiny_target(
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
+    check_output_dir(out, marker="config.json", kind="tiny DFlash target")  # a file / a dir not ours: refused
     tiny = TinyModelConfig(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
