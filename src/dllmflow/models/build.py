@@ -18,7 +18,7 @@ import torch
 
 from dllmflow.errors import UserError
 from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
-from dllmflow.models.meta import pretrained_kwargs
+from dllmflow.models.meta import on_meta, pretrained_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -86,16 +86,22 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
     for knob in ("dlm_paradigm", "block_size", "canvas_length"):
         if getattr(cfg, knob) is not None:
             kwargs[knob] = getattr(cfg, knob)
-    # a local dir's weight files are checked whole first; the load report names damaged tensors
-    header = {} if cfg.gguf_file or not Path(name).expanduser().is_dir() else check_checkpoint_files(name)
+    # Weights read (not the meta skeleton): a local dir's files are checked whole first, then the load
+    # report names damaged tensors (models/integrity.py). On meta no weight is read; rank 0's eager
+    # build, whose state dict fills the skeleton, is the one checked.
+    check = not on_meta()
+    local = not cfg.gguf_file and Path(name).expanduser().is_dir()
+    header = check_checkpoint_files(name) if check and local else {}
+    if check:
+        kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            name, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
-        )
+        loaded = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         hint = " (set model.trust_remote_code: true)" if "trust_remote_code" in str(e) else ""
         raise UserError(f"{field}={name!r}: cannot load the model{hint}: {str(e).splitlines()[0]}") from e
-    check_loaded_weights(model, info, header, f"{field}={name}")
+    model = loaded[0] if check else loaded
+    if check:
+        check_loaded_weights(model, loaded[1], header, f"{field}={name}")
     if cfg.gguf_file:
         # A GGUF-loaded model refuses save_pretrained (the consolidated export): keep a plain model
         # of the same class holding the dequantised weights instead.
