@@ -44,12 +44,12 @@ def test_check_generation_fits():
     model = _model(100)
     assert vocab_rows(model) == 100 and max_positions(model) == MAX_POSITIONS
     check_generation_fits(model, 56, 200, 99)  # exactly fits
-    with pytest.raises(UserError, match=r"--mask_id 100 .*outside the model's vocabulary \(0\.\.99\)"):
+    with pytest.raises(UserError, match=r"--mask-id 100 .*outside the model's vocabulary \(0\.\.99\)"):
         check_generation_fits(model, 10, 10, 100)
-    with pytest.raises(UserError, match="--mask_id -1"):
+    with pytest.raises(UserError, match="--mask-id -1"):
         check_generation_fits(model, 10, 10, -1)
     with pytest.raises(
-        UserError, match=r"--max_new_tokens 201 .*\(56 tokens\).*\(256\); use --max_new_tokens 200"
+        UserError, match=r"--max-new-tokens 201 .*\(56 tokens\).*\(256\); use --max-new-tokens 200"
     ):
         check_generation_fits(model, 56, 201, 0)
 
@@ -58,14 +58,14 @@ def test_generate_mask_id_out_of_range(ckpt, capsys):
     code = main(["generate", "--checkpoint", str(ckpt), "--prompt", "Hi", "--mask_id", "999999",
                  "--max_new_tokens", "8", "--steps", "2"])  # fmt: skip
     err = capsys.readouterr().err
-    assert code == 2 and "--mask_id 999999" in err and "Traceback" not in err
+    assert code == 2 and "--mask-id 999999" in err and "Traceback" not in err
 
 
 def test_generate_too_many_new_tokens(ckpt, capsys):
     code = main(["generate", "--checkpoint", str(ckpt), "--prompt", "Hi", "--max_new_tokens", "100000",
                  "--steps", "2"])  # fmt: skip
     err = capsys.readouterr().err
-    assert code == 2 and "--max_new_tokens 100000" in err and "max_position_embeddings (256)" in err
+    assert code == 2 and "--max-new-tokens 100000" in err and "max_position_embeddings (256)" in err
 
 
 def test_evaluate_too_many_new_tokens(tmp_path):
@@ -89,7 +89,7 @@ def test_evaluate_too_many_new_tokens(tmp_path):
     _model(len(tok)).save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
     settings.write_json(tmp_path / "ckpt" / "settings.json")
-    with pytest.raises(UserError, match=r"--max_new_tokens 4096 \(or eval\.max_new_tokens\)"):
+    with pytest.raises(UserError, match=r"--max-new-tokens 4096 \(or eval\.max_new_tokens\)"):
         evaluate(tmp_path / "ckpt")
-    with pytest.raises(UserError, match="--mask_id 5000"):
+    with pytest.raises(UserError, match="--mask-id 5000"):
         evaluate(tmp_path / "ckpt", overrides={"mask_id": 5000, "max_new_tokens": 8})

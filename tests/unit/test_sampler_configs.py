@@ -62,7 +62,7 @@ def test_an_option_the_sampler_does_not_take_is_named(name):
     with pytest.raises(ValidationError, match=option):
         SAMPLERS[name].config_cls(**{option: 1})
     if name != "nemotron":  # the KV cache belongs to nemotron alone
-        with pytest.raises(UserError, match="does not take use_kv_cache.*--no_kv_cache"):
+        with pytest.raises(UserError, match="does not take use_kv_cache.*--no-kv-cache"):
             build_sampler_config(name, {"use_kv_cache": True})
 
 

@@ -306,13 +306,13 @@ def test_mask_never_committed_even_if_model_prefers_it():
 
 
 def test_kv_cache_refused_and_mask_id_required(model, tok):
-    with pytest.raises(UserError, match="no_kv_cache"):
+    with pytest.raises(UserError, match="--no-kv-cache"):
         _llada(model, tok, use_kv_cache=True)
 
     class NoMask(_FakeTok):
         mask_token_id = None
 
-    with pytest.raises(UserError, match="--mask_id"):
+    with pytest.raises(UserError, match="--mask-id"):
         LLaDASampler(None, NoMask(), build_sampler_config("llada"))
     assert LLaDASampler(None, NoMask(), build_sampler_config("llada"), mask_id=5).mask_id == 5
 

@@ -596,7 +596,7 @@ def test_unknown_sampler_and_infill_refused_before_loading(tmp_path):
 
 @pytest.mark.parametrize("name", ["scdd", "idlm"])
 def test_kv_cache_refused(model, tok, name):
-    with pytest.raises(UserError, match="no_kv_cache"):
+    with pytest.raises(UserError, match="--no-kv-cache"):
         make(name, model, tok, use_kv_cache=True)
 
 
@@ -605,7 +605,7 @@ def test_missing_mask_id(name):
     class NoMask(_FakeTok):
         mask_token_id = None
 
-    with pytest.raises(UserError, match="--mask_id"):
+    with pytest.raises(UserError, match="--mask-id"):
         SAMPLERS[name](None, NoMask(), build_sampler_config(name, SMALL[name]))
 
 

@@ -16,14 +16,14 @@ caller decides whether nothing usable is left.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dllmflow.errors import UserError
+from dllmflow.settings.sections import DatasetConfig
 
-from .formats import ROLES, RowSpec, check_messages  # noqa: F401 - check_messages/ROLES re-exported
+from .formats import ROLES, TOO_DEEP, RowSpec, check_messages, loads_row  # noqa: F401 - re-exported
 from .gsm8k import EMBEDDED_PREFIX, GSM8K_SHA256, load_gsm8k_rows, sha256_file
 from .synthetic import ADDITION_SHA256, addition_rows
 
@@ -31,6 +31,7 @@ FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 # `embedded:<name>` -> (loader() -> rows, sha256 that identifies those rows)
 EMBEDDED = {"gsm8k": (load_gsm8k_rows, GSM8K_SHA256), "addition": (addition_rows, ADDITION_SHA256)}
 NOT_UTF8 = "malformed: line is not UTF-8 text"
+MAX_ROW_BYTES = DatasetConfig.model_fields["max_row_bytes"].default  # `dataset.max_row_bytes`
 
 
 MAX_EXAMPLES = 20  # dropped rows named one by one (file:line: field: why) in the manifest
@@ -53,15 +54,17 @@ def load_chat_rows(
     dataset_name: str | None = None,
     messages_column: str = "messages",
     spec: RowSpec | None = None,
+    max_row_bytes: int = MAX_ROW_BYTES,
 ) -> ChatSource:
     """Read and validate rows from `source` (see module docstring); `spec` = format and field mapping
-    (docs/data_formats.md), default: detect the format of each record."""
+    (docs/data_formats.md), default: detect the format of each record. A JSONL line over
+    `max_row_bytes` is dropped as malformed unread."""
     spec = spec or RowSpec.build(messages_column=messages_column)
     if source.startswith(EMBEDDED_PREFIX):
         return _load_embedded(source[len(EMBEDDED_PREFIX) :])
     path = Path(source).expanduser()
     if path.exists():
-        return _load_files(path, spec)
+        return _load_files(path, spec, max_row_bytes)
     if source.endswith(FILE_SUFFIXES) or source.startswith((".", "/", "~")):
         raise UserError(f"dataset.path_or_dataset_id: {source}: no such file or directory")
     return _load_hf(source, split, dataset_name, messages_column, spec)
@@ -92,7 +95,7 @@ def _data_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_files(path: Path, spec: RowSpec) -> ChatSource:
+def _load_files(path: Path, spec: RowSpec, max_row_bytes: int = MAX_ROW_BYTES) -> ChatSource:
     out = ChatSource(rows=[])
     digest = hashlib.sha256()
     for f in _data_files(path):
@@ -100,7 +103,7 @@ def _load_files(path: Path, spec: RowSpec) -> ChatSource:
         digest.update(f"{rel}\0{sha256_file(f)}\n".encode())
         out.files.append(str(f))
         columns: set[str] = set()
-        records = _read_parquet(f) if f.suffix == ".parquet" else _read_jsonl(f)
+        records = _read_parquet(f) if f.suffix == ".parquet" else _read_jsonl(f, max_row_bytes)
         for i, (where, rec) in enumerate(records):
             if isinstance(rec, dict):
                 columns.update(rec)
@@ -111,26 +114,39 @@ def _load_files(path: Path, spec: RowSpec) -> ChatSource:
     return out
 
 
-def _read_jsonl(path: Path):
-    yield from ((f"line {n}", rec) for n, rec in _jsonl_records(path))
+def _read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES):
+    yield from ((f"line {n}", rec) for n, rec in _jsonl_records(path, max_row_bytes))
 
 
-def _jsonl_records(path: Path):
-    # surrogateescape: a stray non-UTF-8 byte spoils its line only (counted as malformed), not the file
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+def _bounded_lines(f, max_row_bytes: int):
+    """(line number, bytes or None) per line of the binary file `f`; None for a line (newline
+    included) longer than `max_row_bytes`, whose rest is skipped in chunks, never held whole."""
+    n = 0
+    while line := f.readline(max_row_bytes + 1):
+        n += 1
+        if len(line) <= max_row_bytes:
+            yield n, line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+        yield n, None
+
+
+def _jsonl_records(path: Path, max_row_bytes: int = MAX_ROW_BYTES):
+    with open(path, "rb") as f:
+        for n, raw in _bounded_lines(f, max_row_bytes):
+            if raw is None:
+                yield n, f"malformed: line longer than dataset.max_row_bytes={max_row_bytes}"
+                continue
+            if not raw.strip():
                 continue
             try:
-                line.encode("utf-8")  # fails on a lone surrogate, i.e. a byte that was not UTF-8
-            except UnicodeEncodeError:
+                line = raw.decode("utf-8")  # a stray non-UTF-8 byte spoils its line only, not the file
+            except UnicodeDecodeError:
                 yield n, NOT_UTF8
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                rec = None  # counted as malformed by _add
-            yield n, rec if isinstance(rec, dict) else None
+            rec, reason = loads_row(line)
+            yield n, reason if reason == TOO_DEEP else rec if isinstance(rec, dict) else None
 
 
 def _read_parquet(path: Path):

@@ -17,6 +17,7 @@ A chat row is {"messages": [...]}; a text row is {"text": str}. A record that ca
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,15 +32,45 @@ REQUIRED = {
 }
 OPTIONAL = {"messages": (), "prompt_completion": ("system",), "alpaca": ("input", "system"), "text": ()}
 FORMATS = ("auto", *REQUIRED)
+# A chat row nests 3 levels ([{"role", "content"}]); far deeper is not a row, and json would recurse
+# once per level (a RecursionError at ~1000).
+MAX_JSON_DEPTH = 100
+TOO_DEEP = f"malformed: JSON nested deeper than {MAX_JSON_DEPTH} levels"
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth_over(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON `text` nests arrays/objects deeper than `limit`, without parsing it (brackets
+    inside strings do not count); linear time, no recursion."""
+    if text.count("[") + text.count("{") <= limit:  # the common case: too few brackets to matter
+        return False
+    depth = 0
+    for m in _BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def loads_row(text: str) -> tuple[Any, str | None]:
+    """(decoded JSON, None), or (None, reason) for text that is not JSON or nests too deep."""
+    if json_depth_over(text):
+        return None, TOO_DEEP
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError:
+        return None, "malformed: not JSON"
 
 
 def check_messages(value: Any) -> tuple[list[dict] | None, str | None]:
     """(clean messages, None) for a usable chat, else (None, reason). A JSON string is decoded first
     (our own shards and regenerated data store messages as JSON text)."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
+        value, reason = loads_row(value)
+        if reason == TOO_DEEP:
+            return None, reason
+        if reason:
             return None, "malformed: messages is a string that is not JSON"
     if hasattr(value, "tolist"):  # numpy arrays from parquet/pandas
         value = value.tolist()

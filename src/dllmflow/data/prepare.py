@@ -5,12 +5,17 @@
 
 Layout of `dataset.prepared_dir` (docs/contracts.md): manifest.json, tokenizer/, train/shard-*.parquet,
 eval/shard-*.parquet. The directory is built under a temporary name next to it and renamed into place,
-so a failed or interrupted run never leaves half of one. When the manifest's input fingerprint
-(dataset + tokenizer settings + source data hash) is unchanged, the existing output is reused.
+so a failed or interrupted run never leaves half of one. An existing `prepared_dir` is replaced only
+when its manifest proves it a prepared dataset: a file, an unrelated dir or another artefact is refused
+naming the path (dllmflow.common.outputs), and one `prepare` at a time holds the dir's lock. When the
+manifest's input fingerprint (dataset + tokenizer settings + source data hash) is unchanged, the
+existing output is reused. A JSONL line over `dataset.max_row_bytes` or nested too deep is a malformed
+row (data/chat.py), counted and named in the manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +24,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from dllmflow.common.outputs import LOCK_FILE, OutputPathError, check_output_dir, hold_dir_lock
 from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 
@@ -31,13 +37,15 @@ from .tokenizer import build_tokenizer, encode_chat
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
 MANIFEST = "manifest.json"
+PREPARED_DIR = "dataset.prepared_dir"
+_PREPARED_KEYS = frozenset({"format", "fingerprint", "splits", "content_hash"})  # what proves a manifest ours
 
 
 # ---- fingerprint and reuse ------------------------------------------------------------------------
 
 
 # Added after format 1 shipped: left out of the fingerprint while unset, so existing prepared data is reused.
-_NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed")
+_NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed", "max_row_bytes")
 
 
 def _settings_used(settings) -> dict:
@@ -189,12 +197,14 @@ def load_source(dcfg) -> ChatSource:
     if dcfg.mixture is None:
         spec = RowSpec.build(dcfg.format, dcfg.fields, dcfg.messages_column)
         return load_chat_rows(
-            dcfg.path_or_dataset_id, split=dcfg.split, dataset_name=dcfg.dataset_name, spec=spec
-        )
+            dcfg.path_or_dataset_id, split=dcfg.split, dataset_name=dcfg.dataset_name, spec=spec,
+            max_row_bytes=dcfg.max_row_bytes,
+        )  # fmt: skip
     parts = []
     for i, m in enumerate(dcfg.mixture):
         spec = RowSpec.build(m.format, m.fields, dcfg.messages_column, where=f"dataset.mixture[{i}]")
-        parts.append(load_chat_rows(m.path, split=m.split, dataset_name=m.dataset_name, spec=spec))
+        parts.append(load_chat_rows(m.path, split=m.split, dataset_name=m.dataset_name, spec=spec,
+                                    max_row_bytes=dcfg.max_row_bytes))  # fmt: skip
     out = ChatSource(rows=mix_rows([(p.rows, m.weight) for p, m in zip(parts, dcfg.mixture)], dcfg.seed,
                                    dcfg.mixture_rows))  # fmt: skip
     digest = hashlib.sha256()
@@ -215,26 +225,73 @@ def source_name(dcfg) -> str:
 
 
 def prepare(settings, force: bool = False) -> dict:
-    """Build (or reuse) `settings.dataset.prepared_dir`; returns the manifest."""
+    """Build (or reuse) `settings.dataset.prepared_dir`; returns the manifest. The dir is replaced only
+    when it is a prepared dataset (its manifest proves it), and by one `prepare` at a time (its lock)."""
+    out_dir = Path(settings.dataset.prepared_dir)
+    check_prepared_dir(out_dir)  # before the lock: no lock file is ever written into a dir not ours
+    created = not out_dir.exists()
+    with hold_dir_lock(out_dir, "prepare") as lock:
+        check_prepared_dir(out_dir)  # another writer may have changed it before we held the lock
+        try:
+            return _prepare_locked(settings, out_dir, force)
+        except BaseException:
+            if created and [p.name for p in out_dir.iterdir()] == [LOCK_FILE]:
+                lock.unlink()  # a failed first run leaves no dir behind, as before the lock
+                out_dir.rmdir()
+            raise
+
+
+def check_prepared_dir(out_dir: Path) -> bool:
+    """True when `out_dir` is a prepared dataset (replaceable), False when absent/empty; else
+    OutputPathError naming it (a file, an unrelated dir, another artefact's manifest.json)."""
+    ours = check_output_dir(out_dir, marker=MANIFEST, kind="prepared dataset", field=PREPARED_DIR)
+    manifest = read_manifest(out_dir) if ours else None
+    if ours and not (isinstance(manifest, dict) and _PREPARED_KEYS <= manifest.keys()):
+        raise OutputPathError(
+            f"{PREPARED_DIR} = {out_dir}: its {MANIFEST} is not a prepared dataset's (no "
+            f"{'/'.join(sorted(_PREPARED_KEYS))}); refusing to replace or delete it: choose an empty or new path"
+        )
+    return ours
+
+
+def _prepare_locked(settings, out_dir: Path, force: bool) -> dict:
     dcfg = settings.dataset
-    out_dir = Path(dcfg.prepared_dir)
     src = load_source(dcfg)
-    source = source_name(dcfg)
     used = _settings_used(settings)
     fingerprint = _fingerprint(used, src.sha256)
     existing = read_manifest(out_dir)
     if not force and _reusable(existing, fingerprint, out_dir):
         return existing
-
     # 1) split, then fit the tokenizer on training text only (no eval leakage into the BPE)
     splits = split_rows(src.rows, dcfg.eval_fraction, dcfg.limit)
     if not splits["train"]:
-        _check_usable(settings, source, [], 0, Counter(src.dropped), src.examples)
+        _check_usable(settings, source_name(dcfg), [], 0, Counter(src.dropped), src.examples)
     tok = build_tokenizer(settings, (t for r in splits["train"] for t in row_texts(r)))
-
     # 2) tokenise every row; count what is dropped and why
+    tokenized, prompt_lengths = _tokenize_splits(tok, splits, dcfg)
+    truncated = {name: len(splits[name]) - len(tokenized[name]) for name in SPLITS}
+    dropped = Counter({"malformed": 0, "empty": 0, "truncated": sum(truncated.values())})
+    for reason, n in src.dropped.items():
+        dropped[reason.split(":")[0]] += n
+    _check_splits(settings, src, splits, tokenized, prompt_lengths, dropped)
+    # 3) write everything under a temporary sibling, then swap it into place
+    manifest = {
+        "format": FORMAT_VERSION,
+        "source": {"path_or_dataset_id": source_name(dcfg), "sha256": src.sha256, "rows_read": src.num_read},
+        "fingerprint": fingerprint,
+        "dropped": dict(dropped),
+        "dropped_reasons": dict(sorted(src.dropped.items())),
+        "dropped_examples": src.examples,
+        "seq_length": dcfg.seq_length,
+        "tokenizer": _tokenizer_facts(settings, tok),
+        "settings": used,
+    }
+    return _write_prepared(out_dir, tok, tokenized, truncated, manifest, dcfg.shard_size)
+
+
+def _tokenize_splits(tok, splits: dict[str, list[dict]], dcfg) -> tuple[dict[str, list[dict]], list[int]]:
+    """The kept rows of each split, and the prompt lengths of the dropped ones (for the error)."""
     tokenized: dict[str, list[dict]] = {}
-    truncated: dict[str, int] = {}
     prompt_lengths: list[int] = []
     for name, rows in splits.items():
         kept = []
@@ -247,10 +304,12 @@ def prepare(settings, force: bool = False) -> dict:
                 else:
                     kept.append(out)
                 bar.advance()
-        tokenized[name], truncated[name] = kept, len(rows) - len(kept)
-    dropped = Counter({"malformed": 0, "empty": 0, "truncated": sum(truncated.values())})
-    for reason, n in src.dropped.items():
-        dropped[reason.split(":")[0]] += n
+        tokenized[name] = kept
+    return tokenized, prompt_lengths
+
+
+def _check_splits(settings, src: ChatSource, splits, tokenized, prompt_lengths, dropped: Counter) -> None:
+    dcfg, source = settings.dataset, source_name(settings.dataset)
     _check_usable(settings, source, prompt_lengths, len(tokenized["train"]), dropped, src.examples)
     if dcfg.eval_fraction > 0 and not tokenized["eval"]:
         raise UserError(
@@ -259,43 +318,35 @@ def prepare(settings, force: bool = False) -> dict:
             f"rows, or set it to 0 to train on every row (then evaluate on the train split)"
         )
 
-    # 3) write everything under a temporary sibling, then swap it into place
+
+def _tokenizer_facts(settings, tok) -> dict:
+    return {
+        "name": settings.tokenizer.name_or_path
+        or settings.model.pretrained_model_name_or_path
+        or f"bpe-{settings.tokenizer.train_vocab_size}",
+        "vocab_size": len(tok),
+        "mask_token": tok.mask_token,
+        "mask_token_id": tok.mask_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": tok.eos_token_id,
+    }
+
+
+def _write_prepared(out_dir: Path, tok, tokenized, truncated, manifest: dict, shard_size: int) -> dict:
+    """Shards, tokenizer and manifest (completed with splits, lengths, content hash) into a temp
+    sibling, then swapped into place: a failure leaves the previous dir as it was."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         tok.save_pretrained(str(tmp / "tokenizer"))
-        shards = {name: _write_shards(rows, tmp / name, dcfg.shard_size) for name, rows in tokenized.items()}
+        shards = {name: _write_shards(rows, tmp / name, shard_size) for name, rows in tokenized.items()}
         lengths = [len(r["input_ids"]) for r in tokenized["train"]]
-        manifest = {
-            "format": FORMAT_VERSION,
-            "source": {
-                "path_or_dataset_id": source,
-                "sha256": src.sha256,
-                "rows_read": src.num_read,
-            },
-            "fingerprint": fingerprint,
-            "splits": {
-                name: {"rows": len(tokenized[name]), "truncated": truncated[name], "shards": shards[name]}
-                for name in SPLITS
-            },
-            "dropped": dict(dropped),
-            "dropped_reasons": dict(sorted(src.dropped.items())),
-            "dropped_examples": src.examples,
-            "seq_length": dcfg.seq_length,
-            "train_lengths": {"max": max(lengths), "mean": round(sum(lengths) / len(lengths), 2)},
-            "tokenizer": {
-                "name": settings.tokenizer.name_or_path
-                or settings.model.pretrained_model_name_or_path
-                or f"bpe-{settings.tokenizer.train_vocab_size}",
-                "vocab_size": len(tok),
-                "mask_token": tok.mask_token,
-                "mask_token_id": tok.mask_token_id,
-                "pad_token_id": tok.pad_token_id,
-                "eos_token_id": tok.eos_token_id,
-            },
-            "settings": used,
-            "content_hash": content_hash(tmp),
+        manifest["splits"] = {
+            name: {"rows": len(tokenized[name]), "truncated": truncated[name], "shards": shards[name]}
+            for name in SPLITS
         }
+        manifest["train_lengths"] = {"max": max(lengths), "mean": round(sum(lengths) / len(lengths), 2)}
+        manifest["content_hash"] = content_hash(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _swap_into_place(tmp, out_dir)
     except BaseException:
@@ -305,13 +356,23 @@ def prepare(settings, force: bool = False) -> dict:
 
 
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:
-    """rename() cannot replace a non-empty directory, so move the old one aside first."""
+    """rename() cannot replace a non-empty directory, so the old one (proved ours by its manifest) is
+    moved into a fresh empty temp dir first, then deleted. The held lock file is hard-linked into the
+    new dir first: the same inode, so the lock stays held across the swap."""
+    lock = out_dir / LOCK_FILE
+    if lock.is_file():
+        with contextlib.suppress(OSError):  # no hard links on this filesystem: the lock lapses at the swap
+            os.link(lock, tmp / LOCK_FILE)
     old = None
     if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old)  # onto an empty dir of our own making: allowed, atomic
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old is not None and not out_dir.exists():
+            os.replace(old, out_dir)  # the swap failed halfway: the previous dataset goes back
+        raise
     os.chmod(out_dir, 0o755)  # mkdtemp creates 0700
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -180,6 +180,23 @@ def check_tokenizer_fits(tok, num_rows: int | None, where: str | os.PathLike) ->
             )
 
 
+def check_tokenizer_specials(tok, where: str | os.PathLike, mask_id: int | None = None) -> None:
+    """UserError naming the special tokens generation needs that `tok` lacks: an eos (where an answer
+    ends) and a mask token (what diffusion fills in; a `mask_id` resolved elsewhere will do when it is
+    one of this tokenizer's ids). A tokenizer without them decodes every answer to empty text."""
+    missing = [] if tok.eos_token_id is not None else ["eos_token"]
+    if tok.mask_token_id is None and not (mask_id is not None and 0 <= mask_id < len(tok)):
+        missing.append(
+            "mask_token"
+            + (f" (mask id {mask_id} is not one of its {len(tok)} ids)" if mask_id is not None else "")
+        )
+    if missing:
+        raise UserError(
+            f"{where}: the tokenizer has no {' and no '.join(missing)} ({len(tok)} tokens): generation needs "
+            "them; save the tokenizer the model was trained with next to its weights"
+        )
+
+
 # ---- chat -> (input_ids, loss_mask) --------------------------------------------------------------
 
 

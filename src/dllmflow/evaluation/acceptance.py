@@ -195,6 +195,7 @@ def load_dflash_pair(
     from dllmflow.inference.generate import remote_code_refusal
     from dllmflow.models.dflash_draft import load_draft
     from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
+    from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
     from dllmflow.models.limits import vocab_rows
     from dllmflow.runs import recorded_settings, resolve_checkpoint
 
@@ -204,7 +205,9 @@ def load_dflash_pair(
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     trust = trust_remote_code
     check_tokenizer_files(ckpt)
+    header = check_checkpoint_files(ckpt)  # damaged weight files: one line naming the file/tensor
     draft = load_draft(ckpt, trust_remote_code=trust, dtype=dtype)  # untrusted: weights into our class
+    check_loaded_weights(draft, None, header, ckpt)
     cfg = draft.config
     target_id = target or getattr(cfg, "target_model_id", None)
     if not target_id:
@@ -213,12 +216,17 @@ def load_dflash_pair(
         target_id = target_id[len(TINY_TARGET_PREFIX) :]
         if not (Path(target_id) / "config.json").is_file():
             raise UserError(f"tiny target {target_id} not found; run from the directory training ran in")
+    header = check_checkpoint_files(target_id) if Path(target_id).is_dir() else {}
     try:
-        tgt = AutoModelForCausalLM.from_pretrained(target_id, dtype=dtype, trust_remote_code=trust)
+        tgt, info = AutoModelForCausalLM.from_pretrained(
+            target_id, dtype=dtype, trust_remote_code=trust, output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )  # fmt: skip
     except ValueError as e:
         if "trust_remote_code" not in str(e):
             raise
         raise UserError(remote_code_refusal(target_id)) from None
+    check_loaded_weights(tgt, info, header, target_id)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     rows = vocab_rows(tgt)
     if rows is not None and getattr(cfg, "own_mask_embedding", False):

@@ -143,7 +143,7 @@ def resolve_prepared_dir(checkpoint: str | Path, settings: Any, prepared_dir: st
     if prepared_dir is None:
         if settings is None:
             raise UserError(
-                f"{checkpoint}: no settings.json next to the weights; pass --params or --prepared_dir"
+                f"{checkpoint}: no settings.json next to the weights; pass --params or --prepared-dir"
             )
         prepared_dir = settings.dataset.prepared_dir
     return Path(prepared_dir)

@@ -9,7 +9,9 @@ is the consolidated export as training wrote it (weights, configs with their `dl
 settings.json, README.md model card); an export from before cards existed gets one written from its
 settings.json. Every file is listed with its size and sha256. The folder is staged in a temp dir and
 renamed into place (`--output`) or uploaded from there with `huggingface_hub.HfApi().upload_folder`,
-so a failure leaves nothing half-written. `--dry-run` never touches the network.
+so a failure leaves nothing half-written. An existing `--output` is replaced only when it is an export
+(its config.json has the `dllm` block); a file or any other non-empty dir is refused, untouched.
+`--dry-run` never touches the network.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.common.cli_args import add_flag
+from dllmflow.common.outputs import OutputPathError, check_output_dir
 from dllmflow.errors import UserError
 from dllmflow.runs import recorded_settings, resolve_checkpoint
 
@@ -41,10 +44,10 @@ def stage_export(ckpt: str | os.PathLike, dest: str | os.PathLike, link: bool = 
     from dllmflow.models.model_card import README
 
     ckpt, dest = Path(ckpt), Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UserError(f"--output {dest} exists and is not empty; remove it or choose another dir")
+    replace = check_export_dir(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    old = None
     try:
         for src in published_files(ckpt):
             out = tmp / src.relative_to(ckpt)
@@ -52,14 +55,33 @@ def stage_export(ckpt: str | os.PathLike, dest: str | os.PathLike, link: bool = 
             _link_or_copy(src, out, link)
         if not (tmp / README).is_file():
             _write_missing_card(ckpt, tmp)
-        if dest.exists():
-            dest.rmdir()
+        if replace or dest.exists():  # our previous export (or an empty dir): moved aside, then deleted
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
+            os.replace(dest, old)  # onto an empty dir of our own making
         os.replace(tmp, dest)
     except BaseException:
+        if old is not None and not dest.exists():
+            os.replace(old, dest)  # the swap failed halfway: the previous export goes back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     os.chmod(dest, 0o755)  # mkdtemp creates 0700
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def check_export_dir(dest: Path) -> bool:
+    """True when `dest` is an export (its config.json carries our `dllm` block: replaceable), False
+    when absent or empty; else OutputPathError naming it (a file, an unrelated or other dir)."""
+    from dllmflow.models.model_card import read_dllm_block
+
+    ours = check_output_dir(dest, marker="config.json", kind="dllmflow export", field="--output")
+    if ours and read_dllm_block(dest) is None:
+        raise OutputPathError(
+            f"--output = {dest}: its config.json has no `dllm` block, so it is not a dllmflow export; "
+            "refusing to replace or delete it: choose an empty or new dir"
+        )
+    return ours
 
 
 def published_files(folder: Path) -> list[Path]:

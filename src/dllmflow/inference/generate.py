@@ -64,8 +64,9 @@ def load_for_generation(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dllmflow.data.tokenizer import check_tokenizer_files, check_tokenizer_fits
+    from dllmflow.data.tokenizer import check_tokenizer_files, check_tokenizer_fits, check_tokenizer_specials
     from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
+    from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
     from dllmflow.models.limits import vocab_rows
 
     ckpt = resolve_checkpoint(path)
@@ -78,24 +79,31 @@ def load_for_generation(
     if loader is None:
         check_remote_code(ckpt, trust_remote_code)
     check_tokenizer_files(ckpt)
+    header = check_checkpoint_files(ckpt)  # a cut-short or corrupt weight file: one line, before loading
+    info = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust_remote_code)
         if loader is not None:  # families AutoModelForCausalLM does not know (encoder + canvas decoders)
             model = loader(ckpt, dtype=dtype, device=device)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                ckpt, dtype=dtype, trust_remote_code=trust_remote_code
-            )
+        else:  # the load report names missing/unexpected/reshaped tensors (models/integrity.py)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                ckpt, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
+                ignore_mismatched_sizes=True,
+            )  # fmt: skip
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):  # transformers' wording; ours names the flag
             raise UserError(remote_code_refusal(ckpt)) from None
-        raise UserError(f"checkpoint {ckpt}: cannot load the tokenizer/model ({e})") from None
+        raise UserError(
+            f"checkpoint {ckpt}: cannot load the tokenizer/model ({str(e).strip().splitlines()[0]})"
+        ) from None
+    check_loaded_weights(model, info, header, ckpt)
     if adapter is not None:
         from dllmflow.models.lora import load_adapter
 
         model = load_adapter(model, adapter)
     check_tokenizer_fits(tokenizer, vocab_rows(model), ckpt)
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
+    check_tokenizer_specials(tokenizer, ckpt, model.config.mask_token_id)
     # Samplers read the training values they must match (scdd's schedule) from here.
     setattr(model, TRAINING_SETTINGS_ATTR, settings)
     return model.to(device).eval(), tokenizer, settings

@@ -3,7 +3,8 @@
     from dllmflow.models.build import build_model
     model = build_model(settings, tokenizer)      # fp32 master weights, vocab covers the tokenizer
 
-The tiny path (tests, CPU demo) builds a Qwen3/Llama config from `model.tiny` with vocab =
+A pretrained dir is checked on load (models/integrity.py): a truncated weight file, a missing,
+unexpected, reshaped, integer or non-finite tensor is a UserError naming it. The tiny path (tests, CPU demo) builds a Qwen3/Llama config from `model.tiny` with vocab =
 `len(tokenizer)` and the tokenizer's pad/eos/mask ids. Weights are drawn from the global RNG, so
 seed it first (the trainer seeds with `train.seed`) to get identical replicas on every rank.
 """
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllmflow.errors import UserError
-from dllmflow.models.meta import pretrained_kwargs
+from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
+from dllmflow.models.meta import on_meta, pretrained_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -84,11 +86,22 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
     for knob in ("dlm_paradigm", "block_size", "canvas_length"):
         if getattr(cfg, knob) is not None:
             kwargs[knob] = getattr(cfg, knob)
+    # Weights read (not the meta skeleton): a local dir's files are checked whole first, then the load
+    # report names damaged tensors (models/integrity.py). On meta no weight is read; rank 0's eager
+    # build, whose state dict fills the skeleton, is the one checked.
+    check = not on_meta()
+    local = not cfg.gguf_file and Path(name).expanduser().is_dir()
+    header = check_checkpoint_files(name) if check and local else {}
+    if check:
+        kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         hint = " (set model.trust_remote_code: true)" if "trust_remote_code" in str(e) else ""
         raise UserError(f"{field}={name!r}: cannot load the model{hint}: {str(e).splitlines()[0]}") from e
+    model = loaded[0] if check else loaded
+    if check:
+        check_loaded_weights(model, loaded[1], header, f"{field}={name}")
     if cfg.gguf_file:
         # A GGUF-loaded model refuses save_pretrained (the consolidated export): keep a plain model
         # of the same class holding the dequantised weights instead.

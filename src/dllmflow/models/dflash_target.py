@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dllmflow.common.outputs import check_output_dir
 from dllmflow.errors import UserError
 from dllmflow.models.dflash_draft import (
     DFlashDraftModel,
@@ -81,6 +82,7 @@ def build_tiny_target(
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
+    check_output_dir(out, marker="config.json", kind="tiny DFlash target")  # a file / a dir not ours: refused
     tiny = TinyModelConfig(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,

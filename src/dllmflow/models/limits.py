@@ -5,7 +5,7 @@
 
 Called by `dllmflow generate` and `dllmflow evaluate` before the first forward, so that a mask id
 outside the embedding (an IndexError deep in the model) or a canvas far beyond the trained
-positions (`--max_new_tokens 100000` allocates tens of GB of attention) becomes one clear error.
+positions (`--max-new-tokens 100000` allocates tens of GB of attention) becomes one clear error.
 """
 
 from __future__ import annotations
@@ -34,15 +34,17 @@ def check_generation_fits(model: Any, prompt_length: int, max_new_tokens: int, m
     rows = vocab_rows(model)
     if rows is not None and not 0 <= mask_id < rows:
         raise UserError(
-            f"--mask_id {mask_id} (or dllm.mask_token_id) is outside the model's vocabulary "
+            f"--mask-id {mask_id} (or dllm.mask_token_id) is outside the model's vocabulary "
             f"(0..{rows - 1}); pass the mask token id the model was trained with"
         )
     limit = max_positions(model)
     if limit is not None and prompt_length + max_new_tokens > limit:
+        room = limit - prompt_length  # --max-new-tokens must be >= 1: suggest it only when one fits
+        fix = (f"use --max-new-tokens {room} or less" if room >= 1
+               else "the prompt alone fills them: shorten the prompt")  # fmt: skip
         raise UserError(
-            f"--max_new_tokens {max_new_tokens} (or eval.max_new_tokens) plus the longest prompt "
-            f"({prompt_length} tokens) exceeds the model's max_position_embeddings ({limit}); "
-            f"use --max_new_tokens {max(limit - prompt_length, 0)} or less"
+            f"--max-new-tokens {max_new_tokens} (or eval.max_new_tokens) plus the longest prompt "
+            f"({prompt_length} tokens) exceeds the model's max_position_embeddings ({limit}); {fix}"
         )
 
 

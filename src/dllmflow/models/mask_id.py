@@ -30,6 +30,7 @@ def resolve_mask_id(explicit: int | None, tokenizer: Any, model: Any = None) -> 
     found = find_mask_id(explicit, tokenizer=tokenizer, model=model)
     if found is None:
         raise UserError(
-            "no mask token id: the tokenizer has no mask token and model.config.mask_token_id is unset; pass --mask_id"
+            "no mask token id: the tokenizer has no mask token and model.config.mask_token_id is unset; "
+            "pass --mask-id"
         )
     return found

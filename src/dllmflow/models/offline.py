@@ -14,8 +14,10 @@ import argparse
 import importlib.util
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
+from dllmflow.common.outputs import check_output_dir
 from dllmflow.errors import UserError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,6 +40,7 @@ def export_smollm2(out_dir: str | os.PathLike) -> Path:
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
+    check_output_dir(out, marker="config.json", kind="model export")  # a file / a dir not ours: refused
     pkg, gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
     loaded = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
@@ -46,12 +49,16 @@ def export_smollm2(out_dir: str | os.PathLike) -> Path:
     # The weights are plain fp32 now; a `quantization_config: gguf` left in config.json would make every
     # later `from_pretrained` of the dir a GGUF-"quantized" model that refuses `save_pretrained` (exports).
     plain.config.__dict__.pop("quantization_config", None)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out)
+    # a fresh temp name: never a sibling of the user's that happens to share a name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # onto nothing or an empty dir
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

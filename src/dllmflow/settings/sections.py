@@ -173,6 +173,9 @@ class DatasetConfig(Section):
     shard_size: PositiveInt = 1000
     prepared_dir: str = "data/prepared/tiny"
     drop_truncated: bool = Field(True, description="Drop rows whose response does not fit seq_length.")
+    max_row_bytes: PositiveInt = Field(
+        8 << 20, description="A JSONL line longer than this is dropped as malformed before it is parsed."
+    )
 
     @model_validator(mode="after")
     def _unshifted(self) -> DatasetConfig:

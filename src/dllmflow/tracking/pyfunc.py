@@ -3,6 +3,7 @@
     m = mlflow.pyfunc.load_model("models:/dllmflow-tiny-mdlm@champion")
     m.predict(["What is 2 + 3?"])                                   # recorded sampler and settings
     m.predict(["What is 2 + 3?"], params={"steps": 32, "threshold": 0.9})
+    m.predict(pd.DataFrame({"prompt": ["What is 2 + 3?"]}))        # one prompt string per row, else refused
 
 Artifacts: `checkpoint` (the consolidated HF dir) and `generation` (sampler name + settings recorded at
 training/evaluation time). Logged by `dllmflow.tracking.registry.register_model`. The checkpoint's own
@@ -64,11 +65,11 @@ class DllmGenerator(PythonModel):
         from dllmflow.diffusion.modes import check_sampler
         from dllmflow.tracking.pyfunc_runtime import (
             generate_texts,
-            prompts_of,
             speculative_texts,
             split_params,
         )
 
+        prompts = prompts_of(model_input)
         sampler, settings, overrides = split_params(self.generation, params)
         registered = self.generation["sampler"]
         if sampler == SPECULATIVE != registered:  # only a DFlash registration loads a draft + target
@@ -80,15 +81,53 @@ class DllmGenerator(PythonModel):
             check_sampler(self.generation.get("mode"), sampler)
         if sampler == SPECULATIVE:
             options = {**settings, **overrides}
-            return speculative_texts(self.pair, prompts_of(model_input), options.get("max_new_tokens", 128))
+            return speculative_texts(self.pair, prompts, options.get("max_new_tokens", 128))
         return generate_texts(
             self.model,
             self.tokenizer,
-            prompts_of(model_input),
+            prompts,
             sampler=sampler,
             overrides=overrides,
             **settings,
         )
+
+
+# A list becomes a DataFrame with column 0 under MLflow's signature (one unnamed string column).
+PROMPT_COLUMNS = ("prompt", 0)
+
+
+def prompts_of(model_input) -> list[str]:
+    """The prompts of `model_input`: a string, a list/array of strings, or a DataFrame with one column
+    of them (`prompt`, or the unnamed column MLflow makes of a list). Anything else (None, a number, a
+    nested list, an extra column, an empty input or prompt) is a UserError naming the row/column, never
+    a prompt made of its repr or of its first string."""
+    if isinstance(model_input, str):
+        rows = [model_input]
+    elif hasattr(model_input, "columns"):  # pandas DataFrame
+        columns = list(model_input.columns)
+        extra = [c for c in columns if c not in PROMPT_COLUMNS] or columns[1:]
+        if extra or not columns:
+            raise UserError(
+                f"unexpected column(s) {extra or columns} in the input: give one column of prompts "
+                "(named `prompt`), one prompt string per row"
+            )
+        rows = model_input[columns[0]].tolist()
+    elif isinstance(model_input, list | tuple) or hasattr(model_input, "tolist"):  # numpy arrays
+        rows = model_input.tolist() if hasattr(model_input, "tolist") else list(model_input)
+    else:
+        raise UserError(
+            f"input is a {type(model_input).__name__}: give a list of prompt strings or a DataFrame with "
+            "a `prompt` column"
+        )
+    if not rows:
+        raise UserError("no prompts in the input: give at least one prompt string")
+    for i, row in enumerate(rows):
+        if not isinstance(row, str):
+            what = "missing (None/NaN)" if row is None or row != row else type(row).__name__  # NaN != NaN
+            raise UserError(f"row {i}: {what}, not a prompt string (one prompt string per row)")
+        if not row.strip():
+            raise UserError(f"row {i}: an empty prompt")
+    return rows
 
 
 mlflow.models.set_model(DllmGenerator())

@@ -4,7 +4,7 @@ diffusion sampler or (DFlash) speculative decoding. Also the MLflow signature th
 which registration logs.
 
     sampler, settings, overrides = split_params(generation, params)   # generation.json + predict params
-    texts = generate_texts(model, tokenizer, prompts_of(model_input), sampler=sampler,
+    texts = generate_texts(model, tokenizer, prompts, sampler=sampler,      # prompts: pyfunc.prompts_of
                            overrides=overrides, **settings)
 
 Whether the sampler may decode the registered mode is `diffusion.modes.check_sampler` (an error here:
@@ -98,15 +98,6 @@ def speculative_texts(pair: tuple, prompts: list[str], max_new_tokens: int) -> l
         )
         out.append(decode_response(tokenizer, result.tokens))
     return out
-
-
-def prompts_of(model_input: Any) -> list[str]:
-    if hasattr(model_input, "columns"):  # pandas DataFrame from the signature
-        column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
-        return [str(x) for x in model_input[column].tolist()]
-    if isinstance(model_input, str):
-        return [model_input]
-    return [str(x) for x in model_input]
 
 
 # MLflow params need a typed default; a sampler knob that is unset (None) travels as this sentinel.

@@ -75,14 +75,15 @@ def build_sampler_config(
     try:
         return sampler.config_cls(**values)
     except ValidationError as e:
-        problems = "; ".join(f"--{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        flags = ("--" + ".".join(map(str, err["loc"])).replace("_", "-") for err in e.errors())
+        problems = "; ".join(f"{flag}: {err['msg']}" for flag, err in zip(flags, e.errors()))
         raise UserError(f"invalid {name} sampler settings: {problems}") from None
 
 
 def _unknown_options_message(sampler: type[Sampler], unknown: list[str]) -> str:
     if "use_kv_cache" in unknown and not sampler.supports_kv_cache:
         why = sampler.no_kv_cache_reason
-        return f"sampler {sampler.name} does not take use_kv_cache: {why}; drop it (--no_kv_cache)"
+        return f"sampler {sampler.name} does not take use_kv_cache: {why}; drop it (--no-kv-cache)"
     takes = ", ".join(sampler.config_cls.model_fields)
     return f"sampler {sampler.name} does not take {', '.join(unknown)}; its options: {takes}"
 
@@ -105,7 +106,7 @@ def resolve_mask_id(explicit: int | None, tokenizer: Any, model: Any = None) -> 
     if config_id is not None:
         return int(config_id)
     raise UserError(
-        "no mask token id: the tokenizer has no mask token and model.config.mask_token_id is unset; pass --mask_id"
+        "no mask token id: the tokenizer has no mask token and model.config.mask_token_id is unset; pass --mask-id"
     )
 
 
