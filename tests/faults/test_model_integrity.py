@@ -138,3 +138,17 @@ def test_training_from_a_damaged_pretrained_dir_is_refused(good, tmp_path, case)
     tok = load_for_generation(good, device="cpu")[1]
     with pytest.raises(UserError, match=message):
         build_model(settings, tok)
+
+
+@pytest.mark.parametrize("case", ["missing", "wrong shape", "nan"])
+def test_serving_a_damaged_causal_lm_is_refused(good, tmp_path, case):
+    """`dllmflow serve` loads through ChatEngine: the same checks, before the port opens."""
+    from dllmflow.inference.engine import ChatEngine
+
+    damage, message = CASES[case]
+    ckpt = _damaged(good, tmp_path, **damage)
+    (ckpt / "tokenizer_config.json").write_text(
+        json.dumps({**json.loads((ckpt / "tokenizer_config.json").read_text()), "chat_template": "{{ 'x' }}"})
+    )
+    with pytest.raises(UserError, match=message):
+        ChatEngine(ckpt)

@@ -79,20 +79,34 @@ class ChatEngine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
+
         path = Path(model_path)
         if not path.is_dir():
             raise UserError(
                 f"--model-path {path}: not a directory; point it at a saved HF model (config + weights)"
             )
         path = find_export(path) or path  # a run dir or checkpoint root serves its consolidated export
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        header = check_checkpoint_files(path)  # a cut-short or corrupt weight file: one line, before loading
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, dtype), output_loading_info=True, ignore_mismatched_sizes=True
+            )
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"--model-path {path}: cannot load the tokenizer/model ({str(e).strip().splitlines()[0]})"
+            ) from None
+        self.model.eval()
+        check_loaded_weights(self.model, info, header, path)  # missing/unexpected/reshaped/non-finite: named
+        if self.tokenizer.eos_token_id is None:  # a causal LM needs only an end of answer
+            raise UserError(f"--model-path {path}: the tokenizer has no eos_token; answers would never end")
         if not self.tokenizer.chat_template:
             raise UserError(
                 f"--model-path {path}: the tokenizer has no chat_template; save one with the tokenizer"
             )
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_ids = self._eos_ids()
         # transformers 5 renamed `past_key_values` to `cache`; remote-code models may still use the old name
