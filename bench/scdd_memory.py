@@ -1,4 +1,4 @@
-"""Peak memory and time of the SCDD loss forward+backward, chunked vs unchunked (spec §2.2).
+"""Peak memory and time of the SCDD loss forward+backward, chunked vs unchunked (docs/strategies.md §2.2).
 
     python bench/scdd_memory.py                       # vocab 32k, 1,024 positions, CUDA if available
     python bench/scdd_memory.py --vocab 32000 --positions 1024 --chunks 1024 256 128 --reps 3

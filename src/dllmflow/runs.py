@@ -230,7 +230,7 @@ def flow_run_dir(base: str | os.PathLike, run_id: str) -> Path:
 
 
 def checkpoint_candidates(path: str | os.PathLike) -> list[Path]:
-    """Spec §1.6 order, then our run-dir layout (`<run>/checkpoints/LATEST/model/consolidated`)."""
+    """docs/strategies.md §1.6 order, then our run-dir layout (`<run>/checkpoints/LATEST/model/consolidated`)."""
     p = Path(path)
     out = [p / CONSOLIDATED, p]
     latest = read_latest(p)

@@ -1,4 +1,4 @@
-"""`block_diffusion` strategy on a tiny real DiffusionGemmaForBlockDiffusion (spec §2.4, §3.5).
+"""`block_diffusion` strategy on a tiny real DiffusionGemmaForBlockDiffusion (docs/strategies.md §2.4, §3.5).
 
 References are computed directly here: corruption by re-drawing each row's generator in the kernel's
 order, the diffusion loss from the model's own *inference* forward (encoder over the prefix, then

@@ -1,4 +1,4 @@
-"""DiffusionGemma training masks (spec §2.4 step 6, §5 mask tests): each invariant against a direct
+"""DiffusionGemma training masks (docs/strategies.md §2.4 step 6, §5 mask tests): each invariant against a direct
 element-wise reference written here with plain Python loops."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dllmflow.diffusion.masks.block_diffusion import (
 
 
 def reference_visibility(prefix, resp, attn, R, bs, sw=None):
-    """The spec's rule, one (b, j, column) at a time."""
+    """The documented rule (docs/strategies.md §2.4), one (b, j, column) at a time."""
     B, S = attn.shape
     out = torch.zeros(B, R, S + R, dtype=torch.bool)
     for b in range(B):

@@ -1,4 +1,4 @@
-"""DLLMCollator against spec §1.3, checked position by position with a direct reference written here."""
+"""DLLMCollator against docs/strategies.md §1.3, checked position by position with a direct reference written here."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def row(n_prompt: int, n_resp: int, start: int = 10) -> dict:
 
 
 def reference(rows, bs=None, d=None, max_len=None, sup_pad=False, window=False, pad=PAD, eos=EOS):
-    """Unoptimised spec §1.3: fill ends, target length, then one rule per position."""
+    """Unoptimised docs/strategies.md §1.3: fill ends, target length, then one rule per position."""
     bs = bs if bs and bs > 1 else None
     fills = []
     for r in rows:

@@ -1,4 +1,4 @@
-"""Corruption kernels (spec §2, §5 test_corruption list): invariants, seeding, channel statistics."""
+"""Corruption kernels (docs/strategies.md §2, §5 test_corruption list): invariants, seeding, channel statistics."""
 
 from __future__ import annotations
 
@@ -353,7 +353,7 @@ def test_scdd_smallest_reachable_time_is_two_steps():
 
 @pytest.mark.parametrize(("T", "r"), [(1000, 0.1), (50, 0.3)])
 def test_scdd_draws_the_spec_stream_from_each_samples_generator(batch, T, r):
-    """Spec §2.2 + §1.3 written out: each sample's own generator draws a float32 rand(1) for t, then
+    """docs/strategies.md §2.2 + §1.3 written out: each sample's own generator draws a float32 rand(1) for t, then
     rand(1, L) for the channels, then randint(0, V-2, (1, L)) for the replacement ids, in that order."""
     x, m = batch
     V = 100
@@ -365,10 +365,10 @@ def test_scdd_draws_the_spec_stream_from_each_samples_generator(batch, T, r):
     K = V - 1
     for row, seed in enumerate(seeds):
         g = torch.Generator().manual_seed(seed)
-        u = torch.rand(1, generator=g)  # float32, as the spec's rand(B)
+        u = torch.rand(1, generator=g)  # float32, as the documented rand(B)
         u = (1 - EPS) * u + EPS
         t = torch.clamp((torch.floor(u * T) + 1) / T, max=1 - 1 / T)
-        assert torch.equal(p[row], t.expand(x.shape[1])), f"row {row}: t is not the spec's draw"
+        assert torch.equal(p[row], t.expand(x.shape[1])), f"row {row}: t is not the documented draw"
         tt = float(t.double())
         c = scale * tt**a * (1 - tt) ** b
         mask_prob, uniform_prob = tt / (1 + c), c / (1 + c) * (K - 1) / K

@@ -113,7 +113,7 @@ def test_fused_equals_dense_loss_counts_and_grads():
 
 
 def test_strategy_loss_matches_direct_reference(setup_n3):
-    """End to end against spec §2.5 written out position by position: keep, block inputs, targets and
+    """End to end against docs/strategies.md §2.5 written out position by position: keep, block inputs, targets and
     their mask from the clean ids and the sampled anchors, the draft's attention mask and positions
     element-wise, then the loop loss on the draft's own logits (float64), to 1e-5."""
     strategy, draft = setup_n3
@@ -124,7 +124,7 @@ def test_strategy_loss_matches_direct_reference(setup_n3):
     ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     anchors = batch["dflash_anchors"]
     num_blocks = anchors.shape[1]
-    # 1) pre-step from the spec: keep, block ids, targets and target mask
+    # 1) pre-step from docs/strategies.md §2.5: keep, block ids, targets and target mask
     keep = torch.zeros(2, num_blocks, dtype=torch.bool)
     block_ids = torch.full((2, num_blocks * bs), mask_id)
     targets = torch.zeros(2, num_blocks * (bs - 1), dtype=torch.long)
@@ -253,7 +253,7 @@ def test_overlap_anchors_range_and_more_blocks_than_fit():
 
 @pytest.mark.parametrize(("valid", "bs"), [(16, 4), (30, 8), (5, 4), (3, 4), (6, 4)])
 def test_overlap_anchors_are_the_spec_draw(valid, bs):
-    """Spec §2.5: a = min(max(1 + round(U (M-1)), 1), M), M = max(valid - bs, 1), U from the sample's
+    """docs/strategies.md §2.5: a = min(max(1 + round(U (M-1)), 1), M), M = max(valid - bs, 1), U from the sample's
     generator (float32 rand). Not randint(1, M+1): the two ends get half the inner weight."""
     M = max(valid - bs, 1)
     for seed in range(10):
@@ -275,7 +275,7 @@ def test_overlap_anchor_ends_get_half_the_weight():
 
 @pytest.mark.parametrize(("valid", "n_blocks", "bs"), [(30, 5, 4), (40, 3, 8), (13, 2, 4), (20, 1, 4)])
 def test_disjoint_anchors_are_the_spec_draw_when_it_fits(valid, n_blocks, bs):
-    """Spec §2.5 legacy sampler: n = min(N, max(1, (v-1)//bs)), avail = v - n·bs >= n here, starts =
+    """docs/strategies.md §2.5 legacy sampler: n = min(N, max(1, (v-1)//bs)), avail = v - n·bs >= n here, starts =
     sort(randperm(avail)[:n]) + arange(n)·bs + 1, padded to N with the last start."""
     n = min(n_blocks, max(1, (valid - 1) // bs))
     avail = valid - n * bs
@@ -390,7 +390,9 @@ def test_mask_id_resolution(tmp_path):
     assert draft.config.mask_token_id == NUM_WORDS + 2  # then the tokenizer's mask
     bare = make_tokenizer(with_mask=False)
     draft = build_mode_model(make_settings(target), bare)
-    assert draft.config.mask_token_id == NUM_WORDS + 2  # then the target's tokenizer (saved with the tiny target)
+    assert (
+        draft.config.mask_token_id == NUM_WORDS + 2
+    )  # then the target's tokenizer (saved with the tiny target)
     assert bare.mask_token_id is None
 
 

@@ -1,4 +1,4 @@
-"""`dllmflow generate`: checkpoint path resolution (spec §1.6 order + our run layout), loading, and bad
+"""`dllmflow generate`: checkpoint path resolution (docs/strategies.md §1.6 order + our run layout), loading, and bad
 input (unknown sampler, infill with a sampler that cannot, missing checkpoint, wrong mode, no mask id)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hybrid (Nemotron-Labs-Diffusion) strategy and the hybrid adapter (spec §2.3, §5, §7 caveat 5).
+"""Hybrid (Nemotron-Labs-Diffusion) strategy and the hybrid adapter (docs/strategies.md §2.3, §5, §7 caveat 5).
 
 Loss math is compared with a position-by-position reference written here; the adapter and the
 end-to-end tests run a tiny Qwen3.

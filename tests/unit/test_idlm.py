@@ -1,4 +1,4 @@
-"""I-DLM: the 2L block-diffusion mask, the two-CE loss, the strategy's checks and the curriculum (spec §2.6, §5).
+"""I-DLM: the 2L block-diffusion mask, the two-CE loss, the strategy's checks and the curriculum (docs/strategies.md §2.6, §5).
 
 Math is compared with element-wise references written here; the end-to-end tests run a tiny Qwen3.
 """
@@ -61,7 +61,7 @@ def _batch(seed=0, B=2, L=9):
 
 
 def _reference_keep(L, b, valid):
-    """Spec §2.6 written out position by position: (M_BD or M_OBC or M_BC) and valid[k mod L]."""
+    """docs/strategies.md §2.6 written out position by position: (M_BD or M_OBC or M_BC) and valid[k mod L]."""
     keep = torch.zeros(2 * L, 2 * L, dtype=torch.bool)
     for q in range(2 * L):
         for k in range(2 * L):
@@ -137,7 +137,7 @@ class FixedLogits(nn.Module):
 def _reference_loss(logits, x, loss_mask, attention_mask, alpha):
     """CE_noisy + alpha CE_clean, next-token shift, shared denominator N_sup (auto: alpha=None).
 
-    N_sup = loss_mask.sum() over the UNSHIFTED mask (spec §1.2, §2.6), not the number of scored
+    N_sup = loss_mask.sum() over the UNSHIFTED mask (docs/strategies.md §1.2, §2.6), not the number of scored
     positions (this reference used the shifted count before; the two differ when position 0 or a pad
     is supervised)."""
     B, L = x.shape

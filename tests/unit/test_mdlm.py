@@ -1,4 +1,4 @@
-"""MDLM (spec §2.1): the loss against a direct reference formula, and the strategy end to end."""
+"""MDLM (docs/strategies.md §2.1): the loss against a direct reference formula, and the strategy end to end."""
 
 from __future__ import annotations
 

@@ -32,7 +32,9 @@ def test_our_dir_may_be_replaced(tmp_path):
 def test_unrelated_dir_and_file_are_refused_naming_the_path(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(OutputPathError, match="dataset.prepared_dir = .*no manifest.json"):
-        check_output_dir(tmp_path, marker="manifest.json", kind="prepared dataset", field="dataset.prepared_dir")
+        check_output_dir(
+            tmp_path, marker="manifest.json", kind="prepared dataset", field="dataset.prepared_dir"
+        )
     f = tmp_path / "hosts"
     f.write_text("x")
     with pytest.raises(OutputPathError, match="is an existing file"):
@@ -52,7 +54,9 @@ _HOLDER = textwrap.dedent(
 
 
 def test_second_writer_is_refused_naming_the_pid_then_stale_lock_is_reported(tmp_path, capfd):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(DirLockedError, match=rf"pid {holder.pid} \(train\)"):

@@ -1,4 +1,4 @@
-"""Per-sampler configs (spec §3.1-3.6): each sampler's preset is its config class's defaults, an option
+"""Per-sampler configs (docs/strategies.md §3.1-3.6): each sampler's preset is its config class's defaults, an option
 a sampler does not take is an error naming it, generic settings it does not take are dropped, and a
 registered model's recorded settings are told apart from the caller's own `params`."""
 
@@ -17,7 +17,7 @@ class _Tok:
     mask_token_id, eos_token_id, pad_token_id = 0, 1, 2
 
 
-# The presets of spec §3.1-3.6 ("tokenizer" = the tokenizer's EOS).
+# The presets of docs/strategies.md §3.1-3.6 ("tokenizer" = the tokenizer's EOS).
 PRESETS = {
     "llada": dict(steps=128, max_new_tokens=128, block_size=128, temperature=0.0, remasking="low_confidence",
                   threshold=None, eos_token_id=None),

@@ -1,4 +1,4 @@
-"""Sampler machinery (spec §3.0/§3.1) against direct reference formulas, and the llada sampler's
+"""Sampler machinery (docs/strategies.md §3.0/§3.1) against direct reference formulas, and the llada sampler's
 properties on a tiny random Qwen3 (bidirectional forward) and on a scripted "model" whose logits the
 test controls."""
 
@@ -110,7 +110,7 @@ def test_gumbel_samples_follow_softmax():
 
 
 def _reference_transfer(logits, mask, x, k, threshold):
-    """Direct per-row loop of spec §3.0 token selection at temperature 0, low_confidence."""
+    """Direct per-row loop of docs/strategies.md §3.0 token selection at temperature 0, low_confidence."""
     probs = torch.softmax(logits.double(), -1)
     x0 = logits.argmax(-1)
     out = torch.zeros_like(mask)

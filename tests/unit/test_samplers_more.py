@@ -1,4 +1,4 @@
-"""The scdd, llada2, nemotron and idlm samplers (spec §3.2-3.6): math against direct reference formulas,
+"""The scdd, llada2, nemotron and idlm samplers (docs/strategies.md §3.2-3.6): math against direct reference formulas,
 properties on a tiny random Qwen3 (float64, so equalities are not at the mercy of near-ties), and
 scripted stand-in models whose logits the test controls."""
 
@@ -562,7 +562,7 @@ def test_native_generate_is_used_when_the_checkpoint_has_one(model, tok):
 # ---- bad input -------------------------------------------------------------------------------------
 
 
-CAPABILITIES = {  # spec §3.1-3.6
+CAPABILITIES = {  # docs/strategies.md §3.1-3.6
     "llada": dict(infill=True, kv_cache=False, batching=True),
     "scdd": dict(infill=False, kv_cache=False, batching=True),
     "llada2": dict(infill=False, kv_cache=False, batching=True),

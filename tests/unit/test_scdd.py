@@ -1,4 +1,4 @@
-"""SCDD (spec §2.2): schedule properties, the NELBO against a direct per-position reference of its
+"""SCDD (docs/strategies.md §2.2): schedule properties, the NELBO against a direct per-position reference of its
 posterior-expectation form, the r=0 reduction to MDLM, chunking, and the strategy end to end."""
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def test_strategy_end_to_end_finite_grads_and_contract():
 
 
 def test_strategy_time_is_a_float32_rand_from_each_samples_generator():
-    """Spec §2.2/§1.3: sample b's t comes from torch.Generator().manual_seed(seed_b).rand(1) (float32),
+    """docs/strategies.md §2.2/§1.3: sample b's t comes from torch.Generator().manual_seed(seed_b).rand(1) (float32),
     u <- (1-eps) u + eps, t = min((floor(u T) + 1)/T, 1 - 1/T); the strategy's p_mask carries it."""
     strategy = build_strategy(_settings(eps=1e-3))
     strategy.setup(_tiny_qwen3(), SimpleNamespace(mask_token_id=63), torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""Per-sample corruption seeds (spec §1.3): topology-independent, deterministic, distinct, 63-bit."""
+"""Per-sample corruption seeds (docs/strategies.md §1.3): topology-independent, deterministic, distinct, 63-bit."""
 
 from __future__ import annotations
 

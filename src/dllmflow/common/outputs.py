@@ -48,7 +48,9 @@ def check_output_dir(path: str | os.PathLike, *, marker: str, kind: str, field: 
     path = Path(path)
     named = f"{field} = {path}" if field else str(path)
     if path.is_symlink() and not path.exists():
-        raise OutputPathError(f"{named}: a dangling symlink, not a {kind} directory; remove it or choose another path")
+        raise OutputPathError(
+            f"{named}: a dangling symlink, not a {kind} directory; remove it or choose another path"
+        )
     if not path.exists():
         return False
     if not path.is_dir():
@@ -90,7 +92,11 @@ def hold_dir_lock(directory: str | os.PathLike, purpose: str) -> Iterator[Path]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
-            who = f"pid {holder.get('pid', '?')} ({holder.get('purpose', 'unknown')})" if holder else "another process"
+            who = (
+                f"pid {holder.get('pid', '?')} ({holder.get('purpose', 'unknown')})"
+                if holder
+                else "another process"
+            )
             raise DirLockedError(
                 f"{directory} is in use by {who}: one writer per directory; wait for it to finish or stop it"
             ) from None

@@ -1,4 +1,4 @@
-"""`DLLMCollator`: pads prepared rows into a batch with the two-stage rule of spec §1.3.
+"""`DLLMCollator`: pads prepared rows into a batch with the two-stage rule of docs/strategies.md §1.3.
 
     collate = DLLMCollator.from_settings(settings, tokenizer)
     batch = collate([ds[0], ds[1]])   # input_ids [B,T] long, loss_mask [B,T] float,

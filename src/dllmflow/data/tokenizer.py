@@ -242,7 +242,7 @@ def _assistant_mask_by_prefix(tok, messages: list[dict]) -> tuple[list[int], lis
 
 
 def keep_last_run(mask: list[int]) -> list[int]:
-    """Zero every supervised run except the last contiguous one (spec §1.3 mask_history)."""
+    """Zero every supervised run except the last contiguous one (docs/strategies.md §1.3 mask_history)."""
     out = [0] * len(mask)
     i = len(mask) - 1
     while i >= 0 and not mask[i]:

@@ -1,4 +1,4 @@
-"""Corruption kernels: clean ids + loss mask -> (noisy ids, noise mask, p_mask), spec §2.
+"""Corruption kernels: clean ids + loss mask -> (noisy ids, noise mask, p_mask), docs/strategies.md §2.
 
 Every kernel draws only from the `generator` it is given (never the global RNG), in the order the
 spec lists, and corrupts only supervised positions (`loss_mask != 0`). The trainer seeds one
@@ -44,7 +44,7 @@ def per_sample(
     """Run `kernel` on each row with its own `torch.Generator(seed)` and concatenate the outputs.
 
     One generator per row makes a sample's noise a function of its seed alone (not of the batch size
-    or of its neighbours), which is what makes corruption topology-independent (spec §1.3). The
+    or of its neighbours), which is what makes corruption topology-independent (docs/strategies.md §1.3). The
     kernels draw `[1, L]` tensors, so the padded batch length L would still shift the stream; with
     `draw_length` (the run's fixed `dataset.seq_length`) each row is drawn at that length (extra
     positions unsupervised, hence never corrupted) and cut back, so the noise no longer depends on
@@ -76,7 +76,7 @@ def corrupt_uniform(
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
 ) -> Corruption:
-    """LLaDA/MDLM masking (spec §2.1): t ~ U[0,1) per row, p = (1-eps) t + eps, mask where u < p."""
+    """LLaDA/MDLM masking (docs/strategies.md §2.1): t ~ U[0,1) per row, p = (1-eps) t + eps, mask where u < p."""
     B, L = input_ids.shape
     dev = input_ids.device
     sup = loss_mask != 0  # [B, L]
@@ -111,7 +111,7 @@ def corrupt_blockwise(
     half_life_ratio: float | None = 0.25,
     generator: torch.Generator | None = None,
 ) -> Corruption:
-    """Nemotron-Labs-Diffusion blockwise masking (spec §2.3).
+    """Nemotron-Labs-Diffusion blockwise masking (docs/strategies.md §2.3).
 
     Per block of `block_size` (the last may be short): m = eps + (1-eps) U, k = round(m len) positions
     chosen by Gumbel-top-k with log w_j = λ (1-m) j, λ = ln 2 / (h bs), so small m biases masking to
@@ -159,13 +159,13 @@ def corrupt_mix(
     *,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Absorbing + uniform channels (spec §2.2). Returns (noisy_ids, noise_mask), both [B, L].
+    """Absorbing + uniform channels (docs/strategies.md §2.2). Returns (noisy_ids, noise_mask), both [B, L].
 
     One u ~ U[0,1) per position: u < mask_prob -> [MASK]; mask_prob <= u < mask_prob + uniform_prob ->
     a token uniform over the vocabulary minus {[MASK], the clean token}. `mask_prob` / `uniform_prob`
     are floats or per-row tensors ([B] or [B, 1]). A clean token that already is [MASK] is never
     corrupted by either channel, so `noise_mask == (noisy_ids != input_ids)` exactly (we do not
-    reproduce the reference's flagging of absorbed [MASK] tokens, spec §7 caveat 2).
+    reproduce the reference's flagging of absorbed [MASK] tokens, docs/strategies.md §7 caveat 2).
     """
     if vocab_size < 3:
         raise ValueError(
@@ -210,13 +210,13 @@ def corrupt_scdd(
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
 ) -> Corruption:
-    """SCDD corruption (spec §2.2): t on the grid {1/T..(T-1)/T}, masses from the schedule at t.
+    """SCDD corruption (docs/strategies.md §2.2): t on the grid {1/T..(T-1)/T}, masses from the schedule at t.
 
     p_mask carries the TIME t (broadcast over the row), which the SCDD loss reads back.
     """
     B, L = input_ids.shape
     T = int(num_timesteps)
-    # The spec's draw: float32 `rand(B)`, and the grid index in float32 as the reference computes it.
+    # The documented draw: float32 `rand(B)`, and the grid index in float32 as the reference computes it.
     # A float64 draw would take two 32-bit words per sample from the generator and shift every later
     # draw (the per-position u and the replacement ids), so seeded runs could not match the recipe.
     u = torch.rand(B, device=input_ids.device, generator=generator)  # [B] float32
@@ -244,7 +244,7 @@ def corrupt_uniform_random(
     block_size: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Corruption:
-    """DiffusionGemma corruption (spec §2.4): random replacement tokens, no [MASK], p_mask ≡ 1.
+    """DiffusionGemma corruption (docs/strategies.md §2.4): random replacement tokens, no [MASK], p_mask ≡ 1.
 
     t = eps + (1-eps) U per row (`block_size=None`) or per block of the row; a supervised position is
     replaced with prob. t by a token uniform over the FULL vocabulary (it may equal the original).
@@ -270,7 +270,7 @@ def corrupt_all_masked(
     *,
     generator: torch.Generator | None = None,
 ) -> Corruption:
-    """I-DLM (spec §2.6): every supervised position becomes [MASK]; the prompt stays clean; p ≡ 1.
+    """I-DLM (docs/strategies.md §2.6): every supervised position becomes [MASK]; the prompt stays clean; p ≡ 1.
     Deterministic: `generator` is accepted for a uniform kernel signature and ignored."""
     noise = loss_mask != 0  # [B, L]
     noisy = torch.where(noise, torch.full_like(input_ids, mask_token_id), input_ids)

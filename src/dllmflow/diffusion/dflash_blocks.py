@@ -1,4 +1,4 @@
-"""DFlash anchor blocks as plain functions (spec §2.5): anchor sampling, block inputs, positions.
+"""DFlash anchor blocks as plain functions (docs/strategies.md §2.5): anchor sampling, block inputs, positions.
 
 Anchors are seeded per sample (never the global RNG); a block is its clean anchor token then bs-1 mask
 ids, and the draft predicts the bs-1 tokens after the anchor.
@@ -7,8 +7,8 @@ ids, and the draft predicts the bs-1 tokens after the anchor.
     block_ids, targets, tmask = build_block_inputs(ids, attn, loss_mask, anchors, keep, bs, mask_id)
     pos = block_position_ids(anchors, ctx_len, bs)                                   # [B, S + N·bs]
 
-Both samplers use the spec's draws (§2.5) from the sample's own generator; the non-overlap one runs
-per sample (its own valid length, not the batch minimum) and cannot come up short (spec §7 caveat 3).
+Both samplers use the draws of docs/strategies.md §2.5 from the sample's own generator; the non-overlap one runs
+per sample (its own valid length, not the batch minimum) and cannot come up short (docs/strategies.md §7 caveat 3).
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from torch import Tensor
 
 
 def sample_anchors_overlap(valid_len: int, num_blocks: int, block_size: int, gen: torch.Generator) -> Tensor:
-    """N independent anchors a = 1 + round(U (M-1)), U ~ U[0,1), M = max(valid-bs, 1) (spec §2.5), so
+    """N independent anchors a = 1 + round(U (M-1)), U ~ U[0,1), M = max(valid-bs, 1) (docs/strategies.md §2.5), so
     a is in [1, M] with the two ends at half the weight of the inner values. They may repeat, overlap,
     land in the prompt (those targets are masked out later), and N may exceed L/bs. [N] long"""
     max_anchor = max(valid_len - block_size, 1)
-    u = torch.rand(num_blocks, generator=gen)  # [N] float32, as the spec's rand
-    a = 1 + torch.round(u * (max_anchor - 1)).long()  # round half to even, as torch.round in the spec
+    u = torch.rand(num_blocks, generator=gen)  # [N] float32, as the documented rand
+    a = 1 + torch.round(u * (max_anchor - 1)).long()  # round half to even (torch.round)
     return a.clamp(1, max_anchor)
 
 
 def sample_anchors_disjoint(
     valid_len: int, num_blocks: int, block_size: int, gen: torch.Generator
 ) -> tuple[Tensor, int]:
-    """Up to N non-overlapping blocks inside [1, valid), the spec's legacy draw (§2.5):
+    """Up to N non-overlapping blocks inside [1, valid), the legacy draw of docs/strategies.md §2.5:
     n = min(N, max(1, (valid-1)//bs)), avail = valid - n·bs, start_i = sort(randperm(avail)[:n])_i
     + i·bs + 1 (so consecutive blocks are at least one token apart). Where that draw would come up
-    short (1 <= avail < n, the reference's shape error, spec §7 caveat 3) blocks may touch: stars and
+    short (1 <= avail < n, the reference's shape error, docs/strategies.md §7 caveat 3) blocks may touch: stars and
     bars, n distinct sorted c_i from [0, avail - 1 + n), start_i = 1 + (c_i - i) + i·bs, uniform over
     the placements. Pads to N by repeating the last start; returns (anchors [N] long, n_valid)."""
     n_valid = min(num_blocks, max(1, (valid_len - 1) // block_size))

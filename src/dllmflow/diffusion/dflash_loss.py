@@ -1,4 +1,4 @@
-"""DFlash draft loss as plain functions (spec §2.5): decay-weighted CE (paper Eq. 4), draft accuracy.
+"""DFlash draft loss as plain functions (docs/strategies.md §2.5): decay-weighted CE (paper Eq. 4), draft accuracy.
 
 The CE is a SUM over the micro-batch (the trainer divides by the global number of predicted tokens);
 accuracy is summed per offset k = 1..bs-1 and turned into rates from the global sums.
@@ -7,7 +7,7 @@ accuracy is summed per offset k = 1..bs-1 and turned into rates from the global 
     loss_sum, correct = decay_ce_dense(hidden, head, targets, mask, weights)         # or decay_ce_fused
     metric_sums = accuracy_sums(correct, mask, bs); draft_accuracy(global_metric_sums)
 
-Draft accuracy is logged for every N (spec §7 caveat 7).
+Draft accuracy is logged for every N (docs/strategies.md §7 caveat 7).
 """
 
 from __future__ import annotations

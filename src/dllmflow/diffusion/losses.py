@@ -3,9 +3,9 @@ the global token count (see `strategies/base.py`), so nothing here normalises.
 
     per_token_ce(logits, targets)                        -> [...] fp32 CE, no reduction
     mdlm_loss_sum(logits, targets, noise_mask, loss_mask, p_mask)
-        = Σ_i CE_i · 1[noise_i ∧ sup_i] / max(p_i, 1e-8)                             (spec §2.1)
+        = Σ_i CE_i · 1[noise_i ∧ sup_i] / max(p_i, 1e-8)                             (docs/strategies.md §2.1)
     scdd_loss_sum(logits, targets, noisy_ids, loss_mask, t, mask_token_id, num_timesteps, ...)
-        = Σ_i T · (ℓ_abs if z_i = [MASK] else ℓ_vis) · sup_i                          (spec §2.2)
+        = Σ_i T · (ℓ_abs if z_i = [MASK] else ℓ_vis) · sup_i                          (docs/strategies.md §2.2)
 
 SCDD needs p_θ over the whole vocabulary (no fused CE), so its [positions, V] fp32 work runs in
 checkpointed chunks of `chunk_size` positions: forward keeps only four [chunk] vectors per chunk and
@@ -117,7 +117,7 @@ def scdd_loss_sum(
     schedule_peak: float = 0.5,
     chunk_size: int | None = 1024,
 ) -> Tensor:
-    """Discrete-time SCDD NELBO summed over supervised positions (spec §2.2).
+    """Discrete-time SCDD NELBO summed over supervised positions (docs/strategies.md §2.2).
 
     logits [B, L, V], targets (clean x) / noisy_ids (z) / loss_mask [B, L], t [B] or [B, L] (the
     corruption's p_mask, which carries the time). Absorbed positions (z = M) score

@@ -1,6 +1,6 @@
 """Noise schedules as plain functions of the diffusion time t in [0, 1].
 
-SCDD (self-correcting discrete diffusion, spec §2.2) splits the marginal of a clean token x at time t
+SCDD (self-correcting discrete diffusion, docs/strategies.md §2.2) splits the marginal of a clean token x at time t
 into three masses: still x (`clean`), a uniform non-mask token (`uniform`) and [MASK] (`absorbed`):
 
     a = g τ, b = g (1-τ), c(t) = (r/(1-r)) / (τ^a (1-τ)^b) · t^a (1-t)^b

@@ -1,4 +1,4 @@
-"""Per-sample corruption seeds: a pure function of (base seed, step, global sample index), spec §1.3.
+"""Per-sample corruption seeds: a pure function of (base seed, step, global sample index), docs/strategies.md §1.3.
 
 A sample's noise must not depend on how many ranks or accumulation micro-batches the step was cut
 into, nor on what else shared its micro-batch; and a resumed run must redraw the same noise. So each
@@ -12,7 +12,7 @@ The index layout matches a distributed sampler that deals a step's global batch 
 ranks (rank r gets global positions r, r + dp_size, ...) and then cuts each rank's share into
 micro-batches in order. A loader with another layout (e.g. `dllmflow.training.data`, which hands
 each row its global position as `batch["global_index"]`) calls `seeds_from_indices` instead; either
-way the seed depends only on the sample's global position. `base_seed` is `settings.train.seed` (not a constant; spec §7 caveat 4);
+way the seed depends only on the sample's global position. `base_seed` is `settings.train.seed` (not a constant; docs/strategies.md §7 caveat 4);
 TP/CP peers share a dp_rank and so draw identical noise. 2**43 offsets the corruption stream from
 other per-sample streams that use the same index.
 

@@ -34,7 +34,7 @@ from dllmflow.common.cli_args import add_flag
 from dllmflow.errors import UserError
 from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
 
-INFILL_SPAN = 20  # [MASK] in an --infill prompt becomes this many mask tokens (spec §3.0)
+INFILL_SPAN = 20  # [MASK] in an --infill prompt becomes this many mask tokens (docs/strategies.md §3.0)
 RESPONSE_SPLITS = ("<|eot_id|>", "<|end_of_text|>", "<|start_header_id|>")
 
 

@@ -4,7 +4,7 @@ Masked-diffusion models read the whole sequence at once. A causal decoder become
 it is handed an explicit float additive mask `[B, 1, L, L]` (0 = attend, finfo.min = blocked), which
 transformers passes through as-is; a bool mask is silently wrong under `eager`, so we never use one.
 Natively bidirectional remote-code families (LLaDA, LLaDA-MoE, LLaDA2) expect a 2D mask or none:
-they get none, as in the reference recipe (spec §2.1), so padding stays visible to them.
+they get none, as in the reference recipe (docs/strategies.md §2.1), so padding stays visible to them.
 
     from dllmflow.models.attention import forward_bidirectional
     logits = forward_bidirectional(model, noisy_ids, attention_mask)   # [B, L, V]

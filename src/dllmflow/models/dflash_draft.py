@@ -1,4 +1,4 @@
-"""Our DFlash draft model (spec §2.5 "Reference draft semantics"), for drafts with no transformers class.
+"""Our DFlash draft model (docs/strategies.md §2.5 "Reference draft semantics"), for drafts with no transformers class.
 
 The draft has no token embedding and no LM head: block tokens are embedded by the frozen target's
 embedding and read out by the frozen target's head. What it owns:
@@ -51,7 +51,7 @@ class DFlashDraftConfig(Qwen3Config):
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers feeding the draft, evenly spaced from 1 to n-3 (spec §2.5): m=1 -> [n//2],
+    """Target layers feeding the draft, evenly spaced from 1 to n-3 (docs/strategies.md §2.5): m=1 -> [n//2],
     else round(1 + i·(n-4)/(m-1)). (12, 3) -> [1, 5, 9]; (36, 5) -> [1, 9, 17, 25, 33]."""
     n, m = num_target_layers, num_draft_layers
     if m == 1:

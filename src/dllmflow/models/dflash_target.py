@@ -1,4 +1,4 @@
-"""The DFlash frozen target (spec §2.5): where it lives, the tiny test target, settings resolved on it.
+"""The DFlash frozen target (docs/strategies.md §2.5): where it lives, the tiny test target, settings resolved on it.
 
 Block size, target layer ids and the mask id are resolved against the draft, the target and the
 tokenizer, in that order of precedence after the settings.

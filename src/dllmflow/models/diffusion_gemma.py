@@ -27,7 +27,7 @@ FSDP2: encoder layer i and decoder layer i share their weights, so shard each pa
 
 Export: a run from a hub/local base writes only the decoder's tensors (`model.decoder.*`, which hold
 the shared trained text weights and the self-conditioning block) plus the config with the base's
-`_name_or_path`; `load_diffusion_gemma` loads the base and overlays them (spec §1.6, §3.5). A tiny
+`_name_or_path`; `load_diffusion_gemma` loads the base and overlays them (docs/strategies.md §1.6, §3.5). A tiny
 random model has no base, so it is exported in full and loads back directly.
 """
 
@@ -57,7 +57,7 @@ HF_ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
 EXPORT_INFO = "dllmflow_export.json"  # {"format": "decoder_overlay" | "full", "base": <name_or_path>}
 DECODER_PREFIX = "model.decoder."
 ENCODER_TEXT_PREFIX = "model.encoder.language_model."
-DEFAULT_SLIDING_WINDOW = 1024  # spec §2.4 fallback when the text config has none
+DEFAULT_SLIDING_WINDOW = 1024  # docs/strategies.md §2.4 fallback when the text config has none
 # Tiny-model knobs that `model.tiny` does not carry (DiffusionGemma is always MoE and multimodal).
 TINY_NUM_EXPERTS, TINY_TOP_K_EXPERTS, TINY_SLIDING_WINDOW = 4, 2, 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -340,7 +340,7 @@ def load_diffusion_gemma(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **kwargs: Any
 ) -> DiffusionGemmaForBlockDiffusion:
     """Load an export for generation: a full directory as is; a decoder overlay onto its base
-    (`_name_or_path`), where every overlaid key must exist in the base (spec §3.5)."""
+    (`_name_or_path`), where every overlaid key must exist in the base (docs/strategies.md §3.5)."""
     from safetensors.torch import load_file
 
     path = Path(path)

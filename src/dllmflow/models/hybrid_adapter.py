@@ -1,4 +1,4 @@
-"""Give any Hugging Face decoder the Nemotron-Labs-Diffusion training interface (spec §2.3).
+"""Give any Hugging Face decoder the Nemotron-Labs-Diffusion training interface (docs/strategies.md §2.3).
 
 The hybrid strategy calls `model(input_ids=<clean x>, masked_indices=<noise mask>, ...)` and reads
 `out.logits` (diffusion) and `out.causal_logits` (AR). A real Nemotron-Labs-Diffusion checkpoint

@@ -56,7 +56,7 @@ LORA_INFO = "lora.json"  # inside the consolidated export
 ADAPTER = "default"  # peft's adapter name in parameter names (`q_proj.lora_A.default.weight`)
 # Attention + MLP projections of Qwen3 / Llama / DiffusionGemma text layers / our DFlash draft.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# config.model_type -> default targets, for families that name their projections otherwise (spec §2.1).
+# config.model_type -> default targets, for families that name their projections otherwise (docs/strategies.md §2.1).
 FAMILY_TARGETS = {
     "llada": ("q_proj", "k_proj", "v_proj", "att_proj", "attn_out", "ff_proj", "up_proj", "ff_out"),
     "llada2_moe": ("query_key_value", "dense", "gate_proj", "up_proj", "down_proj"),

@@ -1,4 +1,4 @@
-"""The [MASK] token id, looked up in one order everywhere (spec §3.0): an explicit id (a flag, the
+"""The [MASK] token id, looked up in one order everywhere (docs/strategies.md §3.0): an explicit id (a flag, the
 settings' `dllm.mask_token_id`) > the tokenizer's mask token > `model.config.mask_token_id`.
 
     mask_id = find_mask_id(settings.dllm.mask_token_id, tokenizer=tokenizer)       # None when unknown

@@ -81,14 +81,14 @@ def register_mode_config(config_cls: type[DLLMBaseConfig]) -> type[DLLMBaseConfi
 
 @register_mode_config
 class MDLMConfig(DLLMBaseConfig):
-    """LLaDA-style masked diffusion (spec §2.1)."""
+    """LLaDA-style masked diffusion (docs/strategies.md §2.1)."""
 
     mode: Literal["mdlm"] = "mdlm"
 
 
 @register_mode_config
 class SCDDConfig(DLLMBaseConfig):
-    """Self-correcting discrete diffusion (spec §2.2)."""
+    """Self-correcting discrete diffusion (docs/strategies.md §2.2)."""
 
     mode: Literal["scdd"]
     vocab_size: PositiveInt = Field(
@@ -105,7 +105,7 @@ class SCDDConfig(DLLMBaseConfig):
 
 @register_mode_config
 class HybridConfig(DLLMBaseConfig):
-    """Nemotron-Labs-Diffusion: diffusion + AR (spec §2.3)."""
+    """Nemotron-Labs-Diffusion: diffusion + AR (docs/strategies.md §2.3)."""
 
     mode: Literal["hybrid"]
     block_size: PositiveInt | None = Field(None, description="Set = blockwise corruption; unset = uniform.")
@@ -119,7 +119,7 @@ class HybridConfig(DLLMBaseConfig):
 
 @register_mode_config
 class BlockDiffusionConfig(DLLMBaseConfig):
-    """DiffusionGemma-style block diffusion (spec §2.4)."""
+    """DiffusionGemma-style block diffusion (docs/strategies.md §2.4)."""
 
     mode: Literal["block_diffusion"]
     response_window: ClassVar[bool] = True
@@ -133,14 +133,14 @@ class BlockDiffusionConfig(DLLMBaseConfig):
 
 @register_mode_config
 class DFlashConfig(DLLMBaseConfig):
-    """DFlash speculative draft on a frozen target (spec §2.5). Its knobs live in the top-level `dflash:`."""
+    """DFlash speculative draft on a frozen target (docs/strategies.md §2.5). Its knobs live in the top-level `dflash:`."""
 
     mode: Literal["dflash"]
 
 
 @register_mode_config
 class IDLMConfig(DLLMBaseConfig):
-    """Introspective diffusion: AR LM -> dLLM (spec §2.6)."""
+    """Introspective diffusion: AR LM -> dLLM (docs/strategies.md §2.6)."""
 
     mode: Literal["idlm"]
     mask_token_id: int = Field(..., ge=0, description="Explicit mask token id (I-DLM does not infer one).")

@@ -72,7 +72,7 @@ def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info
             del eager
     # 2) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
-        model = apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings)  # before sharding
+        model = apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings)  # pre-shard
     model = _transform(model, settings, info)
     # 3) allocate this rank's part and fill it
     meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module)

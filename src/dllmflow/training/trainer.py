@@ -325,4 +325,3 @@ class Trainer:
     def _print(self, msg: str) -> None:
         if self.info.is_main:
             print(msg, flush=True)
-

@@ -1,4 +1,4 @@
-"""DiffusionGemma block-diffusion training masks (spec §2.4 step 6) and the encoder's causal masks.
+"""DiffusionGemma block-diffusion training masks (docs/strategies.md §2.4 step 6) and the encoder's causal masks.
 
 The decoder's key axis is `[encoder (S) ; canvas (R)]`: the KV cache of a causal pass over the clean
 sequence, then the canvas itself. The canvas is the response window, canvas position j holding

@@ -1,4 +1,4 @@
-"""The DFlash anchor-block attention mask (spec §2.5, forward step 4).
+"""The DFlash anchor-block attention mask (docs/strategies.md §2.5, forward step 4).
 
 Queries are the N·bs block tokens of the draft; keys are `[context (S) | block_0 | ... | block_{N-1}]`.
 A query in block n (anchor a_n, keep flag keep_n) may attend:
@@ -8,7 +8,7 @@ A query in block n (anchor a_n, keep flag keep_n) may attend:
     nothing else                                      # never another block
 
 A padded (keep=False) block still sees its own block, so no row is fully masked (no NaN rows).
-The mask is always built, whatever N and the backend (spec §7 caveat 1: skipping it for N=1 lets
+The mask is always built, whatever N and the backend (docs/strategies.md §7 caveat 1: skipping it for N=1 lets
 the block read target states at and after its anchor). One predicate (`dflash_keep`) feeds both
 backends, so they cannot drift apart:
 

@@ -1,4 +1,4 @@
-"""The I-DLM 2L x 2L block-diffusion attention mask over `[x_t | x_0]` (spec §2.6).
+"""The I-DLM 2L x 2L block-diffusion attention mask over `[x_t | x_0]` (docs/strategies.md §2.6).
 
 Query/key indices run over [0, 2L): [0, L) is the noisy copy x_t, [L, 2L) the clean copy x_0. With
 block ids taken within each copy, `blk(i) = (i mod L) // b`:

@@ -1,4 +1,4 @@
-"""The sampler interface (spec §3.0): the config every sampler's own config extends, the one
+"""The sampler interface (docs/strategies.md §3.0): the config every sampler's own config extends, the one
 `build_sampler_config` path from settings and flags to a config, the `Sampler` base class, mask-id
 resolution and response trimming. The denoising math lives in `loop.py`, each sampler in its file.
 
@@ -28,7 +28,7 @@ TRAINING_SETTINGS_ATTR = "dllmflow_training_settings"
 
 class SamplerConfig(BaseModel):
     """Knobs every sampler takes. Each sampler file subclasses it with its own options, its preset
-    (spec §3.1-3.6) as the defaults. `eos_token_id: "tokenizer"` = the tokenizer's EOS."""
+    (docs/strategies.md §3.1-3.6) as the defaults. `eos_token_id: "tokenizer"` = the tokenizer's EOS."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -50,7 +50,7 @@ def build_sampler_config(
     overrides: options asked for explicitly (CLI flags, pyfunc params, Python callers); one the sampler
     does not take is a UserError naming it. defaults: generic settings shared by several samplers (the
     eval section, a registered model's recorded settings); the ones the sampler does not take are
-    dropped. `no_kv_cache=True` turns off the cache and the causal context (spec §3.7; nothing to turn
+    dropped. `no_kv_cache=True` turns off the cache and the causal context (docs/strategies.md §3.7; nothing to turn
     off for a sampler without them). `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
     no tokenizer the sampler fills it from its own.
     """
@@ -98,7 +98,7 @@ def sampler_supports(name: str, feature: Literal["infill", "kv_cache", "batching
 
 
 def resolve_mask_id(explicit: int | None, tokenizer: Any, model: Any = None) -> int:
-    """Spec §3.0 priority: explicit (`--mask_id`) > tokenizer.mask_token_id > model.config.mask_token_id."""
+    """docs/strategies.md §3.0 priority: explicit (`--mask_id`) > tokenizer.mask_token_id > model.config.mask_token_id."""
     for candidate in (explicit, getattr(tokenizer, "mask_token_id", None)):
         if candidate is not None:
             return int(candidate)

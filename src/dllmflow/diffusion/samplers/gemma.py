@@ -1,4 +1,4 @@
-"""`gemma`: DiffusionGemma's own `generate` (spec §3.5): entropy-bounded denoising of random-token
+"""`gemma`: DiffusionGemma's own `generate` (docs/strategies.md §3.5): entropy-bounded denoising of random-token
 canvases, one `canvas_length` block after another, with adaptive stopping (all upstream defaults).
 
 Only `--steps` (as `max_denoising_steps`, preset 48) and `--max_new_tokens` (preset 256) are
@@ -21,7 +21,7 @@ from .base import Sampler, SamplerConfig
 
 
 class GemmaConfig(SamplerConfig):
-    """Preset (spec §3.5): 48 denoising steps, 256 new tokens; every other knob is upstream's."""
+    """Preset (docs/strategies.md §3.5): 48 denoising steps, 256 new tokens; every other knob is upstream's."""
 
     steps: PositiveInt = Field(48, description="Passed as `max_denoising_steps`.")
     max_new_tokens: PositiveInt = 256

@@ -1,11 +1,11 @@
-"""`idlm`: Introspective Diffusion LM decoding (spec §3.6) with the standalone block sampler.
+"""`idlm`: Introspective Diffusion LM decoding (docs/strategies.md §3.6) with the standalone block sampler.
 
-I-DLM checkpoints are causal decoders trained with a next-token logit shift (spec §2.6), so the
+I-DLM checkpoints are causal decoders trained with a next-token logit shift (docs/strategies.md §2.6), so the
 canvas runs through plain causal forwards (2D all-ones mask over prompt + window) and the logit at
 position p-1 fills the [MASK] at p (`logit_shift` 1). Preset: blocks (the decode stride) of 4,
 steps 256 for 256 new tokens (4 steps a block), threshold 0.9 (the top-1 is always committed, the
 block's last step commits the rest), per-row EOS stop. No KV cache: a shifted logit would have to
-come from a position the cache already froze (spec §3.0: shift + cache is refused, so the
+come from a position the cache already froze (docs/strategies.md §3.0: shift + cache is refused, so the
 config has no cache option).
 
     sampler = IDLMSampler(model, tok, IDLMConfig(max_new_tokens=64), mask_id=M)
@@ -23,7 +23,7 @@ from .loop import BlockConfig, block_geometry, build_canvas, run_block_sampler
 
 
 class IDLMConfig(BlockConfig):
-    """Preset (spec §3.6): 256 new tokens in blocks of 4 (the decode stride), 4 steps a block,
+    """Preset (docs/strategies.md §3.6): 256 new tokens in blocks of 4 (the decode stride), 4 steps a block,
     threshold 0.9, EOS stop at the tokenizer's EOS; the rest as `BlockConfig`."""
 
     steps: PositiveInt = 256
@@ -39,7 +39,7 @@ class IDLMSampler(Sampler):
     supports_infill = False
     supports_kv_cache = False
     supports_batching = True
-    # Checkpoints trained with the next-token shift (spec §2.6): position p reads the logit of p - 1.
+    # Checkpoints trained with the next-token shift (docs/strategies.md §2.6): position p reads the logit of p - 1.
     logit_shift = 1
 
     no_kv_cache_reason = (

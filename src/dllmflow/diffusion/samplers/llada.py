@@ -1,4 +1,4 @@
-"""`llada`: LLaDA's standalone masked-diffusion sampler (spec §3.1), no KV cache.
+"""`llada`: LLaDA's standalone masked-diffusion sampler (docs/strategies.md §3.1), no KV cache.
 
 Semi-autoregressive blocks over each row's own generation window, a transfer schedule per block,
 low-confidence or random remasking, Gumbel sampling with temperature, an optional confidence
@@ -23,7 +23,7 @@ from .loop import BlockConfig, block_geometry, build_canvas, run_block_sampler, 
 
 
 class LLaDAConfig(BlockConfig):
-    """Preset (spec §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
+    """Preset (docs/strategies.md §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
     remasking, no threshold, no EOS stop (the output is trimmed afterwards); the rest as `BlockConfig`."""
 
     block_size: PositiveInt | None = 128

@@ -1,4 +1,4 @@
-"""`llada2`: LLaDA2 block refinement (spec §3.3), with LLaDA2.1's token editing.
+"""`llada2`: LLaDA2 block refinement (docs/strategies.md §3.3), with LLaDA2.1's token editing.
 
 A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_length, steps, ...)`
 (LLaDA2.x) is decoded with it, one prompt at a time. Otherwise the same algorithm runs here, on a batch
@@ -51,7 +51,7 @@ RefineForward = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 
 
 class LLaDA2Config(SamplerConfig):
-    """Preset (spec §3.3): blocks of 32, 32 steps EACH, greedy, threshold 0.5, editing off."""
+    """Preset (docs/strategies.md §3.3): blocks of 32, 32 steps EACH, greedy, threshold 0.5, editing off."""
 
     steps: PositiveInt = Field(32, description="Step budget of each block (not a total).")
     block_size: PositiveInt | None = 32

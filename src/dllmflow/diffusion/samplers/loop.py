@@ -1,4 +1,4 @@
-"""The shared denoising loop of the [MASK]-filling samplers (spec §3.0): transfer schedule, token
+"""The shared denoising loop of the [MASK]-filling samplers (docs/strategies.md §3.0): transfer schedule, token
 selection with the Gumbel trick, logit shift, block geometry and canvas, the standalone
 semi-autoregressive block sampler (`llada`, `idlm`), infill (`llada`), and the left-padded canvas of
 block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the sampler files call them.
@@ -7,7 +7,7 @@ block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the 
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
     x, nfe, row_nfe = run_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator)
 
-Departures from the reference, on purpose (spec §7 caveat 6): with a threshold the last step of a
+Departures from the reference, on purpose (docs/strategies.md §7 caveat 6): with a threshold the last step of a
 block commits every remaining [MASK] of that block (never a stranded mask), and the EOS stop is per
 row (a finished row stops changing; the batch stops when every row is done). The [MASK] column is
 never a candidate token, so a committed position can never hold [MASK].
@@ -35,7 +35,7 @@ ForwardFn = Callable[[Tensor, Tensor], Tensor]
 
 
 class BlockConfig(SamplerConfig):
-    """Knobs of block-wise [MASK] filling with this loop (llada, nemotron, idlm; spec §3.0 defaults)."""
+    """Knobs of block-wise [MASK] filling with this loop (llada, nemotron, idlm; docs/strategies.md §3.0 defaults)."""
 
     block_size: PositiveInt | None = 32
     temperature: NonNegativeFloat = 0.0
@@ -83,7 +83,7 @@ def get_transfer_index(
     threshold: float | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Pick the tokens to commit this step (spec §3.0 "Token selection").
+    """Pick the tokens to commit this step (docs/strategies.md §3.0 "Token selection").
 
     logits [B, L, V], mask_index [B, L] bool (the candidates), x [B, L], k [B] (tokens to commit per
     row). Returns (x0 [B, L]: proposals on candidates, x elsewhere; transfer [B, L] bool). With a
@@ -140,7 +140,7 @@ class BlockGeometry:
 def block_geometry(
     max_new_tokens: int, block_size: int | None, steps: int, use_kv_cache: bool
 ) -> BlockGeometry:
-    """Spec §3.0 step 1. With the cache G is a whole number of blocks and steps a multiple of nb."""
+    """docs/strategies.md §3.0 step 1. With the cache G is a whole number of blocks and steps a multiple of nb."""
     bs = block_size or max_new_tokens
     if use_kv_cache:
         g = (max_new_tokens // bs) * bs or bs
@@ -218,7 +218,7 @@ def run_block_sampler(
     generator: torch.Generator | None = None,
     logit_shift: int = 0,
 ) -> tuple[Tensor, int, Tensor]:
-    """Semi-autoregressive block decoding without a KV cache (spec §3.0 step 4, no-cache path), in place
+    """Semi-autoregressive block decoding without a KV cache (docs/strategies.md §3.0 step 4, no-cache path), in place
     on `canvas.x`. Block j of row b covers [P_b + j*bs, P_b + min((j+1)*bs, G)). Returns (x [B, T],
     nfe = forward calls, row_nfe [B] = forwards made while the row still had masks to fill).
     logit_shift: position p reads logits[p - shift] (I-DLM's next-token checkpoints: 1)."""
@@ -283,7 +283,7 @@ def run_infill(
     generator: torch.Generator | None = None,
     logit_shift: int = 0,
 ) -> tuple[Tensor, Tensor, int]:
-    """Fill every [MASK] of `seqs` in place (spec §3.0 "Infill"): blocks of `block_size` over the whole
+    """Fill every [MASK] of `seqs` in place (docs/strategies.md §3.0 "Infill"): blocks of `block_size` over the whole
     sequence, the transfer schedule per block, full forwards (logit shift applied), no threshold.
     Returns (x [B, T], lengths [B], nfe)."""
     lengths = torch.tensor([len(s) for s in seqs], device=device)  # [B]

@@ -1,4 +1,4 @@
-"""`nemotron`: Nemotron-Labs-Diffusion block decoding with a KV cache (spec §3.4).
+"""`nemotron`: Nemotron-Labs-Diffusion block decoding with a KV cache (docs/strategies.md §3.4).
 
 A checkpoint that ships its own remote-code `generate(..., block_length, causal_context, ...)`
 (returning `(ids, nfe)`) is decoded with it, one prompt at a time. Our hybrid checkpoints are plain
@@ -18,7 +18,7 @@ With the KV cache (preset) the prompt is prefilled once, each step runs only the
 against the cache, and a finished block is appended with one more forward (whose last logit is the
 next block's seed). Without it (`--no_kv_cache`, or `use_kv_cache=False`) every forward runs over the
 whole canvas with the same 4D mask, so both paths compute the same logits and greedy decoding gives
-the same tokens. `--no_kv_cache` also turns `causal_context` off (spec §3.7); set `causal_context`
+the same tokens. `--no_kv_cache` also turns `causal_context` off (docs/strategies.md §3.7); set `causal_context`
 yourself to compare the two paths.
 
     sampler = NemotronSampler(model, tok, NemotronConfig(max_new_tokens=256))
@@ -52,7 +52,7 @@ from .loop import (
 
 
 class NemotronConfig(BlockConfig):
-    """Preset (spec §3.4): 1024 steps for 1024 new tokens in blocks of 32, KV cache on, causal prompt
+    """Preset (docs/strategies.md §3.4): 1024 steps for 1024 new tokens in blocks of 32, KV cache on, causal prompt
     context with the AR seed, threshold 0.9, EOS stop at the tokenizer's EOS."""
 
     steps: PositiveInt = 1024

@@ -1,10 +1,10 @@
-"""`scdd`: the ancestral sampler of self-correcting discrete diffusion (spec §3.2).
+"""`scdd`: the ancestral sampler of self-correcting discrete diffusion (docs/strategies.md §3.2).
 
 Every canvas position is redrawn at every step from the exact reverse posterior q(z_s | z_t, x ~ p_θ)
 of the SCDD forward process, walking t from 1 down to eps over `steps` steps. Per step s < t the
 forward process keeps a visible token with probability α' = clean_t/clean_s, redraws it uniformly
 over the K = V-1 non-mask tokens with β' = γ_t/γ_s - α', and masks it with η = 1 - α' - β' (the
-sampler's mass ratios, not training's ρ ratios: spec §7 caveat 8). The posterior, with p = p_θ:
+sampler's mass ratios, not training's ρ ratios: docs/strategies.md §7 caveat 8). The posterior, with p = p_θ:
 
     visible c:  q(v) ∝ (clean_s p(v) + uniform_s/K) (α' δ_vc + β'/K),   q([MASK]) = 0
     masked:     q(v) = η (clean_s p(v) + uniform_s/K) / absorbed_t,     q([MASK]) = absorbed_s / absorbed_t
@@ -38,7 +38,7 @@ SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
 
 
 class SCDDConfig(SamplerConfig):
-    """Preset (spec §3.2): 128 steps for 128 new tokens at temperature 1. The schedule must be the
+    """Preset (docs/strategies.md §3.2): 128 steps for 128 new tokens at temperature 1. The schedule must be the
     training one (unset = the checkpoint's); `eps` is the last time of the walk from t = 1."""
 
     temperature: NonNegativeFloat = 1.0

@@ -9,7 +9,7 @@ loss of a given corruption can be computed and the denominators are global befor
     out = strategy.loss(model, batch)                 # 3) summed losses per term (graph attached)
     total = sum(out.weight(k) * out.sums[k] / max(global_counts[k], 1) for k in out.sums)
 
-So the loss does not depend on world size or gradient accumulation (spec §1.3).
+So the loss does not depend on world size or gradient accumulation (docs/strategies.md §1.3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`block_diffusion`: DiffusionGemma SFT (spec §2.4) on transformers' DiffusionGemmaForBlockDiffusion.
+"""`block_diffusion`: DiffusionGemma SFT (docs/strategies.md §2.4) on transformers' DiffusionGemmaForBlockDiffusion.
 
 Per micro-batch (the trainer calls these three in order, see `strategies/base.py`):
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SELECTION_STREAM = 2**42  # per-sample stream of the canvas-block choice (spec §1.3's +2^42)
+SELECTION_STREAM = 2**42  # per-sample stream of the canvas-block choice (docs/strategies.md §1.3's +2^42)
 SELF_COND_STREAM = 2**41  # per-sample stream of the self-conditioning coin
 _MASK63 = 2**63 - 1
 
@@ -71,7 +71,7 @@ def uniform_per_sample(seeds: list[int], stream: int) -> Tensor:
 
 
 def check_single_turn(loss_mask: Tensor) -> None:
-    """Raise if a row has more than one supervised run (multi-turn supervision, spec §1.3 guard)."""
+    """Raise if a row has more than one supervised run (multi-turn supervision, docs/strategies.md §1.3 guard)."""
     sup = loss_mask != 0  # [B, L]
     runs = sup[:, 0].long() + (sup[:, 1:] & ~sup[:, :-1]).sum(dim=1)  # [B]
     bad = torch.nonzero(runs > 1).flatten().tolist()
@@ -117,7 +117,7 @@ def build_response_window(
     selection_u: Tensor,
     pad_token_id: int = 0,
 ) -> dict[str, Tensor]:
-    """Spec §2.4 steps 2-5: the canvas = the response window, one selected block per example.
+    """docs/strategies.md §2.4 steps 2-5: the canvas = the response window, one selected block per example.
 
     Canvas position j of row b is absolute position prefix_b + j; valid iff j < R_b, where
     R_b = Σ attention_mask - prefix_b. `selection_u` [B] in [0, 1) picks block floor(u · nvb_b).

@@ -1,4 +1,4 @@
-"""`dflash`: train a speculative block-diffusion draft on a frozen causal target (spec §2.5).
+"""`dflash`: train a speculative block-diffusion draft on a frozen causal target (docs/strategies.md §2.5).
 
 Per micro-batch the strategy samples anchor blocks (seeded per sample, never the global RNG), runs the
 frozen target once under no_grad for the hidden states of the chosen layers, and trains the draft to
@@ -14,7 +14,7 @@ of paper Eq. 4 summed here and divided by the global number of predicted tokens 
 The math lives in plain-function modules: anchors and block inputs in `diffusion/dflash_blocks.py`,
 the decay CE and draft accuracy in `diffusion/dflash_loss.py`, the target (`tiny:<dir>`, hub id or
 local dir), the resolved settings and the draft builder in `models/dflash_target.py`. Deliberate differences from the
-reference code (spec §7): the block mask is always built (1), the non-overlap sampler is per sample
+reference code (docs/strategies.md §7): the block mask is always built (1), the non-overlap sampler is per sample
 and cannot fail (3), draft accuracy is logged for every N (7).
 """
 
@@ -201,7 +201,7 @@ class DFlashStrategy(Strategy):
                 block_ids.clamp(max=self.target_embed.weight.shape[0] - 1)
             )  # [B, N·bs, d]
         extra = {"mask_positions": block_ids == self.mask_token_id} if self._own_mask_embedding else {}
-        # 3) positions and the block mask: always built (spec §7 caveat 1)
+        # 3) positions and the block mask: always built (docs/strategies.md §7 caveat 1)
         pos = block_position_ids(anchors, ctx_len, bs)  # [B, S + N·bs]
         if flex:
             attn = dflash_block_mask(anchors, keep, ctx_len, bs)

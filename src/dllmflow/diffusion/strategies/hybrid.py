@@ -1,4 +1,4 @@
-"""`hybrid`: Nemotron-Labs-Diffusion, a diffusion loss plus an AR loss on one model (spec §2.3).
+"""`hybrid`: Nemotron-Labs-Diffusion, a diffusion loss plus an AR loss on one model (docs/strategies.md §2.3).
 
 Corruption masks supervised positions only: uniformly (one level per sequence) when `dllm.block_size`
 is unset, else blockwise (exactly k = round(m len) per block, biased to later positions). The model
@@ -9,7 +9,7 @@ any HF causal LM gets that interface from `dllmflow.models.hybrid_adapter`. Two 
     ar        = sum_{i>=1} CE(causal_{i-1}, x_i) m_sup_i                  -> / N_sup (all supervised tokens)
 
 `ar_loss_alpha` weights the DIFFUSION term, and the AR denominator counts every supervised token while
-its numerator skips position 0: both as in the reference (spec §7 caveat 5). `dllm_loss` logs
+its numerator skips position 0: both as in the reference (docs/strategies.md §7 caveat 5). `dllm_loss` logs
 alpha * diffusion. Run: `dllmflow train --params params/tiny_hybrid.yaml`.
 """
 
@@ -129,7 +129,7 @@ def hybrid_loss_sums(
     p_mask: Tensor,  # [B, L] masking probability
     loss_mask: Tensor,  # [B, L]
 ) -> tuple[Tensor, Tensor]:
-    """Summed (unnormalised) diffusion and AR losses of spec §2.3."""
+    """Summed (unnormalised) diffusion and AR losses of docs/strategies.md §2.3."""
     L = input_ids.shape[1]
     # 1) diffusion: the MDLM sum, 1/p importance weight on corrupted supervised positions
     diffusion = mdlm_loss_sum(logits, input_ids, noise_mask, loss_mask, p_mask)

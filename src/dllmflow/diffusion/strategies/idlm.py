@@ -1,4 +1,4 @@
-"""`idlm`: Introspective Diffusion LM, converting an AR LM into a dLLM (spec §2.6).
+"""`idlm`: Introspective Diffusion LM, converting an AR LM into a dLLM (docs/strategies.md §2.6).
 
 Every supervised position of x is masked (z); the model reads `[z | x]` (length 2L, position ids
 `[0..L-1, 0..L-1]`) under the block-diffusion mask of `dllmflow.diffusion.masks.idlm`. With the
@@ -8,10 +8,10 @@ Dream-style next-token shift, logit i predicts token i+1 in both copies:
     noisy    = sum_i CE(logits[:, i],     x[i+1]) sup_i   -> / N_sup   (the dLLM term)
     clean    = sum_i CE(logits[:, L + i], x[i+1]) sup_i   -> / N_sup, weighted by alpha
     alpha    = clean_loss_weight, or stopgrad(noisy / clean) with auto_balance_clean_loss
-    N_sup    = global count of loss_mask != 0, UNSHIFTED and not gated by valid (spec §1.2, §2.6)
+    N_sup    = global count of loss_mask != 0, UNSHIFTED and not gated by valid (docs/strategies.md §1.2, §2.6)
 
 so N_sup counts one more token than sum_i sup_i when position 0 is supervised, and every supervised
-pad (`supervise_padding`) although no pad is scored; that is the spec's denominator.
+pad (`supervise_padding`) although no pad is scored; that is the documented denominator (docs/strategies.md §2.6).
 
 Attention backend (`idlm_attention_backend`, chosen in `setup`): flex_attention with a BlockMask on
 GPU; on CPU (flex has no backward there) the split sdpa of `dllmflow.models.split_attention`: the
@@ -115,7 +115,7 @@ class IDLMStrategy(Strategy):
         return {"noisy_input_ids": z, "noise_mask": noise, "p_mask": p}
 
     def token_counts(self, batch: Batch) -> dict[str, Tensor]:
-        # N_sup is the recipe's "supervised" count, Σ loss_mask over the unshifted mask (spec §2.6),
+        # N_sup is the recipe's "supervised" count, Σ loss_mask over the unshifted mask (docs/strategies.md §2.6),
         # not Σ sup_i of the shifted numerator.
         n = (batch["loss_mask"] != 0).sum()
         return {"noisy": n, "clean": n}

@@ -1,4 +1,4 @@
-"""`mdlm`: LLaDA-style masked diffusion (spec §2.1).
+"""`mdlm`: LLaDA-style masked diffusion (docs/strategies.md §2.1).
 
 Corruption: one level t ~ U[0,1) per sample, p = (1-eps) t + eps, each supervised position becomes
 [MASK] with probability p. The model reads the noisy ids with bidirectional attention (padding keys

@@ -1,4 +1,4 @@
-"""`scdd`: self-correcting discrete diffusion (spec §2.2), a LLaDA backbone that can also rewrite
+"""`scdd`: self-correcting discrete diffusion (docs/strategies.md §2.2), a LLaDA backbone that can also rewrite
 visible tokens it got wrong.
 
 Corruption: t on the grid {1/T, ..., (T-1)/T}; each supervised token becomes [MASK] with the schedule's
