@@ -55,7 +55,7 @@ def _eager_and_meta(strategy, tok, settings):
     eager = build_mode_model(settings, tok)
     after = torch.get_rng_state()
     torch.manual_seed(settings.train.seed)
-    built = build_parallel_model(strategy, tok, settings, CPU)
+    built = build_parallel_model(tok, settings, CPU)
     assert torch.equal(after, torch.get_rng_state())  # the RNG ends where the eager build leaves it
     return eager, built
 
@@ -99,7 +99,7 @@ def _loss_and_grads(mode: str, ac: str, tmp_path: Path):
         settings = _settings(mode, dataset={"seq_length": 32})
     strategy = build_strategy(settings)
     torch.manual_seed(0)
-    model = build_parallel_model(strategy, tok, settings, CPU)
+    model = build_parallel_model(tok, settings, CPU)
     apply_ac(model, ac)
     strategy.setup(model, tok, torch.device("cpu"))
     batch = make_batch(bsz=2, seq_len=32 if mode == "block_diffusion" else 24)

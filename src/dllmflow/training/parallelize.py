@@ -1,7 +1,7 @@
 """Build the trainable model on the meta device and parallelise it before any weight is allocated.
 
     torch.manual_seed(settings.train.seed)
-    model = build_parallel_model(strategy, tokenizer, settings, dist_info)   # the one call of the trainer
+    model = build_parallel_model(tokenizer, settings, dist_info)   # the one call of the trainer
     with compute_context(settings, dist_info): loss = strategy.loss(model, batch)
 
 Order (torchtitan's): build on meta -> `apply_ac` -> `apply_compile` -> `apply_fsdp` (per decoder block,
@@ -54,7 +54,7 @@ DTYPES = {
 }
 
 
-def build_parallel_model(strategy: Any, tokenizer: Any, settings: Settings, info: DistInfo) -> nn.Module:
+def build_parallel_model(tokenizer: Any, settings: Settings, info: DistInfo) -> nn.Module:
     """`build_mode_model(settings, tokenizer)` built on meta, transformed, sharded/replicated, materialised on
     `info.device` and filled. Seed the global RNG first: a random init is drawn from it, as eagerly."""
     check_dtype(settings, info.device)

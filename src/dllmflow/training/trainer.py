@@ -195,7 +195,7 @@ class Trainer:
         self.strategy = build_strategy(s)
         # meta build -> LoRA adapters -> activation checkpointing / compile / FSDP2 -> materialise ->
         # init or load (-> DDP)
-        self.model = build_parallel_model(self.strategy, self.tokenizer, s, info)
+        self.model = build_parallel_model(self.tokenizer, s, info)
         self.strategy.setup(self.model, self.tokenizer, info.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.model.train()
