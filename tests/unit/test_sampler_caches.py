@@ -91,7 +91,7 @@ def test_exact_cache_gives_the_uncached_tokens(model, tok, name, over):
     ps = [tok.encode(p) for p in PHRASES[:3]]
     for batch in (ps, ps[:1], ps[2:]):
         (cached, c_seen), (plain, p_seen) = (
-            widths(model, lambda c=c: raw(make(name, model, tok, use_kv_cache=c, **over), batch))
+            widths(model, lambda c=c, b=batch: raw(make(name, model, tok, use_kv_cache=c, **over), b))
             for c in (True, False)
         )
         assert cached == plain  # tokens, nfe, per-row nfe
