@@ -4,12 +4,17 @@
 2. every sampler on the same prompts and the same checkpoint: tokens/s, NFE (forwards per prompt) and
    tokens per forward, against llada one-token-per-step (presets, scaled to `--max_new_tokens`;
    gemma runs a random tiny DiffusionGemma on the same token ids: a different network);
+4. the samplers' caches on the random Qwen3 at `--kv_new_tokens`, blocks of `--cache_block`: llada
+   with no cache (one token per step, the base), `cache` prefix, dual, dual + threshold; llada2 and
+   idlm with and without their exact KV cache (identical tokens asserted). `--cache_only` runs this
+   table alone, on a random Qwen3 with a sharpened LM head (no checkpoint, no training);
 3. nemotron with and without the KV cache at `--kv_new_tokens` (256) new tokens, greedy, causal
    context on in both: tokens/s ratio and whether the outputs are identical token for token; on the
    checkpoint, and on a random Qwen3 of `--kv_hidden` x `--kv_layers` (no EOS stop: the whole window
    is decoded, and the forward's arithmetic outweighs its Python overhead).
 
     OMP_NUM_THREADS=1 python bench/sample.py                       # trains a tiny overfit checkpoint (~30 s)
+    OMP_NUM_THREADS=1 python bench/sample.py --cache_only          # table 4 only
     python bench/sample.py --checkpoint runs/tiny_mdlm/checkpoints --split eval --limit 32
 
 Without `--checkpoint` a tiny mdlm model is trained in-process on 16 short GSM-style chats and scored
@@ -143,6 +148,53 @@ def random_qwen3(tok, hidden: int, layers: int, mask_id: int):
     return Qwen3ForCausalLM(cfg).eval()
 
 
+def cache_runs(model, tok, prompts, n: int, block: int, threshold: float) -> dict[str, dict]:
+    """Table 4: the samplers' caches at n new tokens in blocks of `block`, greedy, no EOS stop."""
+    common = {"max_new_tokens": n, "block_size": block, "temperature": 0.0, "eos_token_id": None}
+    llada = {**common, "steps": n}  # one token per step
+    runs = {
+        "llada none (base)": ("llada", {**llada, "cache": "none"}),
+        "llada prefix": ("llada", {**llada, "cache": "prefix"}),
+        "llada dual": ("llada", {**llada, "cache": "dual"}),
+        f"llada dual thr {threshold}": ("llada", {**llada, "cache": "dual", "threshold": threshold}),
+        f"llada none thr {threshold}": ("llada", {**llada, "threshold": threshold}),
+        "llada2 no cache": ("llada2", {**common, "use_kv_cache": False}),
+        "llada2 kv cache": ("llada2", {**common, "use_kv_cache": True}),
+        "idlm no cache": ("idlm", {**common, "steps": n, "use_kv_cache": False}),
+        "idlm kv cache": ("idlm", {**common, "steps": n, "use_kv_cache": True}),
+    }
+    return {label: run_sampler(model, tok, name, over, prompts) for label, (name, over) in runs.items()}
+
+
+def print_cache_tables(res: dict[str, dict], title: str) -> None:
+    print_table(f"llada caches, {title} (base: no cache, one token per step)",
+                {k: v for k, v in res.items() if k.startswith("llada ")}, "llada none (base)")  # fmt: skip
+    for name in ("llada2", "idlm"):
+        pair = {k: res[k] for k in (f"{name} no cache", f"{name} kv cache")}
+        same = pair[f"{name} kv cache"]["sequences"] == pair[f"{name} no cache"]["sequences"]
+        assert same, f"{name}: the exact KV cache changed the tokens"
+        print_table(f"{name} exact KV cache, {title} -- outputs identical: {same}", pair, f"{name} no cache")
+
+
+def cache_only(args) -> None:
+    """Table 4 alone, on a random Qwen3 over a small in-process tokenizer (no checkpoint, no training).
+    `--cache_sharpen` scales its LM head: a random model is never confident, so without it a threshold
+    would commit one token per step."""
+    import torch
+
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+
+    texts = ["Natalia sold 48 clips in April and half as many in May. #### 72", "What is 2 + 3? The answer is 5."]
+    tok = train_bpe_tokenizer(texts * 5, 300, "<mask>", "<pad>", "<eos>")
+    prompts = [tok.encode(t) for t in (texts * 4)[: args.kv_limit]]
+    big = random_qwen3(tok, args.kv_hidden, args.kv_layers, tok.mask_token_id)
+    with torch.no_grad():
+        big.lm_head.weight.mul_(args.cache_sharpen)
+    res = cache_runs(big, tok, prompts, args.kv_new_tokens, args.cache_block, args.threshold)
+    print_cache_tables(res, f"random Qwen3 {args.kv_hidden}x{args.kv_layers} (lm_head x{args.cache_sharpen}), "
+                            f"{len(prompts)} prompts, {args.kv_new_tokens} new tokens, blocks of {args.cache_block}")  # fmt: skip
+
+
 def main() -> None:
     from dllmflow.evaluation.accuracy import evaluate
 
@@ -157,7 +209,12 @@ def main() -> None:
     p.add_argument("--kv_limit", type=int, default=4, help="prompts for the KV-cache table")
     p.add_argument("--kv_hidden", type=int, default=256)
     p.add_argument("--kv_layers", type=int, default=4)
+    p.add_argument("--cache_block", type=int, default=32, help="block size of the cache table")
+    p.add_argument("--cache_sharpen", type=float, default=100.0, help="LM-head scale of the cache-only model")
+    p.add_argument("--cache_only", action="store_true", help="only table 4, on a random Qwen3")
     args = p.parse_args()
+    if args.cache_only:
+        return cache_only(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or train_overfit_checkpoint(Path(tmp), args.train_steps)
@@ -175,6 +232,7 @@ def main() -> None:
         kv_ckpt = kv_cache_runs(model, tok, kv_prompts, args.kv_new_tokens, eos=True)
         big = random_qwen3(tok, args.kv_hidden, args.kv_layers, model.config.mask_token_id)
         kv_big = kv_cache_runs(big, tok, kv_prompts, args.kv_new_tokens, eos=False)
+        caches = cache_runs(big, tok, kv_prompts, args.kv_new_tokens, args.cache_block, args.threshold)
 
     names = list(results)
     print(
@@ -197,6 +255,8 @@ def main() -> None:
         same = kv["kv cache"]["sequences"] == kv["no cache (base)"]["sequences"]
         print_table(f"nemotron KV cache, {label}, {len(kv_prompts)} prompts, {args.kv_new_tokens} new tokens "
                     f"-- outputs identical: {same}", kv, "no cache (base)")  # fmt: skip
+    print_cache_tables(caches, f"random Qwen3 {args.kv_hidden}x{args.kv_layers}, {len(kv_prompts)} prompts, "
+                               f"{args.kv_new_tokens} new tokens, blocks of {args.cache_block}")  # fmt: skip
 
 
 if __name__ == "__main__":

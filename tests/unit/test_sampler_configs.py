@@ -20,20 +20,21 @@ class _Tok:
 # The presets of docs/strategies.md §3.1-3.6 ("tokenizer" = the tokenizer's EOS).
 PRESETS = {
     "llada": dict(steps=128, max_new_tokens=128, block_size=128, temperature=0.0, remasking="low_confidence",
-                  threshold=None, eos_token_id=None),
+                  threshold=None, eos_token_id=None, cache="none"),
     "scdd": dict(steps=128, max_new_tokens=128, temperature=1.0, uniform_ratio=0.1, schedule_shape=1.0,
-                 schedule_peak=0.5, eps=1e-3),
+                 schedule_peak=0.5, eps=1e-3, cache="none"),
     "llada2": dict(steps=32, max_new_tokens=128, block_size=32, temperature=0.0, threshold=0.5,
-                   editing_threshold=0.0, max_post_steps=16),
+                   editing_threshold=0.0, max_post_steps=16, use_kv_cache=True),
     "nemotron": dict(steps=1024, max_new_tokens=1024, block_size=32, temperature=0.0, use_kv_cache=True,
                      threshold=0.9, causal_context=True, eos_token_id="tokenizer"),
     "gemma": dict(steps=48, max_new_tokens=256),
-    "idlm": dict(steps=256, max_new_tokens=256, block_size=4, threshold=0.9, eos_token_id="tokenizer"),
+    "idlm": dict(steps=256, max_new_tokens=256, block_size=4, threshold=0.9, eos_token_id="tokenizer",
+                 use_kv_cache=True),
 }  # fmt: skip
 
 # One option each sampler does not take (another sampler's knob).
 FOREIGN = {"llada": "editing_threshold", "scdd": "threshold", "llada2": "remasking",
-           "nemotron": "uniform_ratio", "gemma": "temperature", "idlm": "use_kv_cache"}  # fmt: skip
+           "nemotron": "uniform_ratio", "gemma": "temperature", "idlm": "editing_threshold"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
@@ -61,7 +62,7 @@ def test_an_option_the_sampler_does_not_take_is_named(name):
         build_sampler_config(name, {option: 1})
     with pytest.raises(ValidationError, match=option):
         SAMPLERS[name].config_cls(**{option: 1})
-    if name != "nemotron":  # the KV cache belongs to nemotron alone
+    if name not in ("nemotron", "llada2", "idlm"):  # the samplers with an exact KV cache
         with pytest.raises(UserError, match="does not take use_kv_cache.*--no-kv-cache"):
             build_sampler_config(name, {"use_kv_cache": True})
 

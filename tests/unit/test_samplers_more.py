@@ -222,7 +222,8 @@ def test_scdd_schedule_comes_from_training_and_mismatch_warns(model, tok):
 
 @pytest.mark.parametrize("name", list(SMALL))
 def test_no_mask_left_full_window_and_prompt_unchanged(model, tok, name):
-    over = {"use_kv_cache": False} if name == "nemotron" else {}  # the uncached path shows the whole canvas
+    # the uncached path shows the whole canvas (nemotron, llada2 and idlm cache by default)
+    over = {"use_kv_cache": False} if name in ("nemotron", "llada2", "idlm") else {}
     sampler = make(name, model, tok, eos_token_id=None, **over)
     ps = prompts(tok)
     batches = [ps] if sampler.supports_batching else [[p] for p in ps]
@@ -254,7 +255,7 @@ def test_determinism_with_seed(model, tok, name):
 @pytest.mark.parametrize("name", ["llada2", "nemotron", "idlm"])
 def test_threshold_commits_at_least_one_per_forward(model, tok, name):
     # a random model is never 0.99-confident: each step commits its top-1 (at least), never nothing
-    over = {"use_kv_cache": False} if name == "nemotron" else {}
+    over = {"use_kv_cache": False}  # the uncached path shows the whole canvas
     sampler = make(name, model, tok, threshold=0.99, eos_token_id=None, **over)
     (p,) = prompts(tok)[:1]
     seen, handle = record_inputs(model)
@@ -301,7 +302,8 @@ def test_block_sampler_heads_only_the_generation_windows_same_tokens(model, tok,
         tok.encode("Hi"),
     ]
     small = dict(steps=8, max_new_tokens=8, block_size=4)  # two blocks of 4
-    kept = SAMPLERS[name](model, tok, build_sampler_config(name, {**small, **over}, tok))
+    uncached = {"use_kv_cache": False} if name == "idlm" else {}  # the canvas path is the one under test
+    kept = SAMPLERS[name](model, tok, build_sampler_config(name, {**small, **over, **uncached}, tok))
     full = SAMPLERS[name](model, tok, kept.config, forward=lambda ids, mask: kept.model_forward(ids, mask))
     head_rows = []
     handle = model.lm_head.register_forward_pre_hook(lambda m, a: head_rows.append(a[0].shape[1]))
@@ -565,10 +567,10 @@ def test_native_generate_is_used_when_the_checkpoint_has_one(model, tok):
 CAPABILITIES = {  # docs/strategies.md §3.1-3.6
     "llada": dict(infill=True, kv_cache=False, batching=True),
     "scdd": dict(infill=False, kv_cache=False, batching=True),
-    "llada2": dict(infill=False, kv_cache=False, batching=True),
+    "llada2": dict(infill=False, kv_cache=True, batching=True),
     "nemotron": dict(infill=False, kv_cache=True, batching=True),
     "gemma": dict(infill=False, kv_cache=False, batching=False),
-    "idlm": dict(infill=False, kv_cache=False, batching=True),
+    "idlm": dict(infill=False, kv_cache=True, batching=True),
 }
 
 
@@ -594,7 +596,7 @@ def test_unknown_sampler_and_infill_refused_before_loading(tmp_path):
         cli_main(args)
 
 
-@pytest.mark.parametrize("name", ["scdd", "idlm"])
+@pytest.mark.parametrize("name", ["scdd"])  # idlm has an exact cache now (the logit shift re-feeds a token)
 def test_kv_cache_refused(model, tok, name):
     with pytest.raises(UserError, match="--no-kv-cache"):
         make(name, model, tok, use_kv_cache=True)

@@ -50,7 +50,8 @@ def build_sampler_config(
     overrides: options asked for explicitly (CLI flags, pyfunc params, Python callers); one the sampler
     does not take is a UserError naming it. defaults: generic settings shared by several samplers (the
     eval section, a registered model's recorded settings); the ones the sampler does not take are
-    dropped. `no_kv_cache=True` turns off the cache and the causal context (docs/strategies.md §3.7; nothing to turn
+    dropped, but a `cache` other than "none" is refused by a sampler without one. `no_kv_cache=True` turns
+    off the caches (exact and approximate) and the causal context (docs/strategies.md §3.7; nothing to turn
     off for a sampler without them). `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
     no tokenizer the sampler fills it from its own.
     """
@@ -62,6 +63,8 @@ def build_sampler_config(
     fields = sampler.config_cls.model_fields
     explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
     no_kv_cache = explicit.pop("no_kv_cache", False)
+    if "cache" not in fields and not no_kv_cache and (defaults or {}).get("cache") not in (None, "none"):
+        explicit.setdefault("cache", defaults["cache"])  # an approximate cache asked for: never dropped
     unknown = [k for k in explicit if k not in fields]
     if unknown:
         raise UserError(_unknown_options_message(sampler, unknown))
@@ -69,6 +72,7 @@ def build_sampler_config(
     values.update(explicit)
     if no_kv_cache:
         values.update({k: False for k in ("use_kv_cache", "causal_context") if k in fields})
+        values.update({"cache": "none"} if "cache" in fields else {})
     if tokenizer is not None and "eos_token_id" in fields:
         if values.get("eos_token_id", fields["eos_token_id"].default) == "tokenizer":
             values["eos_token_id"] = getattr(tokenizer, "eos_token_id", None)
@@ -84,6 +88,10 @@ def _unknown_options_message(sampler: type[Sampler], unknown: list[str]) -> str:
     if "use_kv_cache" in unknown and not sampler.supports_kv_cache:
         why = sampler.no_kv_cache_reason
         return f"sampler {sampler.name} does not take use_kv_cache: {why}; drop it (--no-kv-cache)"
+    if "cache" in unknown:
+        exact = "its KV cache is exact (use_kv_cache; --no-kv-cache turns it off)"
+        why = exact if sampler.supports_kv_cache else sampler.no_kv_cache_reason
+        return f"sampler {sampler.name} does not take cache (Fast-dLLM's approximate cache of llada, scdd): {why}"
     takes = ", ".join(sampler.config_cls.model_fields)
     return f"sampler {sampler.name} does not take {', '.join(unknown)}; its options: {takes}"
 

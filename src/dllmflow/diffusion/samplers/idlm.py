@@ -1,12 +1,15 @@
-"""`idlm`: Introspective Diffusion LM decoding (docs/strategies.md §3.6) with the standalone block sampler.
+"""`idlm`: Introspective Diffusion LM decoding (docs/strategies.md §3.6) with the block sampler.
 
-I-DLM checkpoints are causal decoders trained with a next-token logit shift (docs/strategies.md §2.6), so the
-canvas runs through plain causal forwards (2D all-ones mask over prompt + window) and the logit at
-position p-1 fills the [MASK] at p (`logit_shift` 1). Preset: blocks (the decode stride) of 4,
-steps 256 for 256 new tokens (4 steps a block), threshold 0.9 (the top-1 is always committed, the
-block's last step commits the rest), per-row EOS stop. No KV cache: a shifted logit would have to
-come from a position the cache already froze (docs/strategies.md §3.0: shift + cache is refused, so the
-config has no cache option).
+I-DLM checkpoints are causal decoders trained with a next-token logit shift (docs/strategies.md §2.6), so
+the logit at position p-1 fills the [MASK] at p (`logit_shift` 1). Preset: blocks (the decode stride) of
+4, steps 256 for 256 new tokens (4 steps a block), threshold 0.9 (the top-1 is always committed, the
+block's last step commits the rest), per-row EOS stop.
+
+With the KV cache (preset, exact): prompts are left-padded, the committed prefix but its last token is
+cached, and each step forwards that last committed token and the block (its query gives the block's
+first logit; `kv.CausalShiftCache`). Causal attention makes every cached key final, so the tokens are
+those of the uncached path, which runs plain causal forwards over the whole canvas (`use_kv_cache`
+False, `--no-kv-cache`, or a canvas `forward` handed in).
 
     sampler = IDLMSampler(model, tok, IDLMConfig(max_new_tokens=64), mask_id=M)
     result = sampler.generate([ids_a, ids_b])     # prompts of different lengths in one batch
@@ -19,7 +22,15 @@ from typing import Literal
 from pydantic import Field, PositiveInt
 
 from .base import Sampler
-from .loop import BlockConfig, block_geometry, build_canvas, run_block_sampler
+from .kv import CausalShiftCache, check_cache_fits, run_cached_block_sampler
+from .loop import (
+    BlockConfig,
+    BlockGeometry,
+    block_geometry,
+    build_canvas,
+    build_left_padded_canvas,
+    run_block_sampler,
+)
 
 
 class IDLMConfig(BlockConfig):
@@ -31,26 +42,30 @@ class IDLMConfig(BlockConfig):
     block_size: PositiveInt | None = 4
     threshold: float | None = Field(0.9, gt=0.0, le=1.0)
     eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
+    use_kv_cache: bool = True
 
 
 class IDLMSampler(Sampler):
     name = "idlm"
     config_cls = IDLMConfig
     supports_infill = False
-    supports_kv_cache = False
+    supports_kv_cache = True
     supports_batching = True
     # Checkpoints trained with the next-token shift (docs/strategies.md §2.6): position p reads the logit of p - 1.
     logit_shift = 1
 
-    no_kv_cache_reason = (
-        "it reads the logit of the preceding position (logit shift 1), which a KV cache cannot give"
-    )
-
     # model_forward: the base class's plain causal forward (2D attention mask) is what I-DLM wants.
+
+    def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
+        super().__init__(model, tokenizer, config, mask_id, forward, **kw)
+        # A canvas forward handed in cannot take a cache; the cache is exact, so its tokens are the same.
+        self.cached = self.config.use_kv_cache and forward is None
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         cfg = self.config
         geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
+        if self.cached:
+            return self._generate_cached(prompt_ids, geometry)
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
         x, nfe, row_nfe = run_block_sampler(
             self._forward,
@@ -64,3 +79,14 @@ class IDLMSampler(Sampler):
         )
         seqs = [x[b, len(p) : len(p) + geometry.gen_length].tolist() for b, p in enumerate(prompt_ids)]
         return seqs, nfe, row_nfe.tolist()
+
+    def _generate_cached(self, prompt_ids, geometry: BlockGeometry):
+        canvas = build_left_padded_canvas(
+            prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
+        )
+        check_cache_fits(self.model, canvas.x.shape[1], self.name, "the KV cache (use_kv_cache)")
+        source = CausalShiftCache(self.model, canvas)
+        nfe, row_nfe = run_cached_block_sampler(
+            source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
+        )
+        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist()

@@ -1,10 +1,16 @@
-"""`llada`: LLaDA's standalone masked-diffusion sampler (docs/strategies.md §3.1), no KV cache.
+"""`llada`: LLaDA's standalone masked-diffusion sampler (docs/strategies.md §3.1), optionally with
+Fast-dLLM's approximate KV cache.
 
 Semi-autoregressive blocks over each row's own generation window, a transfer schedule per block,
 low-confidence or random remasking, Gumbel sampling with temperature, an optional confidence
 threshold (top-1 always committed, the block's last step commits the rest), per-row EOS stop when
 `eos_token_id` is set, and infill of [MASK] spans. The model attends bidirectionally: a plain HF
 decoder is run through `dllmflow.models.attention.forward_bidirectional`.
+
+`cache` (Fast-dLLM, Wu et al. 2025; `kv.FastDLLMCache`): 'prefix' reuses the keys of the prompt and
+the committed blocks within a block, 'dual' also those of the still-masked suffix; both are refreshed
+by a full forward at each block boundary (which is the block's first step). The prompts are then
+left-padded, so every row's block is the same slice. Approximate: the tokens may differ from 'none'.
 
     sampler = LLaDASampler(model, tokenizer, LLaDAConfig(threshold=0.9))  # = build_sampler_config("llada", ..)
     result = sampler.generate([ids_a, ids_b])     # prompts of different lengths in one batch
@@ -15,18 +21,31 @@ from __future__ import annotations
 import time
 
 import torch
-from pydantic import PositiveInt
+from pydantic import Field, PositiveInt
 from torch import Tensor
 
+from dllmflow.errors import UserError
+
 from .base import GenerationResult, Sampler
-from .loop import BlockConfig, block_geometry, build_canvas, run_block_sampler, run_infill
+from .kv import CacheMode, FastDLLMCache, check_cache_fits, check_cache_model, run_cached_block_sampler
+from .loop import (
+    BlockConfig,
+    BlockGeometry,
+    block_geometry,
+    build_canvas,
+    build_left_padded_canvas,
+    run_block_sampler,
+    run_infill,
+)
 
 
 class LLaDAConfig(BlockConfig):
     """Preset (docs/strategies.md §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
-    remasking, no threshold, no EOS stop (the output is trimmed afterwards); the rest as `BlockConfig`."""
+    remasking, no threshold, no EOS stop (the output is trimmed afterwards), no cache; the rest as
+    `BlockConfig`."""
 
     block_size: PositiveInt | None = 128
+    cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
 
 
 class LLaDASampler(Sampler):
@@ -44,6 +63,8 @@ class LLaDASampler(Sampler):
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         cfg = self.config
         geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
+        if cfg.cache != "none":
+            return self._generate_cached(prompt_ids, geometry)
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
         x, nfe, row_nfe = run_block_sampler(
             self._forward, canvas, cfg, geometry, self.mask_id, self.fill_id, self.generator()
@@ -51,8 +72,29 @@ class LLaDASampler(Sampler):
         seqs = [x[b, len(p) : len(p) + geometry.gen_length].tolist() for b, p in enumerate(prompt_ids)]
         return seqs, nfe, row_nfe.tolist()
 
+    def _generate_cached(self, prompt_ids: list[list[int]], geometry: BlockGeometry):
+        what = f"cache {self.config.cache!r}"
+        if self._forward != self.model_forward:
+            raise UserError(
+                f"sampler {self.name} with {what} needs the model itself, not a forward; use cache 'none'"
+            )
+        check_cache_model(self.model, self.name, what)
+        canvas = build_left_padded_canvas(
+            prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
+        )
+        check_cache_fits(self.model, canvas.x.shape[1], self.name, what)
+        source = FastDLLMCache(self.model, canvas, self.config.cache)
+        nfe, row_nfe = run_cached_block_sampler(
+            source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
+        )
+        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist()
+
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         """Fill the [MASK] positions of whole sequences; returns the full filled sequences (untrimmed)."""
+        if self.config.cache != "none":
+            raise UserError(
+                f"sampler llada does not infill with cache {self.config.cache!r}; set cache 'none'"
+            )
         t0 = time.perf_counter()
         with torch.inference_mode():
             x, lengths, nfe = run_infill(

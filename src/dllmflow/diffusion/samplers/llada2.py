@@ -15,7 +15,11 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
   is replaced when the model's confidence in a different token exceeds `editing_threshold`; once the
   block has no mask left, up to `max_post_steps` (preset 16) editing-only forwards run, stopping at
   the first one that edits nothing;
-* decoding stops at an EOS with no mask before it (the EOS id: `eos_token_id`, else the tokenizer's).
+* decoding stops at an EOS with no mask before it (the EOS id: `eos_token_id`, else the tokenizer's);
+* KV cache (`use_kv_cache`, preset on; exact): the prompt and the committed blocks are cached, each
+  step forwards the current block against them (a block's first forward also feeds the previous,
+  now final, block). Block-causal attention makes every cached key final, so the tokens are those of
+  the uncached path (`--no-kv-cache`, or a canvas `forward` handed in).
 
     sampler = LLaDA2Sampler(model, tok, LLaDA2Config(editing_threshold=0.9))
     result = sampler.generate([ids_a, ids_b])
@@ -36,6 +40,7 @@ from torch import Tensor
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 
 from .base import Sampler, SamplerConfig, native_generate
+from .kv import BlockCausalCache, check_cache_fits
 from .loop import (
     BlockGeometry,
     LeftPaddedCanvas,
@@ -62,6 +67,7 @@ class LLaDA2Config(SamplerConfig):
     # in a different token exceeds this; 0 = off.
     editing_threshold: float = Field(0.0, ge=0.0, le=1.0)
     max_post_steps: int = Field(16, ge=0, description="Editing-only forwards after a block is full.")
+    use_kv_cache: bool = Field(True, description="Exact cache of the prompt and committed blocks.")
 
 
 def refine_transfer(conf: Tensor, masked: Tensor, k: Tensor, threshold: float | None) -> Tensor:
@@ -88,30 +94,41 @@ def edit_index(
     return editable & (x0 != current) & (conf > editing_threshold)
 
 
+class CanvasBlockCausal:
+    """The uncached source: block [lo, hi)'s logits [B, hi-lo, V] from a forward over the canvas up to
+    the block's end (block j never sees later positions) under the block-causal mask."""
+
+    def __init__(self, forward: RefineForward, canvas: LeftPaddedCanvas, block_size: int, dtype: torch.dtype):
+        self.forward, self.c, self.bs, self.dtype, self.calls = forward, canvas, block_size, dtype, 0
+
+    def __call__(self, lo: int, hi: int) -> Tensor:
+        c, n = self.c, hi - lo
+        mask = block_causal_mask(c.valid[:, :hi], c.prefix_len, self.bs, False, self.dtype)  # [B, 1, hi, hi]
+        self.calls += 1
+        return self.forward(c.x[:, :hi], mask, c.position_ids[:, :hi], n)[:, -n:]
+
+
 def refine_blocks(
-    forward: RefineForward,
+    source: Callable[[int, int], Tensor],
     canvas: LeftPaddedCanvas,
     cfg: LLaDA2Config,
     geometry: BlockGeometry,
     mask_id: int,
     eos_id: int | None,
-    mask_dtype: torch.dtype,
     generator: torch.Generator | None = None,
 ) -> tuple[int, Tensor]:
     """LLaDA2 block refinement of a batch, in place on `canvas.x` (module docstring). Every row does
     what it would alone: it leaves a block once it is full (or, with editing, once a post-step edits
     nothing or `max_post_steps` ran), and stops at its EOS; the batch moves on when no row is left.
+    `source(lo, hi)` -> logits [B, hi-lo, V] of the block (`CanvasBlockCausal`, `kv.BlockCausalCache`).
     -> (nfe = forward calls, row_nfe [B] = forwards each row took part in)."""
     x, S = canvas.x, canvas.prefix_len
     B, G, bs, spb = x.shape[0], geometry.gen_length, geometry.block_size, cfg.steps
     start = torch.full((B,), S, device=x.device)  # [B]
     done = torch.zeros(B, dtype=torch.bool, device=x.device)  # [B] stopped at an EOS
-    nfe, row_nfe = 0, torch.zeros(B, dtype=torch.long, device=x.device)
+    row_nfe = torch.zeros(B, dtype=torch.long, device=x.device)
     for j in range(geometry.num_blocks):
         lo, hi = S + j * bs, min(S + (j + 1) * bs, S + G)
-        # Block j never sees later positions: the canvas is cut after it.
-        valid, pos, n = canvas.valid[:, :hi], canvas.position_ids[:, :hi], hi - lo
-        mask = block_causal_mask(valid, S, bs, causal_prefix=False, dtype=mask_dtype)  # [B, 1, hi, hi]
         block = x[:, lo:hi]  # [B, b] a view: writes land in x
         schedule = get_num_transfer_tokens(block == mask_id, spb)  # [B, spb]
         post_steps = torch.zeros(B, dtype=torch.long, device=x.device)  # [B]
@@ -125,9 +142,8 @@ def refine_blocks(
             if not active.any():
                 break
             post_steps += (full & active).long()
-            logits = forward(x[:, :hi], mask, pos, n)[:, -n:].float()  # [B, b, V]
+            logits = source(lo, hi).float()  # [B, b, V]
             logits[..., mask_id] = -math.inf
-            nfe += 1
             row_nfe += active.long()
             x0 = gumbel_argmax(logits, cfg.temperature, generator=generator)  # [B, b]
             conf = torch.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # [B, b]
@@ -142,15 +158,20 @@ def refine_blocks(
                 left |= done
         if bool(done.all()):
             break
-    return nfe, row_nfe
+    return source.calls, row_nfe
 
 
 class LLaDA2Sampler(Sampler):
     name = "llada2"
     config_cls = LLaDA2Config
     supports_infill = False
-    supports_kv_cache = False
+    supports_kv_cache = True
     supports_batching = True  # a checkpoint's own generate takes one prompt: then one at a time
+
+    def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
+        super().__init__(model, tokenizer, config, mask_id, forward, **kw)
+        # A canvas forward handed in cannot take a cache; the cache is exact, so its tokens are the same.
+        self.cached = self.config.use_kv_cache and forward is None
 
     def model_forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, num_logits: int
@@ -186,15 +207,13 @@ class LLaDA2Sampler(Sampler):
         canvas = build_left_padded_canvas(
             prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
+        if self.cached:
+            check_cache_fits(self.model, canvas.x.shape[1], self.name, "the KV cache (use_kv_cache)")
+            source = BlockCausalCache(self.model, canvas, geometry.block_size)
+        else:
+            source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, self._mask_dtype())
         nfe, row_nfe = refine_blocks(
-            self._forward,
-            canvas,
-            cfg,
-            geometry,
-            self.mask_id,
-            self._eos_id(),
-            self._mask_dtype(),
-            self.generator(),
+            source, canvas, cfg, geometry, self.mask_id, self._eos_id(), self.generator()
         )
         gen = canvas.x[:, canvas.prefix_len :]  # [B, G]
         gen[gen == self.mask_id] = self.fill_id  # after an early EOS stop

@@ -208,6 +208,28 @@ def first_eos_done(x: Tensor, gen_start: Tensor, gen_length: int, eos_id: int, m
     return (window & (x == eos_id) & (masked_before == 0)).any(dim=1)
 
 
+def commit_step(
+    logits: Tensor,
+    candidates: Tensor,
+    x: Tensor,
+    scheduled: Tensor,
+    last: bool,
+    cfg: BlockConfig,
+    mask_id: int,
+    generator: torch.Generator | None = None,
+) -> None:
+    """One denoising step in place on `x` [B, L] (a view of the canvas): logits [B, L, V] (the [MASK]
+    column is overwritten), candidates [B, L] bool, scheduled [B] = the schedule's count. The block's
+    last step commits every candidate left (caveat 6: never strand masks), without the threshold."""
+    logits[..., mask_id] = -math.inf  # a committed position must never hold [MASK]
+    k = candidates.sum(dim=1) if last else scheduled
+    threshold = None if last else cfg.threshold
+    x0, transfer = get_transfer_index(
+        logits, cfg.temperature, cfg.remasking, candidates, x, k, threshold, generator
+    )
+    x[transfer] = x0[transfer]
+
+
 def run_block_sampler(
     forward: ForwardFn,
     canvas: Canvas,
@@ -246,23 +268,10 @@ def run_block_sampler(
             if not candidates.any():
                 break
             logits = shift_logits(forward(x, attn, **keep_kw)[:, -keep:], logit_shift)  # [B, keep, V]
-            logits[..., mask_id] = -math.inf  # a committed position must never hold [MASK]
             nfe += 1
             row_nfe += candidates.any(dim=1).long()  # forwards a row needed, not the batch's
-            # Last step of the block: commit everything left (caveat 6: never strand masks).
             last = i == geometry.steps_per_block - 1
-            k = candidates.sum(dim=1) if last else schedule[:, i]
-            x0, transfer = get_transfer_index(
-                logits,
-                cfg.temperature,
-                cfg.remasking,
-                candidates[:, off:],
-                x_kept,
-                k,
-                None if last else cfg.threshold,
-                generator,
-            )
-            x_kept[transfer] = x0[transfer]
+            commit_step(logits, candidates[:, off:], x_kept, schedule[:, i], last, cfg, mask_id, generator)
             if cfg.eos_token_id is not None:
                 done |= first_eos_done(x, start, geometry.gen_length, cfg.eos_token_id, mask_id)
         if cfg.eos_token_id is not None and bool(done.all()):

@@ -11,6 +11,10 @@ sampler's mass ratios, not training's ρ ratios: docs/strategies.md §7 caveat 8
 
 so a committed token can be rewritten but never re-masked. A last forward takes the argmax at every
 canvas position ("noise removal": leftover masks and wrong visible tokens alike). NFE = steps + 1.
+Each row draws from its own RNG stream (seeded alike), so a batch never changes a row's output.
+`cache` 'prefix' (Fast-dLLM, approximate): prompts left-padded, each step forwards only the window
+against the prompt's cached keys, refreshed by a full forward every `cache_refresh` steps ('dual' is
+refused: every window position changes at every step, so no suffix keeps its keys).
 The schedule (`uniform_ratio`, `schedule_shape`, `schedule_peak`) must be the training one: unset
 flags take the checkpoint's settings.json values, an explicit flag that differs warns.
 
@@ -25,14 +29,15 @@ import warnings
 from typing import Any
 
 import torch
-from pydantic import Field, NonNegativeFloat
+from pydantic import Field, NonNegativeFloat, PositiveInt, field_validator
 from torch import Tensor
 
 from dllmflow.diffusion.schedules import TINY, scdd_schedule
 from dllmflow.errors import UserError
 
 from .base import GenerationResult, Sampler, SamplerConfig
-from .loop import build_canvas
+from .kv import CacheMode, FastDLLMCache, check_cache_fits, check_cache_model
+from .loop import build_canvas, build_left_padded_canvas
 
 SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
 
@@ -46,6 +51,20 @@ class SCDDConfig(SamplerConfig):
     schedule_shape: float = Field(1.0, gt=0.0)
     schedule_peak: float = Field(0.5, gt=0.0, lt=1.0)
     eps: float = Field(1e-3, gt=0.0, le=1.0)
+    cache: CacheMode = Field("none", description="Fast-dLLM prefix cache of the prompt (approximate).")
+    cache_refresh: PositiveInt = Field(
+        16, description="Steps between the full forwards refreshing the cache."
+    )
+
+    @field_validator("cache")
+    @classmethod
+    def _no_dual(cls, cache: str) -> str:
+        if cache == "dual":
+            raise ValueError(
+                "sampler scdd cannot use cache 'dual': it redraws every window position at every step, so "
+                "no suffix keeps its tokens; use cache 'prefix' or 'none'"
+            )
+        return cache
 
 
 def resolve_scdd_schedule(config: SCDDConfig, training_settings: Any) -> tuple[SCDDConfig, list[str]]:
@@ -141,31 +160,61 @@ class SCDDSampler(Sampler):
             return one_hot.log()
         return torch.log_softmax(logits / self.config.temperature, dim=-1)
 
-    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
-        cfg, gen = self.config, self.generator()
-        G = cfg.max_new_tokens
-        canvas = build_canvas(prompt_ids, G, self.mask_id, self.fill_id, self.device)
-        x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start  # [B, T], [B, T], [B]
-        pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
-        in_canvas = (pos >= start[:, None]) & (pos < (start + G)[:, None])  # [B, T]
-        rows, cols = in_canvas.nonzero(as_tuple=True)  # N = B * G canvas positions
+    def _window_logits(self, prompt_ids: list[list[int]]):
+        """(x [B, T], rows, cols of the B*G window positions, row-major; logits(i) -> [B, G, V] at step i)."""
+        cfg, G, B = self.config, self.config.max_new_tokens, len(prompt_ids)
+        if cfg.cache == "none":
+            canvas = build_canvas(prompt_ids, G, self.mask_id, self.fill_id, self.device)
+            x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start  # [B, T], [B, T], [B]
+            pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
+            rows, cols = ((pos >= start[:, None]) & (pos < (start + G)[:, None])).nonzero(as_tuple=True)
+            return x, rows, cols, lambda i: self._forward(x, attn)[rows, cols].view(B, G, -1)
+        what = f"cache {cfg.cache!r}"
+        if self._forward != self.model_forward:
+            raise UserError(
+                f"sampler {self.name} with {what} needs the model itself, not a forward; use cache 'none'"
+            )
+        check_cache_model(self.model, self.name, what)
+        canvas = build_left_padded_canvas(
+            prompt_ids, G, self.mask_id, self.fill_id, self.device, sampler=self.name
+        )
+        check_cache_fits(self.model, canvas.x.shape[1], self.name, what)
+        S, source = canvas.prefix_len, FastDLLMCache(self.model, canvas, "prefix")
+        rows = torch.arange(B, device=self.device).repeat_interleave(G)  # [B*G]
+        cols = torch.arange(S, S + G, device=self.device).repeat(B)  # [B*G]
+        # Every `cache_refresh` steps a full forward refreshes the prompt's keys (and is that step's).
+        return (
+            canvas.x,
+            rows,
+            cols,
+            lambda i: (source.refresh if i % cfg.cache_refresh == 0 else source)(S, S + G),
+        )
 
+    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+        cfg, B, G = self.config, len(prompt_ids), self.config.max_new_tokens
+        # One RNG stream per row, each seeded alike: a batch never changes a row's draws.
+        gens = [self.generator() for _ in prompt_ids]
+        x, rows, cols, window = self._window_logits(prompt_ids)
         ts = torch.linspace(1.0, cfg.eps, cfg.steps + 1, dtype=torch.float64).tolist()
         for i in range(cfg.steps):
-            logits = self._forward(x, attn)[rows, cols]  # [N, V]
+            logits = window(i).reshape(B * G, -1)  # [N, V]
             probs = scdd_step_probs(self._denoiser_log_probs(logits), x[rows, cols], self.mask_id, ts[i],
                                     ts[i + 1], cfg)  # fmt: skip
             alive = probs.sum(dim=-1) > 0  # [N] a degenerate (all-zero) posterior keeps its token
-            draw = torch.multinomial(probs[alive], 1, generator=gen).squeeze(-1)  # [N_alive]
-            x[rows[alive], cols[alive]] = draw.to(x.dtype)
+            for b, gen in enumerate(gens):
+                sel = torch.zeros_like(alive)
+                sel[b * G : (b + 1) * G] = True
+                sel &= alive
+                if sel.any():
+                    draw = torch.multinomial(probs[sel], 1, generator=gen).squeeze(-1)  # [N_b]
+                    x[rows[sel], cols[sel]] = draw.to(x.dtype)
 
         # noise removal: argmax everywhere on the canvas, [MASK] excluded
-        logits = self._forward(x, attn)[rows, cols].float()  # [N, V]
+        logits = window(cfg.steps).reshape(B * G, -1).float()  # [N, V]
         logits[:, self.mask_id] = -math.inf
         x[rows, cols] = logits.argmax(-1).to(x.dtype)
         nfe = cfg.steps + 1
-        seqs = [x[b, len(p) : len(p) + G].tolist() for b, p in enumerate(prompt_ids)]
-        return seqs, nfe, [nfe] * len(prompt_ids)
+        return x[rows, cols].view(B, G).tolist(), nfe, [nfe] * B
 
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         raise UserError(

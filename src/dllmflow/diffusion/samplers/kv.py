@@ -1,0 +1,242 @@
+"""KV caches of the block samplers (docs/strategies.md §3.0 "Caches"): exact ones where attention
+allows it (`llada2`'s block-causal canvas, `idlm`'s causal one) and Fast-dLLM's approximate prefix and
+dual caches for the bidirectional `llada` and `scdd`.
+
+Every source here decodes a left-padded canvas (`loop.build_left_padded_canvas`): block j is the same
+slice of every row, position ids restart at each row's first real token and padded keys are blocked,
+so a row decodes as it would alone. A source is called `source(lo, hi)` -> logits [B, hi-lo, V] of
+the canvas positions [lo, hi) (idlm: the logits that fill them, read one position earlier) and counts
+its model forwards in `calls`.
+
+    source = CausalShiftCache(model, canvas)               # idlm, exact
+    nfe, row_nfe = run_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from dllmflow.diffusion.masks.block_causal import block_causal_mask
+from dllmflow.errors import UserError
+
+from .loop import (
+    BlockConfig,
+    BlockGeometry,
+    LeftPaddedCanvas,
+    commit_step,
+    first_eos_done,
+    get_num_transfer_tokens,
+)
+
+CacheMode = Literal["none", "prefix", "dual"]
+
+
+def check_cache_fits(model: Any, length: int, sampler: str, what: str) -> None:
+    """UserError naming the limit when a cached canvas of `length` positions exceeds the model's
+    `max_position_embeddings` (checked before the first forward)."""
+    from dllmflow.models.limits import max_positions
+
+    limit = max_positions(model)
+    if limit is not None and length > limit:
+        raise UserError(
+            f"sampler {sampler} with {what} would cache {length} positions (the longest prompt plus "
+            f"max_new_tokens), beyond the model's max_position_embeddings ({limit}); lower "
+            "--max-new-tokens or shorten the prompt"
+        )
+
+
+def check_cache_model(model: Any, sampler: str, what: str) -> None:
+    """A cache needs an HF decoder that takes a KV cache, position ids and a 4D float mask; the
+    natively bidirectional remote-code families (LLaDA) take none of them."""
+    from dllmflow.models.attention import NATIVELY_BIDIRECTIONAL
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model is None or model_type in NATIVELY_BIDIRECTIONAL:
+        raise UserError(
+            f"sampler {sampler} with {what} needs a Hugging Face decoder that takes a KV cache and a 4D "
+            f"attention mask, got {type(model).__name__} (model_type {model_type}); use cache 'none'"
+        )
+
+
+class ModelCache:
+    """A model and its DynamicCache: forward new positions against the cached keys, crop back."""
+
+    def __init__(self, model, device: torch.device):
+        from transformers import DynamicCache
+
+        from dllmflow.models.attention import mask_dtype, takes_logits_to_keep
+
+        self.model, self.cache = model, DynamicCache(config=model.config)
+        self.dtype = mask_dtype(model, device)
+        self.keep_arg = takes_logits_to_keep(model.forward)
+        self.calls = 0
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, keep: int) -> Tensor:
+        """Append `ids` [B, Q] (4D mask [B, 1, Q, cached + Q]); logits [B, keep, V] of the last `keep`."""
+        kw = {"logits_to_keep": keep} if self.keep_arg else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=self.cache,
+                         use_cache=True, **kw)  # fmt: skip
+        self.calls += 1
+        return out.logits[:, -keep:]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` cached positions."""
+        if self.length > length:
+            self.cache.crop(-(self.length - length))
+
+    def drop(self, lo: int, hi: int) -> None:
+        """Remove cached positions [lo, hi) (the dual cache keeps the suffix after the prefix)."""
+        for layer in self.cache.layers:
+            layer.keys = torch.cat([layer.keys[..., :lo, :], layer.keys[..., hi:, :]], dim=-2)
+            layer.values = torch.cat([layer.values[..., :lo, :], layer.values[..., hi:, :]], dim=-2)
+
+
+def key_mask(key_valid: Tensor, num_queries: int, dtype: torch.dtype) -> Tensor:
+    """Every query sees every valid key: key_valid [B, K] -> float additive [B, 1, Q, K]. Only for
+    queries at real positions (a padded query would have no key left)."""
+    low = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=key_valid.device)
+    zero = torch.zeros((), dtype=dtype, device=key_valid.device)
+    keep = key_valid.bool()[:, None, None, :].expand(-1, 1, num_queries, -1)  # [B, 1, Q, K]
+    return torch.where(keep, zero, low)
+
+
+# ---- exact caches ------------------------------------------------------------------------------------
+
+
+class CausalShiftCache:
+    """idlm (causal, logit shift 1): the block [lo, hi) is filled from the logits of [lo-1, hi-1).
+    The cache holds the committed prefix [0, lo-1): the LAST committed token stays out of it and is
+    re-fed with the block, its query giving the block's first logit. A block's first forward also
+    re-feeds the previous block (now final) and keeps its keys, so no forward is added."""
+
+    def __init__(self, model, canvas: LeftPaddedCanvas):
+        self.c, self.kv = canvas, ModelCache(model, canvas.x.device)
+
+    @property
+    def calls(self) -> int:
+        return self.kv.calls
+
+    def __call__(self, lo: int, hi: int) -> Tensor:
+        c, start, end = self.c, self.kv.length, hi - 1  # forward [start, end)
+        # every position is "prefix" of a causal mask: k <= q, valid keys, a padded query keeps its diagonal
+        mask = block_causal_mask(c.valid[:, :end], end, 1, True, self.kv.dtype, start, end - start)
+        logits = self.kv.forward(c.x[:, start:end], mask, c.position_ids[:, start:end], hi - lo)
+        self.kv.truncate(lo - 1)  # the block (and the last committed token) are re-fed next time
+        return logits  # [B, hi-lo, V]
+
+
+class BlockCausalCache:
+    """llada2 (block-causal, prompt bidirectional): the cache holds the prompt and the committed
+    blocks [0, lo); each step forwards the block against it. A block's first forward also feeds the
+    previous block (now final; block-causal attention makes its keys independent of later blocks)."""
+
+    def __init__(self, model, canvas: LeftPaddedCanvas, block_size: int):
+        self.c, self.kv, self.bs = canvas, ModelCache(model, canvas.x.device), block_size
+
+    @property
+    def calls(self) -> int:
+        return self.kv.calls
+
+    def __call__(self, lo: int, hi: int) -> Tensor:
+        c, start = self.c, self.kv.length
+        mask = block_causal_mask(
+            c.valid[:, :hi], c.prefix_len, self.bs, False, self.kv.dtype, start, hi - start
+        )
+        logits = self.kv.forward(c.x[:, start:hi], mask, c.position_ids[:, start:hi], hi - lo)
+        self.kv.truncate(lo)
+        return logits  # [B, hi-lo, V]
+
+
+# ---- Fast-dLLM's approximate caches (bidirectional attention) ---------------------------------------
+
+
+class FastDLLMCache:
+    """llada/scdd with `cache` 'prefix' or 'dual' (Fast-dLLM, Wu et al. 2025). The first call for a
+    new block [lo, hi) is a full bidirectional forward over the canvas (its logits are that step's) that
+    refreshes the cache: 'prefix' keeps the keys of [0, lo) (prompt and committed blocks), 'dual' also
+    those of the suffix [hi, T) (stored after the prefix: RoPE is applied before caching, so key order
+    is free). Later calls for the same block forward [lo, T) ('prefix') or [lo, hi) ('dual') against
+    the cache and crop what they appended. The cached keys are stale within a block (they were
+    computed when the block still held its masks): that is the approximation."""
+
+    def __init__(self, model, canvas: LeftPaddedCanvas, mode: CacheMode):
+        self.c, self.kv, self.mode = canvas, ModelCache(model, canvas.x.device), mode
+        self.block: tuple[int, int] | None = None
+
+    @property
+    def calls(self) -> int:
+        return self.kv.calls
+
+    def refresh(self, lo: int, hi: int) -> Tensor:
+        """Full forward over the canvas; cache [0, lo) (+ [hi, T) for dual); logits [B, hi-lo, V]."""
+        from dllmflow.models.attention import bidirectional_mask
+
+        c, total = self.c, self.c.x.shape[1]
+        self.kv.truncate(0)
+        mask = bidirectional_mask(c.valid, self.kv.dtype)  # [B, 1, T, T]; padded queries keep a diagonal
+        logits = self.kv.forward(c.x, mask, c.position_ids, total - lo)[:, : hi - lo]
+        if self.mode == "dual":
+            self.kv.drop(lo, hi)
+        else:
+            self.kv.truncate(lo)
+        self.block = (lo, hi)
+        return logits
+
+    def __call__(self, lo: int, hi: int) -> Tensor:
+        if self.block != (lo, hi):
+            return self.refresh(lo, hi)
+        c, total = self.c, self.c.x.shape[1]
+        end = hi if self.mode == "dual" else total
+        cached = self.kv.length
+        keys = torch.cat([c.valid[:, :lo], c.valid[:, hi:]], 1) if self.mode == "dual" else c.valid[:, :lo]
+        keys = torch.cat([keys, c.valid[:, lo:end]], dim=1)  # [B, cached + Q] in cache order
+        mask = key_mask(keys, end - lo, self.kv.dtype)  # [B, 1, Q, K]
+        logits = self.kv.forward(c.x[:, lo:end], mask, c.position_ids[:, lo:end], end - lo)[:, : hi - lo]
+        self.kv.truncate(cached)
+        return logits  # [B, hi-lo, V]
+
+
+# ---- the block loop over a cached source -------------------------------------------------------------
+
+
+def run_cached_block_sampler(
+    source,
+    canvas: LeftPaddedCanvas,
+    cfg: BlockConfig,
+    geometry: BlockGeometry,
+    mask_id: int,
+    fill_id: int,
+    generator: torch.Generator | None = None,
+) -> tuple[int, Tensor]:
+    """The block sampler of `loop.run_block_sampler` on a left-padded canvas, logits from `source`
+    (same schedule, selection, threshold, last-step commit and per-row EOS stop), in place on
+    `canvas.x`. -> (nfe, row_nfe [B])."""
+    x, S, G = canvas.x, canvas.prefix_len, geometry.gen_length
+    B = x.shape[0]
+    start = torch.full((B,), S, device=x.device)  # [B]
+    done = torch.zeros(B, dtype=torch.bool, device=x.device)  # [B]
+    row_nfe = torch.zeros(B, dtype=torch.long, device=x.device)
+    for j in range(geometry.num_blocks):
+        lo, hi = S + j * geometry.block_size, min(S + (j + 1) * geometry.block_size, S + G)
+        block = x[:, lo:hi]  # [B, b] a view: commits land in x
+        schedule = get_num_transfer_tokens(block == mask_id, geometry.steps_per_block)  # [B, spb]
+        for i in range(geometry.steps_per_block):
+            candidates = (block == mask_id) & ~done[:, None]  # [B, b]
+            if not candidates.any():
+                break
+            row_nfe += candidates.any(dim=1).long()
+            last = i == geometry.steps_per_block - 1
+            commit_step(source(lo, hi), candidates, block, schedule[:, i], last, cfg, mask_id, generator)
+            if cfg.eos_token_id is not None:
+                done |= first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
+        if cfg.eos_token_id is not None and bool(done.all()):
+            break
+    x[:, S:][x[:, S:] == mask_id] = fill_id  # rows stopped at an EOS keep masks after it
+    return source.calls, row_nfe
