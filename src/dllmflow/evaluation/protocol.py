@@ -177,7 +177,8 @@ def sampler_takes(sampler: str, key: str, value: Any) -> bool:
     if value is None:
         return True
     try:
-        TypeAdapter(Annotated[(field.annotation, *field.metadata)]).validate_python(value)
+        annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+        TypeAdapter(annotation).validate_python(value)
     except ValidationError:
         return False
     return True

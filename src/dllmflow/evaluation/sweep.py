@@ -85,7 +85,9 @@ def build_grid(items: list[str] | None = None, file: str | Path | None = None) -
         key, sep, values = item.partition("=")
         if not sep or not values:
             raise UserError(f"--sweep {item!r}: write KEY=V1,V2 (e.g. threshold=none,0.9)")
-        grid[key.strip().replace("-", "_")] = [_scalar(v) for v in values.split(",")]
+        key = key.strip().replace("-", "_")
+        # cache's "none" is a mode (no cache), not the preset word
+        grid[key] = [v.strip() if key == "cache" else _scalar(v) for v in values.split(",")]
     try:
         return SweepGrid(**grid).axes()
     except ValidationError as e:
@@ -114,6 +116,8 @@ def sampler_points(sampler: str, axes: dict[str, list], *, strict: bool) -> list
         kept = [v for v in values if sampler_takes(sampler, key, v)]
         bad = [v for v in values if v not in kept]
         if bad and strict:
+            if not kept and not sampler_takes(sampler, key, None):
+                raise UserError(f"--sweep {key}: sampler {sampler} does not take {key}")
             raise UserError(f"--sweep {key}: sampler {sampler} cannot use {', '.join(map(repr, bad))}")
         if kept:
             usable[key] = kept
