@@ -66,7 +66,10 @@ def test_the_chosen_setting_is_on_the_front_and_within_tolerance(seed):
 
 
 def test_build_grid_from_flags_and_a_file(tmp_path):
-    assert build_grid(["threshold=none,0.9", "steps=64,128"]) == {"threshold": [None, 0.9], "steps": [64, 128]}
+    assert build_grid(["threshold=none,0.9", "steps=64,128"]) == {
+        "threshold": [None, 0.9],
+        "steps": [64, 128],
+    }
     grid = tmp_path / "grid.yaml"
     grid.write_text("threshold: [null, 0.5]\ncache: [none, dual]\n")
     assert build_grid(["threshold=0.9"], grid) == {"threshold": [0.9], "cache": ["none", "dual"]}
@@ -127,7 +130,9 @@ def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, mo
         keys = ("exact_match_strict", "exact_match_flexible", "nfe", "tokens_per_forward", "num_examples")
         assert {k: point["metrics"][k] for k in keys} == {k: alone["metrics"][k] for k in keys}
         assert point["sampler_settings"] == alone["protocol"]["sampler_settings"]
-    assert sweep["pareto"] == pareto_front(sweep["points"]) and sweep["chosen"] == choose_setting(sweep["points"])
+    assert sweep["pareto"] == pareto_front(sweep["points"]) and sweep["chosen"] == choose_setting(
+        sweep["points"]
+    )
     chosen = sweep["points"][sweep["chosen"]]
     assert result["metrics"] == chosen["metrics"]  # the result is the chosen point's evaluation
     assert result["protocol"]["sampler_settings"] == chosen["sampler_settings"]
@@ -148,5 +153,7 @@ def test_evaluate_cli_sweep_writes_json_and_table(export, tmp_path, capsys):
     assert res["metrics"]["num_examples"] == 2 and res["sweep"]["tolerance"] == 0.01
     assert "pareto" in captured.out and "<-" in captured.out and "steps=4" in captured.out
     assert not list(tmp_path.glob("*.tmp*"))  # written atomically, nothing left behind
-    bad = main(["evaluate", "--checkpoint", str(ckpt), "--sampler", "llada", "--sweep", "editing_threshold=0.1"])
+    bad = main(
+        ["evaluate", "--checkpoint", str(ckpt), "--sampler", "llada", "--sweep", "editing_threshold=0.1"]
+    )
     assert bad == 2 and "editing_threshold" in capsys.readouterr().err

@@ -51,7 +51,9 @@ def pareto_front(points: list[dict[str, Any]], metric: str = DEFAULT_METRIC) -> 
     return front
 
 
-def choose_setting(points: list[dict[str, Any]], tolerance: float = 0.01, metric: str = DEFAULT_METRIC) -> int:
+def choose_setting(
+    points: list[dict[str, Any]], tolerance: float = 0.01, metric: str = DEFAULT_METRIC
+) -> int:
     """Index of the fastest point whose exact match is within `tolerance` of the best one (ties: the
     more accurate, then the earlier). Always a point of the Pareto front."""
     if not points:
@@ -80,7 +82,9 @@ def build_grid(items: list[str] | None = None, file: str | Path | None = None) -
         except (OSError, yaml.YAMLError) as e:
             raise UserError(f"--sweep-file {file}: cannot read it ({str(e).splitlines()[0]})") from None
         if not isinstance(grid, dict):
-            raise UserError(f"--sweep-file {file}: give a mapping key -> list, e.g. {{threshold: [null, 0.9]}}")
+            raise UserError(
+                f"--sweep-file {file}: give a mapping key -> list, e.g. {{threshold: [null, 0.9]}}"
+            )
     for item in items or []:
         key, sep, values = item.partition("=")
         if not sep or not values:
