@@ -13,7 +13,8 @@ from _tiny_eval import tiny_eval_export
 
 from dllmflow.cli import main
 from dllmflow.errors import UserError
-from dllmflow.evaluation.sweep import build_grid, choose_setting, pareto_front, run_sweep, sampler_points
+from dllmflow.evaluation.accuracy import run_sweep
+from dllmflow.evaluation.sweep import build_grid, choose_setting, pareto_front, sampler_points
 
 
 def _pt(em: float, speed: float) -> dict:

@@ -114,6 +114,56 @@ def evaluate_loaded(
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions}
 
 
+def run_sweep(
+    checkpoint: str | Path,
+    settings: Any,
+    sampler: str,
+    axes: dict[str, list],
+    *,
+    split: str = "eval",
+    limit: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    prepared_dir: str | Path | None = None,
+    strict: bool = True,
+    tolerance: float = 0.01,
+    metric: str = "exact_match_flexible",
+) -> dict[str, Any]:
+    """Evaluate `sampler` at every point of `axes` (over `overrides` and the eval section), the model
+    loaded once. Points that run the same effective setting (None = a preset equal to a listed value)
+    are evaluated once. -> the chosen point's {"metrics", "protocol", "predictions"} plus "sweep":
+    {"grid", "metric", "tolerance", "points": [{"setting", "metrics", "sampler_settings"}], "pareto",
+    "chosen"}."""
+    from dllmflow.evaluation.sweep import (
+        choose_setting,
+        effective_setting,
+        pareto_front,
+        sampler_points,
+        setting_label,
+    )
+
+    requested = sampler_points(sampler, axes, strict=strict)
+    base = dict(overrides or {})
+    loaded = build_eval_runner(checkpoint, settings, sampler, {**base, **requested[0]})
+    sampler_options = {k: v for k, v in base.items() if k not in ("mask_id", "adapter", "trust_remote_code")}
+    points, results, seen = [], [], set()
+    for i, point in enumerate(requested):
+        runner = loaded if i == 0 else loaded.with_overrides({**sampler_options, **point})
+        setting = effective_setting(runner.runner.config, list(point))
+        key = tuple(sorted(setting.items(), key=lambda kv: kv[0]))
+        if key in seen:
+            continue
+        seen.add(key)
+        print(f"sweep {sampler} [{len(points) + 1}/{len(requested)}] {setting_label(setting)}", flush=True)
+        result = evaluate_loaded(runner, checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
+        points.append({"setting": setting, "metrics": result["metrics"],
+                       "sampler_settings": result["protocol"]["sampler_settings"]})  # fmt: skip
+        results.append(result)
+    chosen = choose_setting(points, tolerance, metric)
+    sweep = {"grid": axes, "metric": metric, "tolerance": tolerance, "points": points,
+             "pareto": pareto_front(points, metric), "chosen": chosen}  # fmt: skip
+    return {**results[chosen], "sweep": sweep}
+
+
 def generate_in_batches(
     runner: Any, prompts: list[list[int]], order: list[int], batch_size: int, label: str
 ) -> tuple[dict[int, list[int]], float, int]:
@@ -259,7 +309,7 @@ def cli_main(args: argparse.Namespace) -> int:
 
 
 def _cli_sweep(args: argparse.Namespace, settings: Any, overrides: dict[str, Any]) -> int:
-    from dllmflow.evaluation.sweep import build_grid, run_sweep, sweep_table
+    from dllmflow.evaluation.sweep import build_grid, sweep_table
 
     if args.harness:
         raise UserError("--sweep runs `dllmflow evaluate`'s own scoring; drop --harness")

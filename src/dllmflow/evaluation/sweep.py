@@ -9,10 +9,11 @@ fastest point within `tolerance` of the best exact match (`choose_setting`).
 
 `none` / `null` in a grid = the sampler's preset (llada: no threshold; llada2: its 0.5). The model loads
 once; each point rebuilds only the sampler (`EvalRunner.with_overrides`) and runs the `evaluate` path
-(`accuracy.evaluate_loaded`). The flow's evaluate step runs `eval.sweep` of the recipe the same way
+(`accuracy.run_sweep`). The flow's evaluate step runs `eval.sweep` of the recipe the same way
 (`run_sweep(..., strict=False)`: a key or value a sampler cannot use is dropped for it). In Python:
-`result = run_sweep(ckpt, settings, "llada", {"threshold": [None, 0.9]})`; the result is an evaluation
-of the chosen point (metrics, protocol, predictions) with the whole sweep under "sweep".
+`result = accuracy.run_sweep(ckpt, settings, "llada", {"threshold": [None, 0.9]})` (next to `evaluate`,
+whose path it runs); the result is an evaluation of the chosen point (metrics, protocol, predictions)
+with the whole sweep under "sweep". This module holds the rest: grids, the frontier, the choice, the table.
 """
 
 from __future__ import annotations
@@ -138,52 +139,7 @@ def setting_label(setting: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in setting.items()) or "(eval settings)"
 
 
-# ---- running it -----------------------------------------------------------------------------------
-
-
-def run_sweep(
-    checkpoint: str | Path,
-    settings: Any,
-    sampler: str,
-    axes: dict[str, list],
-    *,
-    split: str = "eval",
-    limit: int | None = None,
-    overrides: dict[str, Any] | None = None,
-    prepared_dir: str | Path | None = None,
-    strict: bool = True,
-    tolerance: float = 0.01,
-    metric: str = DEFAULT_METRIC,
-) -> dict[str, Any]:
-    """Evaluate `sampler` at every point of `axes` (over `overrides` and the eval section), the model
-    loaded once. Points that run the same effective setting (None = a preset equal to a listed value)
-    are evaluated once. -> the chosen point's {"metrics", "protocol", "predictions"} plus "sweep":
-    {"grid", "metric", "tolerance", "points": [{"setting", "metrics", "sampler_settings"}], "pareto",
-    "chosen"}."""
-    from dllmflow.evaluation.accuracy import evaluate_loaded
-    from dllmflow.evaluation.protocol import build_eval_runner
-
-    requested = sampler_points(sampler, axes, strict=strict)
-    base = dict(overrides or {})
-    loaded = build_eval_runner(checkpoint, settings, sampler, {**base, **requested[0]})
-    sampler_options = {k: v for k, v in base.items() if k not in ("mask_id", "adapter", "trust_remote_code")}
-    points, results, seen = [], [], set()
-    for i, point in enumerate(requested):
-        runner = loaded if i == 0 else loaded.with_overrides({**sampler_options, **point})
-        setting = effective_setting(runner.runner.config, list(point))
-        key = tuple(sorted(setting.items(), key=lambda kv: kv[0]))
-        if key in seen:
-            continue
-        seen.add(key)
-        print(f"sweep {sampler} [{len(points) + 1}/{len(requested)}] {setting_label(setting)}", flush=True)
-        result = evaluate_loaded(runner, checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
-        points.append({"setting": setting, "metrics": result["metrics"],
-                       "sampler_settings": result["protocol"]["sampler_settings"]})  # fmt: skip
-        results.append(result)
-    chosen = choose_setting(points, tolerance, metric)
-    sweep = {"grid": axes, "metric": metric, "tolerance": tolerance, "points": points,
-             "pareto": pareto_front(points, metric), "chosen": chosen}  # fmt: skip
-    return {**results[chosen], "sweep": sweep}
+# ---- reading it -----------------------------------------------------------------------------------
 
 
 def chosen_setting(result: dict[str, Any]) -> dict[str, Any] | None:

@@ -243,7 +243,8 @@ def evaluate_sampler(
     else:
         setting = None
         if s.eval.sweep is not None:  # the model is registered (and gated) at the chosen point
-            from dllmflow.evaluation.sweep import chosen_setting, run_sweep, sweep_table
+            from dllmflow.evaluation.accuracy import run_sweep
+            from dllmflow.evaluation.sweep import chosen_setting, sweep_table
 
             result = run_sweep(
                 checkpoint, s, sampler, s.eval.sweep.axes(), limit=s.eval.limit, strict=False,
