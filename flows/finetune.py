@@ -69,9 +69,10 @@ class FinetuneFlow(FlowSpec):
         settings = Settings.coerce(self.settings)
         # A run resumed from one started before live tracking has no MLflow run yet: register opens one.
         self.mlflow_run_id = getattr(self, "mlflow_run_id", None)
+        # Before training: it also checks eval.cache / eval.sweep against these samplers.
+        self.samplers = workflow.eval_samplers(settings)
         # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint.
         self.training = workflow.train(settings, self.run_dir, mlflow_run_id=self.mlflow_run_id)
-        self.samplers = workflow.eval_samplers(settings)
         self.next(self.evaluate, foreach="samplers")
 
     @step

@@ -11,7 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 from dllmflow.settings import load_settings
-from dllmflow.workflow.card import build_card_components, eval_chart, eval_rows, loss_chart, sample_row
+from dllmflow.workflow.card import (
+    build_card_components,
+    eval_chart,
+    eval_rows,
+    loss_chart,
+    sample_row,
+    sweep_chart,
+)
 
 LOSSES = [5.0, 4.25, 3.5]
 
@@ -155,3 +162,35 @@ def test_sample_row_reads_what_evaluate_writes_and_older_eval_files():
     ]  # an eval JSON from before `prompt` was recorded: the row id stands in
     assert sample_row("s", {"prompt": "q", "prediction": "a", "answer_number": 3})[3] == "3"
     assert sample_row("s", {"prompt": "q", "prediction": "a", "answer": None})[3] == ""
+
+
+SWEEP = {
+    "grid": {"threshold": [None, 0.9]}, "metric": "exact_match_flexible", "tolerance": 0.01, "pareto": [0, 1],
+    "chosen": 1,
+    "points": [
+        {"setting": {"threshold": None}, "metrics": {"exact_match_flexible": 0.5, "tokens_per_s": 100.0, "nfe": 8}},
+        {"setting": {"threshold": 0.9}, "metrics": {"exact_match_flexible": 0.495, "tokens_per_s": 300.0, "nfe": 3}},
+    ],
+}  # fmt: skip
+
+
+def test_sweep_chart_plots_exact_match_against_speed_per_setting_and_marks_front_and_choice():
+    assert sweep_chart({"llada": {"metrics": {}}}) is None  # no sweep, no chart
+    spec = sweep_chart({"llada": {"metrics": {}, "sweep": SWEEP}})
+    assert spec["encoding"]["x"]["field"] == "tokens_per_s" and spec["encoding"]["y"]["field"] == "exact_match"
+    assert [(v["setting"], v["exact_match"], v["tokens_per_s"], v["pareto"], v["chosen"])
+            for v in spec["data"]["values"]] == [
+        ("threshold=None", 0.5, 100.0, True, False), ("threshold=0.9", 0.495, 300.0, True, True),
+    ]  # fmt: skip
+
+
+def test_card_with_a_sweep_has_its_chart_and_table(run):
+    run_dir, evals = run
+    evals["llada"]["sweep"] = SWEEP
+    parts = _rendered(build_card_components(load_settings(), str(run_dir), evals, {}, {}, {}))
+    assert sum(p["type"] == "vegaChart" for p in parts) == 3  # loss, per sampler, per setting
+    sweep_table = next(p for p in parts if p["type"] == "table" and "setting" in p["columns"])
+    assert sweep_table["data"] == [
+        ["llada", "threshold=None", "0.5", "100", "8", "yes", ""],
+        ["llada", "threshold=0.9", "0.495", "300", "3", "yes", "chosen"],
+    ]

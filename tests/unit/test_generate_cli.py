@@ -153,3 +153,34 @@ def test_generate_cli_end_to_end(ckpt, capsys):
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "2 + 3 =" in out.out
+
+
+# ---- --cache ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampler", ["nemotron", "llada2", "gemma"])
+def test_a_cache_the_sampler_cannot_use_exits_2_naming_sampler_and_field(tmp_path, capsys, sampler):
+    code = main(["generate", "--checkpoint", str(tmp_path / "x"), "--prompt", "hi", "--sampler", sampler,
+                 "--cache", "dual"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"sampler {sampler}" in err and "cache" in err and "does not exist" not in err  # before any load
+    # cache none asks for no cache: every sampler honours it (the next error is the missing checkpoint)
+    assert main(["generate", "--checkpoint", str(tmp_path / "x"), "--prompt", "hi", "--sampler", sampler,
+                 "--cache", "none"]) == 2  # fmt: skip
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cache_flag_reaches_a_sampler_that_takes_it(ckpt, capsys, monkeypatch):
+    from _cache_config import with_llada_cache
+
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+
+    with_llada_cache(monkeypatch)
+    assert build_sampler_config("llada", {"cache": "dual"}).cache == "dual"
+    code = main(["generate", "--checkpoint", str(ckpt), "--prompt", "What is 2 + 3?", "--max-new-tokens", "4",
+                 "--steps", "2", "--cache", "dual"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse: an invalid choice, exit 2
+        main(["generate", "--checkpoint", str(ckpt), "--prompt", "hi", "--cache", "full"])
+    assert e.value.code == 2 and "--cache" in capsys.readouterr().err

@@ -88,3 +88,18 @@ def test_params_override_the_recorded_settings_and_sentinels_are_ignored(generat
         ("llada2", {**RECORDED, "temperature": 0.5}),
         ("llada", RECORDED),
     ]
+
+
+def test_cache_is_a_typed_param_and_a_cache_the_sampler_cannot_use_is_a_400(generator):
+    from dllmflow.tracking.pyfunc import InvalidGenerationRequest
+    from dllmflow.tracking.pyfunc_runtime import build_signature
+
+    model, _ = generator
+    spec = {p.name: p for p in build_signature("llada2", RECORDED).params}
+    assert spec["cache"].dtype.name == "string" and spec["cache"].default == ""  # llada2: no cache option
+    # llada2's cache is exact (off with no_kv_cache): a Fast-dLLM mode is refused, naming sampler and field
+    with pytest.raises(InvalidGenerationRequest, match="sampler llada2 does not take cache") as e:
+        model.predict(None, PROMPTS, params={"sampler": "llada2", "cache": "dual"})
+    assert e.value.error_code == "INVALID_PARAMETER_VALUE"  # what `mlflow models serve` answers with 400
+    out = model.predict(None, PROMPTS, params={"sampler": "llada2", "cache": "none"})  # no cache: fine
+    assert len(out) == 2

@@ -4,6 +4,7 @@ name the dotted field and its origin, every YAML under params/ loads, settings.j
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,30 @@ def test_removed_autocast_dtype_is_refused_naming_train_dtype(tmp_path):
         load_settings(recipe)
     message = str(err.value)
     assert "\n" not in message and "train.autocast_dtype was removed: set train.dtype: bfloat16" in message
+
+
+@pytest.mark.parametrize(
+    ("section", "where"),
+    [
+        ({"cache": "full"}, "eval.cache"),
+        ({"sweep": {}}, "eval.sweep: give at least one of threshold, cache, steps, block_size"),
+        ({"sweep": {"threshold": [0.9, 0.9]}}, "eval.sweep.threshold: must be a non-empty list without repeats"),
+        ({"sweep": {"threshold": [1.5]}}, "eval.sweep.threshold.0"),
+        ({"sweep": {"cache": ["none", "full"]}}, "eval.sweep.cache.1"),
+        ({"sweep": {"temperature": [0.0]}}, "eval.sweep.temperature"),
+        ({"sweep": {"steps": list(range(1, 9)), "block_size": list(range(1, 10))}}, "72 points; at most 64"),
+        ({"sweep_tolerance": 2}, "eval.sweep_tolerance"),
+    ],
+)
+def test_eval_cache_and_sweep_are_validated_naming_the_field(section, where):
+    with pytest.raises(SettingsError, match=re.escape(where)):
+        load_settings(eval=section)
+
+
+def test_eval_cache_and_sweep_defaults_and_axes():
+    s = load_settings()
+    assert s.eval.cache is None and s.eval.sweep is None and s.eval.sweep_tolerance == 0.01
+    s = load_settings(eval={"cache": "dual", "sweep": {"steps": [64, 128], "threshold": [None, 0.9]}})
+    assert s.eval.cache == "dual"
+    assert s.eval.sweep.axes() == {"threshold": [None, 0.9], "steps": [64, 128]}  # SWEEP_KEYS order
+    assert Settings.coerce(s.to_dict()) == s  # survives the flow's artifact round trip

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dllmflow.errors import UserError
-from dllmflow.settings import SettingsError, load_settings
+from dllmflow.settings import Settings, SettingsError, load_settings
 from dllmflow.workflow.finetune import eval_samplers, flow_run_dir, parse_params_config, resolve_flow_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,3 +127,74 @@ def test_next_steps_message_shows_untrained_vs_trained_the_decision_and_commands
     assert "m v2 kept as @candidate (not champion)" in text and "below the floor 0.05" in text
     assert "dllmflow generate --checkpoint runs/x --prompt 'What is 47 + 38?'" in text
     assert "card get end --id report card.html" in text and "models:/m@champion" in text
+
+
+# ---- eval.cache and eval.sweep ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [  # idlm decodes with its exact cache only (no_kv_cache turns it off): no Fast-dLLM cache mode
+        ("dllm: {mode: idlm, mask_token_id: 2}\neval: {cache: dual}\n", ("eval.cache", "'dual'", "idlm")),
+        ("dllm: {mode: idlm, mask_token_id: 2}\neval: {sweep: {cache: [none, prefix]}}\n",
+         ("eval.sweep.cache", "'prefix'", "idlm takes cache: none")),
+        ("eval: {samplers: [nemotron], cache: prefix}\n", ("eval.cache", "nemotron takes cache: none")),
+    ],
+)  # fmt: skip
+def test_a_cache_no_evaluated_sampler_can_use_is_refused_at_parse_time(text, needles):
+    with pytest.raises(SettingsError) as e:
+        parse_params_config(text)
+    assert all(n in str(e.value) for n in needles), str(e.value)
+    with pytest.raises(SettingsError, match="eval.cache|eval.sweep.cache"):  # and at the flow's start step
+        resolve_flow_settings(load_settings(TINY).to_dict() | yaml.safe_load(text))
+
+
+def test_eval_cache_applies_to_the_samplers_that_take_it(monkeypatch):
+    from _cache_config import with_llada_cache
+
+    from dllmflow.evaluation.protocol import eval_defaults
+
+    with_llada_cache(monkeypatch)
+    # hybrid: nemotron (its own exact cache) and llada (Fast-dLLM): dual is for llada, nemotron runs as is
+    s = resolve_flow_settings(parse_params_config("dllm: {mode: hybrid}\neval: {cache: dual}\n"))
+    assert eval_samplers(s) == ["nemotron", "llada"]
+    assert eval_defaults(s.eval, "llada")["cache"] == "dual" and "cache" not in eval_defaults(s.eval, "nemotron")
+
+
+def test_a_sweep_key_no_evaluated_sampler_takes_is_refused_before_training():
+    s = load_settings(TINY, eval={"samplers": ["gemma"], "sweep": {"threshold": [None, 0.9]}})
+    with pytest.raises(SettingsError, match=r"eval.sweep.threshold: 0.9 .* \(gemma\): none of them has a threshold"):
+        eval_samplers(s)
+    assert eval_samplers(load_settings(TINY, eval={"sweep": {"threshold": [None, 0.9]}})) == ["llada", "llada2"]
+
+
+def test_the_recipe_parse_stays_torch_free_unless_a_cache_is_asked_for():
+    import subprocess
+    import sys
+
+    code = ("import sys; from dllmflow.workflow.finetune import parse_params_config; "
+            "parse_params_config(open('params/tiny_addition.yaml').read()); assert 'torch' not in sys.modules")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_evaluate_sampler_with_a_sweep_keeps_the_chosen_point_and_the_table_names_it(tmp_path):
+    from _tiny_eval import tiny_eval_export
+
+    from dllmflow.evaluation.sweep import choose_setting
+    from dllmflow.workflow.finetune import evaluate_sampler, results_table
+
+    ckpt, settings = tiny_eval_export(tmp_path)
+    run_dir = tmp_path / "run"  # the flow's run layout: checkpoints/LATEST -> step dir -> model/consolidated
+    (run_dir / "checkpoints" / "step_000004" / "model").mkdir(parents=True)
+    ckpt.rename(run_dir / "checkpoints" / "step_000004" / "model" / "consolidated")
+    (run_dir / "checkpoints" / "LATEST").symlink_to("step_000004")
+    s = Settings.coerce(settings.to_dict() | {"eval": {**settings.eval.model_dump(), "sweep": {"steps": [2, 4]}}})
+    result = evaluate_sampler(s, str(run_dir), "llada")
+    sweep = result["sweep"]
+    assert [p["setting"] for p in sweep["points"]] == [{"steps": 2}, {"steps": 4}]
+    assert sweep["chosen"] == choose_setting(sweep["points"], s.eval.sweep_tolerance)
+    chosen = sweep["points"][sweep["chosen"]]
+    assert result["protocol"]["sampler_settings"]["steps"] == chosen["setting"]["steps"]  # what register records
+    row = next(line for line in results_table({"llada": result}).splitlines() if "llada" in line)
+    assert f"steps={chosen['setting']['steps']}" in row

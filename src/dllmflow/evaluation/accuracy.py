@@ -3,6 +3,7 @@
     dllmflow evaluate --checkpoint runs/tiny_mdlm/checkpoints --limit 8
     dllmflow evaluate --checkpoint CKPT --params params/tiny_mdlm.yaml --sampler llada --threshold 0.9 \
         --output results.json
+    dllmflow evaluate --checkpoint CKPT --sweep threshold=none,0.9 --sweep cache=none,dual   # sweep.py
 
 Prompts and reference answers come from the prepared data's held-out split (`dataset.prepared_dir`,
 split `eval`): the prompt is the chat without its last assistant turn, rendered with the
@@ -26,6 +27,7 @@ from dllmflow.common.files import atomic_write_json
 from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
+    EvalRunner,
     build_eval_runner,
     eval_chats,
     gold_answer,
@@ -54,12 +56,25 @@ def evaluate(
     settings that win over the preset and settings.eval (one the sampler does not take is an error).
     -> {"metrics", "protocol", "predictions"}.
     """
+    loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
+    return evaluate_loaded(loaded, checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
+
+
+def evaluate_loaded(
+    loaded: EvalRunner,
+    checkpoint: str | Path,
+    *,
+    split: str = "eval",
+    limit: int | None = None,
+    prepared_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """`evaluate` with the checkpoint already loaded (`build_eval_runner`; a sweep rebuilds only the
+    sampler per point with `loaded.with_overrides`)."""
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.models.limits import check_generation_fits
 
     # 1) what to run
-    loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
-    runner, eval_cfg = loaded.runner, loaded.eval_cfg
+    runner, eval_cfg, sampler = loaded.runner, loaded.eval_cfg, loaded.sampler
     prepared_dir = resolve_prepared_dir(checkpoint, loaded.settings, prepared_dir)
     limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
     config = runner.config  # as it ran (scdd: the schedule read from the checkpoint)
@@ -97,6 +112,56 @@ def evaluate(
     }
     metrics = score_metrics(predictions, elapsed, row_nfe)
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions}
+
+
+def run_sweep(
+    checkpoint: str | Path,
+    settings: Any,
+    sampler: str,
+    axes: dict[str, list],
+    *,
+    split: str = "eval",
+    limit: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    prepared_dir: str | Path | None = None,
+    strict: bool = True,
+    tolerance: float = 0.01,
+    metric: str = "exact_match_flexible",
+) -> dict[str, Any]:
+    """Evaluate `sampler` at every point of `axes` (over `overrides` and the eval section), the model
+    loaded once. Points that run the same effective setting (None = a preset equal to a listed value)
+    are evaluated once. -> the chosen point's {"metrics", "protocol", "predictions"} plus "sweep":
+    {"grid", "metric", "tolerance", "points": [{"setting", "metrics", "sampler_settings"}], "pareto",
+    "chosen"}."""
+    from dllmflow.evaluation.sweep import (
+        choose_setting,
+        effective_setting,
+        pareto_front,
+        sampler_points,
+        setting_label,
+    )
+
+    requested = sampler_points(sampler, axes, strict=strict)
+    base = dict(overrides or {})
+    loaded = build_eval_runner(checkpoint, settings, sampler, {**base, **requested[0]})
+    sampler_options = {k: v for k, v in base.items() if k not in ("mask_id", "adapter", "trust_remote_code")}
+    points, results, seen = [], [], set()
+    for i, point in enumerate(requested):
+        runner = loaded if i == 0 else loaded.with_overrides({**sampler_options, **point})
+        setting = effective_setting(runner.runner.config, list(point))
+        key = tuple(sorted(setting.items(), key=lambda kv: kv[0]))
+        if key in seen:
+            continue
+        seen.add(key)
+        print(f"sweep {sampler} [{len(points) + 1}/{len(requested)}] {setting_label(setting)}", flush=True)
+        result = evaluate_loaded(runner, checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
+        points.append({"setting": setting, "metrics": result["metrics"],
+                       "sampler_settings": result["protocol"]["sampler_settings"]})  # fmt: skip
+        results.append(result)
+    chosen = choose_setting(points, tolerance, metric)
+    sweep = {"grid": axes, "metric": metric, "tolerance": tolerance, "points": points,
+             "pareto": pareto_front(points, metric), "chosen": chosen}  # fmt: skip
+    return {**results[chosen], "sweep": sweep}
 
 
 def generate_in_batches(
@@ -174,6 +239,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--harness", metavar="TASK", help="score with lm-evaluation-harness instead (gsm8k; docs/lm_eval.md)"
     )
     parser.add_argument("--adapter", help="LoRA adapter dir (peft layout) to load onto --checkpoint")
+    sweep = parser.add_argument_group("accuracy-speed sweep (evaluation/sweep.py)")
+    sweep.add_argument(
+        "--sweep",
+        action="append",
+        metavar="KEY=V1,V2",
+        help="evaluate every combination (threshold, cache, steps, block-size; none = the preset); repeat "
+        "per key. Prints each point, the Pareto frontier and the fastest within --sweep-tolerance",
+    )
+    add_flag(sweep, "--sweep-file", help="YAML/JSON grid, e.g. {threshold: [null, 0.9], cache: [none, dual]}")
+    add_flag(
+        sweep, "--sweep-tolerance", type=float, help="exact match a faster point may give up; default eval.sweep_tolerance"
+    )
     add_trust_arg(parser)
     add_sampler_args(parser, seed_default=None)
 
@@ -193,7 +270,8 @@ def print_results(results: dict[str, Any]) -> None:
     s = proto["sampler_settings"]  # only the knobs this sampler takes
     print(
         f"protocol: steps={s['steps']} max_new_tokens={s['max_new_tokens']} block_size={s.get('block_size')} "
-        f"threshold={s.get('threshold')} temperature={s.get('temperature')} n_shot={proto['n_shot']} "
+        f"threshold={s.get('threshold')} cache={s.get('cache', 'none')} temperature={s.get('temperature')} "
+        f"n_shot={proto['n_shot']} "
         f"limit={proto['limit']} seed={proto['seed']} template={proto['chat_template_sha256']}\n"
         f"checkpoint: {proto['checkpoint']}"
     )
@@ -208,6 +286,8 @@ def cli_main(args: argparse.Namespace) -> int:
     settings = load_settings(args.params) if args.params else None
     overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter,
                  "trust_remote_code": getattr(args, "trust_remote_code", False)}  # fmt: skip
+    if args.sweep or args.sweep_file:
+        return _cli_sweep(args, settings, overrides)
     run = evaluate
     if args.harness:
         try:
@@ -223,6 +303,27 @@ def cli_main(args: argparse.Namespace) -> int:
         overrides=overrides, prepared_dir=args.prepared_dir,
     )  # fmt: skip
     print_results(results)
+    if args.output:
+        print(f"wrote {atomic_write_json(args.output, results, sort_keys=False)}")
+    return 0
+
+
+def _cli_sweep(args: argparse.Namespace, settings: Any, overrides: dict[str, Any]) -> int:
+    from dllmflow.evaluation.sweep import build_grid, sweep_table
+
+    if args.harness:
+        raise UserError("--sweep runs `dllmflow evaluate`'s own scoring; drop --harness")
+    axes = build_grid(args.sweep, args.sweep_file)
+    tolerance = args.sweep_tolerance
+    if tolerance is None:
+        tolerance = settings.eval.sweep_tolerance if settings is not None else 0.01
+    if not 0 <= tolerance <= 1:
+        raise UserError(f"--sweep-tolerance must be in [0, 1], got {tolerance}")
+    results = run_sweep(
+        args.checkpoint, settings, args.sampler, axes, split=args.split, limit=args.limit,
+        overrides=overrides, prepared_dir=args.prepared_dir, tolerance=tolerance,
+    )  # fmt: skip
+    print(sweep_table(results))
     if args.output:
         print(f"wrote {atomic_write_json(args.output, results, sort_keys=False)}")
     return 0

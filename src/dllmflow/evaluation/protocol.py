@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from dllmflow.errors import UserError
 
@@ -84,13 +84,13 @@ def _exemplars(prepared_dir: Path, n_shot: int) -> list[list[dict]]:
 
 # ---- the checkpoint and its sampler -------------------------------------------------------------
 
-EVAL_SETTINGS = ("max_new_tokens", "steps", "block_size", "threshold", "temperature", "seed")
+EVAL_SETTINGS = ("max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "seed")
 
 
 @dataclass
 class EvalRunner:
-    """A checkpoint loaded for evaluation with one sampler (shared by `evaluate` and the lm-eval
-    adapter in `harness.py`). settings: the run's Settings or the checkpoint's own (None = neither)."""
+    """A checkpoint loaded for evaluation with one sampler (shared by `evaluate`, the sweep and the
+    lm-eval adapter in `harness.py`). settings: the run's Settings or the checkpoint's own (None = neither)."""
 
     model: Any
     tokenizer: Any
@@ -102,6 +102,32 @@ class EvalRunner:
     def eval_cfg(self) -> Any:
         return self.settings.eval if self.settings is not None else None
 
+    def with_overrides(self, overrides: dict[str, Any] | None) -> EvalRunner:
+        """The same loaded model with the sampler rebuilt from its preset < settings.eval < `overrides`
+        (a sweep point): the model loads once for every setting."""
+        return replace(self, runner=build_runner(self.model, self.tokenizer, self.settings, self.sampler, overrides))
+
+
+def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
+    """The eval section's sampler knobs as defaults for `sampler`. The section is shared by every sampler
+    of the mode: a knob it does not take is dropped (by `build_sampler_config`), and so is an
+    `eval.cache` it cannot use (llada2's exact cache, nemotron: no Fast-dLLM cache); `check_eval_settings`
+    refuses a cache that no evaluated sampler can use."""
+    values = {k: getattr(eval_cfg, k, None) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
+    if values.get("cache") is not None and not sampler_takes(sampler, "cache", values["cache"]):
+        values.pop("cache")
+    return values
+
+
+def build_runner(model: Any, tokenizer: Any, settings: Any, sampler: str, overrides: dict[str, Any] | None) -> Any:
+    """`sampler` on a loaded model, its config from preset < settings.eval < `overrides` (strict)."""
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+
+    defaults = eval_defaults(settings.eval if settings is not None else None, sampler)
+    config = build_sampler_config(sampler, overrides, tokenizer, defaults=defaults)
+    return SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+
 
 def build_eval_runner(
     checkpoint: str | Path,
@@ -112,12 +138,12 @@ def build_eval_runner(
 ) -> EvalRunner:
     """Load `checkpoint` (on `device`, None = cuda if available) and build `sampler` from its preset <
     settings.eval < `overrides` (one the sampler does not take is an error; `mask_id` picks the mask token)."""
-    from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import build_sampler_config
     from dllmflow.inference.generate import check_sampler_fits, load_for_generation, validate_sampler_request
 
     validate_sampler_request(sampler)
     overrides = dict(overrides or {})
+    if settings is not None:  # before the load: a cache no sampler of the mode can use is refused
+        check_eval_settings(settings)
     # A checkpoint's code runs only if the caller trusts it: --trust-remote-code or the settings passed.
     trust = bool(overrides.pop("trust_remote_code", False)) or bool(
         settings and settings.model.trust_remote_code
@@ -131,12 +157,80 @@ def build_eval_runner(
     )
     settings = settings or trained
     check_sampler_fits(sampler, trained or settings)
-    eval_cfg = settings.eval if settings is not None else None
-    # The eval section is shared by every sampler of the mode: a knob this one does not take is dropped.
-    values = {k: getattr(eval_cfg, k) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
-    config = build_sampler_config(sampler, overrides, tokenizer, defaults=values)
-    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    runner = build_runner(model, tokenizer, settings, sampler, overrides)
     return EvalRunner(model, tokenizer, runner, settings, sampler)
+
+
+# ---- which sampler takes which setting ----------------------------------------------------------
+
+
+def sampler_takes(sampler: str, key: str, value: Any) -> bool:
+    """Whether `sampler`'s config has option `key` and accepts `value` for it (None = the preset: always).
+    `cache: none` asks for no cache, which a sampler without a cache option also honours."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from dllmflow.diffusion.samplers import SAMPLERS
+
+    field = SAMPLERS[sampler].config_cls.model_fields.get(key)
+    if field is None:
+        return key == "cache" and value == "none"
+    if value is None:
+        return True
+    try:
+        annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+        TypeAdapter(annotation).validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+def cache_modes(sampler: str) -> tuple[str, ...]:
+    """The `cache` values `sampler` takes ("none" only: it has no Fast-dLLM cache option)."""
+    from dllmflow.settings.sections import CACHE_MODES
+
+    return tuple(m for m in CACHE_MODES if sampler_takes(sampler, "cache", m))
+
+
+def evaluated_samplers(settings: Any) -> list[str]:
+    """The samplers the eval section applies to: `eval.samplers`, else every sampler of the mode (the
+    mode's extra evaluations, such as DFlash acceptance, are not samplers and take no sampler setting)."""
+    from dllmflow.diffusion.modes import MODES
+    from dllmflow.diffusion.samplers import SAMPLERS
+
+    names = settings.eval.samplers or MODES[settings.dllm.mode].samplers
+    return [n for n in names if n in SAMPLERS]
+
+
+def asks_for_cache(eval_cfg: Any) -> bool:
+    """True when the eval section names a cache other than none (`eval.cache`, `eval.sweep.cache`)."""
+    sweep = eval_cfg.sweep.cache if eval_cfg.sweep is not None else None
+    return any(c not in (None, "none") for c in [eval_cfg.cache, *(sweep or [])])
+
+
+def check_eval_settings(settings: Any) -> None:
+    """`eval.cache` and each `eval.sweep` value must be usable by at least one evaluated sampler (the
+    others run without it, as with any eval knob they do not take); else a SettingsError naming the
+    field, the mode and what each sampler takes. Imports the sampler configs (torch): the flow's
+    recipe parse calls it only when a cache is asked for (`asks_for_cache`), the train step always."""
+    from dllmflow.settings import SettingsError
+
+    samplers = evaluated_samplers(settings)
+    if not samplers:
+        return
+    checks = [("eval.cache", "cache", settings.eval.cache)]
+    if settings.eval.sweep is not None:
+        checks += [(f"eval.sweep.{k}", k, v) for k, vs in settings.eval.sweep.axes().items() for v in vs]
+    for where, key, value in checks:
+        if value is None or any(sampler_takes(n, key, value) for n in samplers):
+            continue
+        if key == "cache":
+            takes = "; ".join(f"{n} takes cache: {', '.join(cache_modes(n))}" for n in samplers)
+        else:
+            takes = f"none of them has a {key} option"
+        raise SettingsError(
+            f"{where}: {value!r} cannot be used by any sampler evaluated for dllm.mode={settings.dllm.mode} "
+            f"({', '.join(samplers)}): {takes}. Drop it or pick a value one of them takes"
+        )
 
 
 def resolve_prepared_dir(checkpoint: str | Path, settings: Any, prepared_dir: str | Path | None) -> Path:

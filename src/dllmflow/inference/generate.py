@@ -2,6 +2,7 @@
 
     dllmflow generate --checkpoint runs/tiny_mdlm --prompt "What is 2+3?" --sampler llada
     dllmflow generate --checkpoint CKPT --prompt "a" --prompt "b" --threshold 0.9 --max-new-tokens 64
+    dllmflow generate --checkpoint CKPT --prompt "a" --cache dual      # llada, scdd: Fast-dLLM dual cache
     dllmflow generate --checkpoint CKPT --infill --prompt "2 + 3 = [MASK]."
 
 Flags are kebab-case; the guide's snake_case spellings (`--max_new_tokens`, `--mask_id`) also parse.
@@ -236,14 +237,20 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     add_flag(g, "--schedule-peak", type=float, help="scdd: must match training")
     add_flag(g, "--editing-threshold", type=float, help="llada2: LLaDA2.1 token editing, 0 = off")
     add_flag(g, "--max-post-steps", type=int, help="llada2: editing-only steps after a block is full")
-    add_flag(g, "--no-kv-cache", action="store_true", help="also turns off the causal context")
+    add_flag(
+        g,
+        "--cache",
+        choices=["none", "prefix", "dual"],
+        help="llada, scdd: Fast-dLLM approximate KV cache (prefix, or prefix + suffix), refreshed per block",
+    )
+    add_flag(g, "--no-kv-cache", action="store_true", help="exact caches (llada2, idlm, nemotron) off; also the causal context")
     add_flag(g, "--mask-id", type=int)
     add_flag(g, "--seed", type=int, default=seed_default)
 
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
                  "uniform_ratio", "schedule_shape", "schedule_peak", "editing_threshold", "max_post_steps",
-                 "seed")  # fmt: skip
+                 "cache", "seed")  # fmt: skip
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -7,7 +7,7 @@ YAML under `params/` only overrides them. Imports no torch.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -26,6 +26,8 @@ __all__ = [
     "CheckpointConfig",
     "DatasetConfig",
     "DistributedConfig",
+    "CACHE_MODES",
+    "CacheMode",
     "EvalConfig",
     "FlowConfig",
     "LaunchConfig",
@@ -33,6 +35,8 @@ __all__ = [
     "PeftSection",
     "RegenerateConfig",
     "RegistryConfig",
+    "SWEEP_KEYS",
+    "SweepGrid",
     "TinyModelConfig",
     "TokenizerConfig",
     "TrainConfig",
@@ -318,6 +322,52 @@ class LaunchConfig(Section):
     )
 
 
+# Fast-dLLM approximate KV caches of the bidirectional samplers (llada, scdd): none, the committed
+# prefix, or prefix and suffix ("dual"), refreshed per block. Samplers with an exact cache (llada2, idlm)
+# turn it off with `no_kv_cache` instead.
+CacheMode = Literal["none", "prefix", "dual"]
+CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
+
+# The sampler settings a sweep may vary, in the order a point is written.
+SWEEP_KEYS = ("threshold", "cache", "steps", "block_size")
+MAX_SWEEP_POINTS = 64
+
+
+def _distinct(values: list | None) -> list | None:
+    if values is not None and (not values or len(set(values)) != len(values)):
+        raise ValueError("must be a non-empty list without repeats (or leave the key out)")
+    return values
+
+
+class SweepGrid(Section):
+    """`eval.sweep`: the grid of sampler settings evaluated per sampler (every combination), each point
+    scored for exact match and speed; the flow registers the fastest point within `eval.sweep_tolerance`
+    of the best exact match. `null` in a list = the sampler's preset (llada: no threshold). A key a
+    sampler does not take is dropped for that sampler (as an eval knob is); one no evaluated sampler
+    takes is an error naming `eval.sweep.<key>`."""
+
+    threshold: Annotated[list[Annotated[float, Field(gt=0.0, le=1.0)] | None] | None, AfterValidator(_distinct)] = None
+    cache: Annotated[list[CacheMode] | None, AfterValidator(_distinct)] = None
+    steps: Annotated[list[PositiveInt] | None, AfterValidator(_distinct)] = None
+    block_size: Annotated[list[PositiveInt] | None, AfterValidator(_distinct)] = None
+
+    def axes(self) -> dict[str, list]:
+        """The swept keys and their values, in `SWEEP_KEYS` order."""
+        return {k: list(getattr(self, k)) for k in SWEEP_KEYS if getattr(self, k) is not None}
+
+    @model_validator(mode="after")
+    def _small_grid(self) -> SweepGrid:
+        axes = self.axes()
+        if not axes:
+            raise ValueError(f"give at least one of {', '.join(SWEEP_KEYS)} (each a list of values)")
+        n = 1
+        for values in axes.values():
+            n *= len(values)
+        if n > MAX_SWEEP_POINTS:
+            raise ValueError(f"{n} points; at most {MAX_SWEEP_POINTS} (each point is a full evaluation)")
+        return self
+
+
 class EvalConfig(Section):
     samplers: list[str] | None = Field(None, description="None = every sampler that fits the mode.")
     split: str = "eval"
@@ -326,6 +376,11 @@ class EvalConfig(Section):
     steps: PositiveInt | None = None
     block_size: PositiveInt | None = None
     threshold: float | None = Field(None, gt=0.0, le=1.0)
+    cache: CacheMode | None = Field(
+        None,
+        description="KV cache of the samplers that take one (llada, scdd: Fast-dLLM prefix/dual); the "
+        "others run as they are. None = each sampler's preset. Refused if no evaluated sampler can use it.",
+    )
     temperature: NonNegativeFloat | None = None
     n_shot: NonNegativeInt = 0
     batch_size: PositiveInt = 8
@@ -334,6 +389,15 @@ class EvalConfig(Section):
         False,
         description="Tiny random models only: also evaluate the same-seed untrained model (each sampler, "
         "same examples), shown as 'EM untrained' in the results table and card. Doubles evaluate's time.",
+    )
+    sweep: SweepGrid | None = Field(
+        None,
+        description="Grid of sampler settings (threshold, cache, steps, block_size) evaluated per sampler; "
+        "the model is registered at the fastest point within sweep_tolerance of the best exact match. "
+        "Each point is a full evaluation: keep it small.",
+    )
+    sweep_tolerance: float = Field(
+        0.01, ge=0.0, le=1.0, description="Exact match a faster sweep point may give up (0.01 = 1 point)."
     )
 
 
@@ -347,7 +411,11 @@ class GateConfig(Section):
     tolerance: NonNegativeFloat = Field(
         0.0, description="New accuracy may be this much below the champion's."
     )
-    min_tokens_per_s: NonNegativeFloat = Field(0.0, description="Speed floor for the gated sampler.")
+    min_tokens_per_s: NonNegativeFloat = Field(
+        0.0,
+        description="Speed floor (tokens/s) of the gated sampler at the setting it is registered with "
+        "(the chosen `eval.sweep` point when there is a sweep); 0 = off.",
+    )
     min_accuracy: float = Field(
         0.05, ge=0.0, le=1.0, description="Accuracy floor: below it a version is never champion."
     )

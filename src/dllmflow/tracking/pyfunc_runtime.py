@@ -110,6 +110,7 @@ _PARAM_TYPES = {
     "temperature": "double",
     "threshold": "double",
     "remasking": "string",
+    "cache": "string",  # llada, scdd: none | prefix | dual; refused (HTTP 400) by a sampler without it
     "seed": "long",
 }
 

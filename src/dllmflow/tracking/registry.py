@@ -42,10 +42,13 @@ def register_model(
     *,
     sampler: str,
     sampler_settings: dict[str, Any] | None = None,
+    setting: dict[str, Any] | None = None,
 ) -> Any:
     """Log the consolidated checkpoint as a pyfunc model in `run_id` and register it under
     `registry.model_name` with alias `candidate`. Idempotent: a run already registered returns its
-    existing version. Returns the `ModelVersion`."""
+    existing version. `setting`: the `eval.sweep` point it was chosen and gated at (already part of
+    `sampler_settings`), recorded in the `generation` artifact and as the version tag `setting`.
+    Returns the `ModelVersion`."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.models import Model
@@ -65,6 +68,8 @@ def register_model(
 
     sampler_settings = {k: v for k, v in (sampler_settings or {}).items() if v is not None}
     generation = {"sampler": sampler, "sampler_settings": sampler_settings, "mode": settings.dllm.mode}
+    if setting is not None:
+        generation["setting"] = setting
     if settings.model.trust_remote_code:  # the registering run's decision; the pyfunc loads with it
         generation["trust_remote_code"] = True
     artifacts = {"checkpoint": str(consolidated_dir)}
@@ -92,7 +97,10 @@ def register_model(
                 input_example=["What is 2 + 3?"],
                 pip_requirements=_pip_requirements(),
             )
-    version = mlflow.register_model(info.model_uri, name, tags={"run_id": run_id, "sampler": sampler})
+    tags = {"run_id": run_id, "sampler": sampler}
+    if setting is not None:
+        tags["setting"] = json.dumps(setting, sort_keys=True)
+    version = mlflow.register_model(info.model_uri, name, tags=tags)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
     return client.get_model_version(name, version.version)
 
@@ -162,16 +170,19 @@ def gate_decision(
     version: str | int,
     champion_version: str | int | None = None,
     champion_value: float = float("nan"),
+    setting: str | None = None,
 ) -> tuple[bool, str]:
     """(promote, reason) for a version scoring `value` on `gate.metric` (a `GateConfig`), against the
     current champion (None = none yet). Checked in order: the metric exists, the speed floor, the
     metric's absolute floor (`gate_floor`: a version below it never becomes champion, the first one
-    included), then no champion / already champion / not worse than the champion minus the tolerance."""
+    included), then no champion / already champion / not worse than the champion minus the tolerance.
+    `setting`: the sweep point both numbers were measured at (named in the speed reason)."""
     floor = gate_floor(gate)
     if not math.isfinite(value):
         return False, f"metric {gate.metric} missing for sampler {sampler}"
-    if tokens_per_s < gate.min_tokens_per_s:
-        return False, f"tokens_per_s {tokens_per_s:.2f} below the floor {gate.min_tokens_per_s}"
+    if gate.min_tokens_per_s > 0 and not tokens_per_s >= gate.min_tokens_per_s:  # NaN fails a set floor
+        at = f" at {setting}" if setting else ""
+        return False, f"tokens_per_s {tokens_per_s:.2f}{at} below the floor {gate.min_tokens_per_s} (registry.gate.min_tokens_per_s)"
     if value < floor:
         return (
             False,
@@ -195,10 +206,13 @@ def apply_gate(
 ) -> dict[str, Any]:
     """Move `champion` to `version` when `gate_decision` says so (its metric at or above the absolute
     floor, not below the current champion's minus `registry.gate.tolerance`, its speed at or above
-    `registry.gate.min_tokens_per_s`). The decision and its reason are written as tags on the model
-    version and on its run."""
+    `registry.gate.min_tokens_per_s`), all measured at the setting the model is registered at (the
+    chosen `eval.sweep` point, tag `gate.setting`). The decision and its reason are written as tags on
+    the model version and on its run."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
+
+    from dllmflow.evaluation.sweep import chosen_setting, setting_label
 
     connect(settings)
     gate = settings.registry.gate
@@ -207,6 +221,7 @@ def apply_gate(
     metrics = evals.get(sampler, {}).get("metrics", {})
     acc = float(metrics.get(gate.metric, float("nan")))
     speed = float(metrics.get("tokens_per_s", 0.0))
+    setting = chosen_setting(evals.get(sampler, {}))
     try:
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
@@ -219,6 +234,7 @@ def apply_gate(
         version=version.version,
         champion_version=champion.version if champion is not None else None,
         champion_value=float(champion.tags.get(f"eval.{gate.metric}", "nan")) if champion else float("nan"),
+        setting=setting_label(setting) if setting is not None else None,
     )
 
     client.set_model_version_tag(name, version.version, f"eval.{gate.metric}", f"{acc:.6f}")
@@ -227,6 +243,8 @@ def apply_gate(
         name, version.version, "gate.decision", "promoted" if promote else "rejected"
     )
     client.set_model_version_tag(name, version.version, "gate.reason", reason)
+    if setting is not None:
+        client.set_model_version_tag(name, version.version, "gate.setting", json.dumps(setting, sort_keys=True))
     if version.run_id:
         client.set_tag(version.run_id, "gate.decision", "promoted" if promote else "rejected")
         client.set_tag(version.run_id, "gate.reason", reason)
@@ -239,4 +257,5 @@ def apply_gate(
         "metric": gate.metric,
         "value": acc,
         "tokens_per_s": speed,
+        "setting": setting,
     }

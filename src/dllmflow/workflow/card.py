@@ -1,6 +1,7 @@
 """The Metaflow card of a finetune run: loss curve, eval table (accuracy and speed per sampler) with a
-chart (Vega-Lite, drawn by the card viewer), sample generations, lineage. Built from plain run
-artifacts, so it can be rendered for any run:
+chart (Vega-Lite, drawn by the card viewer), exact match against tokens/s per setting when the recipe
+ran `eval.sweep` (Pareto front and the chosen setting marked), sample generations, lineage. Built from
+plain run artifacts, so it can be rendered for any run:
 
     from dllmflow.workflow.card import build_card_components
     for c in build_card_components(settings, run_dir, evals, data, training, registration):
@@ -67,6 +68,58 @@ def eval_chart(evals: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def sweep_values(evals: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per sweep point of every sampler that ran `eval.sweep`: its setting, exact match,
+    tokens/s, NFE, whether it is on the Pareto front and whether it was chosen."""
+    from dllmflow.evaluation.sweep import setting_label
+
+    values = []
+    for name, result in evals.items():
+        sweep = result.get("sweep")
+        for i, point in enumerate(sweep["points"] if sweep else []):
+            m = point["metrics"]
+            values.append({
+                "sampler": name, "setting": setting_label(point["setting"]),
+                "exact_match": m.get(sweep["metric"], 0.0), "tokens_per_s": m.get("tokens_per_s", 0.0),
+                "nfe": m.get("nfe", 0.0), "pareto": i in sweep["pareto"], "chosen": i == sweep["chosen"],
+            })  # fmt: skip
+    return values
+
+
+def sweep_chart(evals: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Vega-Lite spec of the sweep: exact match against tokens/s, one point per setting, coloured by
+    sampler, filled on the Pareto front, the chosen setting ringed and labelled. None without a sweep."""
+    values = sweep_values(evals)
+    if not values:
+        return None
+    encoding = {
+        "x": {"field": "tokens_per_s", "type": "quantitative", "title": "tokens / s"},
+        "y": {"field": "exact_match", "type": "quantitative", "title": "exact match"},
+        "color": {"field": "sampler", "type": "nominal"},
+    }
+    return {
+        "$schema": "https://vega.github.io/schema/vega-lite/v5.json",
+        "title": "accuracy vs speed per setting (filled: Pareto front; ringed: chosen)",
+        "data": {"values": values},
+        "encoding": encoding,
+        "layer": [
+            {
+                "mark": {"type": "point", "size": 80, "tooltip": {"content": "data"}},
+                "encoding": {"fill": {"condition": {"test": "datum.pareto", "field": "sampler", "type": "nominal"}, "value": None}},
+            },
+            {
+                "transform": [{"filter": "datum.chosen"}],
+                "mark": {"type": "point", "size": 300, "strokeWidth": 2},
+            },
+            {
+                "transform": [{"filter": "datum.chosen"}],
+                "mark": {"type": "text", "align": "left", "dx": 10},
+                "encoding": {"text": {"field": "setting"}},
+            },
+        ],
+    }
+
+
 def eval_rows(evals: dict[str, dict[str, Any]]) -> list[list[str]]:
     rows = []
     for name, result in evals.items():
@@ -115,6 +168,18 @@ def build_card_components(
     ]
     if evals:
         parts.append(VegaChart(eval_chart(evals)))
+    swept = sweep_chart(evals)
+    if swept is not None:  # eval.sweep: every setting tried, and the one the model is registered at
+        rows = [
+            [v["sampler"], v["setting"], _fmt(v["exact_match"]), _fmt(v["tokens_per_s"]), _fmt(v["nfe"]),
+             "yes" if v["pareto"] else "", "chosen" if v["chosen"] else ""]
+            for v in sweep_values(evals)
+        ]  # fmt: skip
+        parts += [
+            Markdown("## Accuracy and speed per setting (`eval.sweep`)"),
+            VegaChart(swept),
+            Table(rows, headers=["sampler", "setting", "exact match", "tokens/s", "NFE", "Pareto", ""]),
+        ]
     learned = [
         [
             name,

@@ -39,7 +39,18 @@ SettingsLike = Settings | dict[str, Any]
 def parse_params_config(text: str) -> dict[str, Any]:
     """Metaflow `Config` parser: YAML text -> the fully validated settings (defaults filled in), so
     decorators can read `params.flow.resources.cpu` and a typo fails before any step runs."""
-    return load_settings_text(text, source="--config recipe").to_dict()
+    return _checked(load_settings_text(text, source="--config recipe")).to_dict()
+
+
+def _checked(s: Settings, *, full: bool = False) -> Settings:
+    """The eval section's sampler settings against the mode's samplers (`check_eval_settings`): at parse
+    time only when a cache is asked for (the check imports the sampler configs, i.e. torch, which a
+    `--help` must not pay), in full before training (`eval_samplers`)."""
+    from dllmflow.evaluation.protocol import asks_for_cache, check_eval_settings
+
+    if full or asks_for_cache(s.eval):
+        check_eval_settings(s)
+    return s
 
 
 def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_limit: int = 0) -> Settings:
@@ -50,7 +61,7 @@ def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_li
         data["train"]["max_steps"] = int(max_steps)
     if eval_limit:
         data["eval"]["limit"] = int(eval_limit)
-    return Settings.coerce(data)
+    return _checked(Settings.coerce(data))
 
 
 def start_tracking(settings: SettingsLike, *, pathspec: str | None = None) -> str | None:
@@ -194,11 +205,12 @@ def _remote_latest(stage: Settings) -> str | None:
 def eval_samplers(settings: SettingsLike) -> list[str]:
     """The samplers valid for the trained mode (or `eval.samplers` when set), plus the mode's extra
     evaluations such as DFlash acceptance (a DFlash export is a draft, measured by speculative decoding
-    against its frozen target). Both come from the mode's `ModeSpec`."""
+    against its frozen target). Both come from the mode's `ModeSpec`. Checks `eval.cache` and
+    `eval.sweep` against those samplers (the flow calls it before training)."""
     from dllmflow.diffusion.modes import MODES
     from dllmflow.diffusion.samplers import SAMPLERS
 
-    s = Settings.coerce(settings)
+    s = _checked(Settings.coerce(settings), full=True)
     spec = MODES[s.dllm.mode]
     extra = list(spec.extra_evaluations)
     if s.eval.samplers:
@@ -223,13 +235,26 @@ def evaluate_sampler(
     from dllmflow.evaluation.accuracy import evaluate
 
     s = Settings.coerce(settings)
+    checkpoint = runs.find_consolidated(run_dir)
     if sampler == "acceptance":
         from dllmflow.evaluation.acceptance import evaluate_dflash
 
-        result = evaluate_dflash(runs.find_consolidated(run_dir), settings=s, limit=s.eval.limit)
+        result = evaluate_dflash(checkpoint, settings=s, limit=s.eval.limit)
     else:
-        result = evaluate(runs.find_consolidated(run_dir), settings=s, sampler=sampler, limit=s.eval.limit)
-        baseline = untrained_baseline(s, sampler)
+        setting = None
+        if s.eval.sweep is not None:  # the model is registered (and gated) at the chosen point
+            from dllmflow.evaluation.accuracy import run_sweep
+            from dllmflow.evaluation.sweep import chosen_setting, sweep_table
+
+            result = run_sweep(
+                checkpoint, s, sampler, s.eval.sweep.axes(), limit=s.eval.limit, strict=False,
+                tolerance=s.eval.sweep_tolerance, metric=sweep_metric(s),
+            )  # fmt: skip
+            setting = chosen_setting(result)
+            print(sweep_table(result), flush=True)
+        else:
+            result = evaluate(checkpoint, settings=s, sampler=sampler, limit=s.eval.limit)
+        baseline = untrained_baseline(s, sampler, setting)
         if baseline is not None:
             result["baseline"] = baseline
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
@@ -240,12 +265,21 @@ def evaluate_sampler(
     return result
 
 
-def untrained_baseline(settings: SettingsLike, sampler: str) -> dict[str, Any] | None:
+def sweep_metric(settings: Settings) -> str:
+    """The exact match a sweep maximises: the gate's metric when it is one, else flexible."""
+    metric = settings.registry.gate.metric
+    return metric if metric.startswith("exact_match") else "exact_match_flexible"
+
+
+def untrained_baseline(
+    settings: SettingsLike, sampler: str, setting: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The same evaluation (sampler, examples, settings) of the model as it was before training: built
     fresh from `train.seed` as the trainer builds it, exported to a temp dir. What the results table shows
     as "untrained", so a reader sees what training added. Only with `eval.untrained_baseline` (on in the
     demo recipe, params/tiny_addition.yaml) and for a tiny random model: it is a second evaluation of
-    every sampler; a pretrained model's baseline is the base model (`dllmflow evaluate --checkpoint <base>`)."""
+    every sampler; a pretrained model's baseline is the base model (`dllmflow evaluate --checkpoint <base>`).
+    `setting`: the sweep point the trained model was chosen at, so both are measured alike."""
     import tempfile
 
     import torch
@@ -266,7 +300,7 @@ def untrained_baseline(settings: SettingsLike, sampler: str) -> dict[str, Any] |
     with tempfile.TemporaryDirectory(prefix="dllmflow-untrained-") as tmp:
         strategy.export(model, model.state_dict(), tokenizer, Path(tmp))
         s.write_json(Path(tmp) / "settings.json")
-        result = evaluate(tmp, settings=s, sampler=sampler, limit=s.eval.limit)
+        result = evaluate(tmp, settings=s, sampler=sampler, limit=s.eval.limit, overrides=setting)
     return {"metrics": result["metrics"], "model": f"untrained (train.seed {s.train.seed})"}
 
 
@@ -285,6 +319,7 @@ def register(
 ) -> dict[str, Any]:
     """Complete the MLflow run (`mlflow_run_id`, opened at `start`; else found or created here), log
     and register the model into it, apply the gate."""
+    from dllmflow.evaluation.sweep import chosen_setting
     from dllmflow.tracking import mlflow_run, registry
 
     s = Settings.coerce(settings)
@@ -305,8 +340,9 @@ def register(
 
     update_model_card(training["consolidated_dir"], evals)  # the registered export's card carries its evals
     version = registry.register_model(
-        s, run_id, training["consolidated_dir"], sampler=gated, sampler_settings=sampler_settings
-    )
+        s, run_id, training["consolidated_dir"], sampler=gated, sampler_settings=sampler_settings,
+        setting=chosen_setting(evals.get(gated, {})),
+    )  # fmt: skip
     decision = registry.apply_gate(s, version, evals, gated)
     return {
         "tracking_uri": mlflow_run.resolve_tracking_uri(s),
@@ -314,6 +350,7 @@ def register(
         "model_name": s.registry.model_name,
         "version": int(version.version),
         "sampler": gated,
+        "setting": chosen_setting(evals.get(gated, {})),  # the sweep point it is registered at (or None)
         "lineage": lineage,
         **{f"gate_{k}": v for k, v in decision.items()},
     }
@@ -347,19 +384,26 @@ RESULT_COLUMNS = (("EM", "exact_match_flexible"), ("tok/s", "tokens_per_s"), ("N
 
 def results_table(evals: dict[str, dict[str, Any]]) -> str:
     """Per sampler: exact match (flexible) of the untrained model (same seed, same examples, when
-    measured) and of the trained one, tokens/s, NFE per example; DFlash's acceptance shows tau. Plain
-    text (no colour codes), for a terminal and a CI log alike."""
+    measured) and of the trained one, tokens/s, NFE per example; DFlash's acceptance shows tau; with
+    `eval.sweep`, the setting each sampler was chosen at. Plain text (no colour codes), for a terminal
+    and a CI log alike."""
     from rich.console import Console
     from rich.table import Table
 
+    from dllmflow.evaluation.sweep import chosen_setting, setting_label
+
     table = Table(title="Evaluation (held-out examples)", title_justify="left")
-    for header in ("sampler", "examples", "EM untrained", "EM trained", "tok/s", "NFE", "tau"):
-        table.add_column(header, justify="left" if header == "sampler" else "right")
+    swept = any(r.get("sweep") for r in evals.values())  # the setting column: the sweep's chosen point
+    for header in ("sampler", *(("setting",) if swept else ()), "examples", "EM untrained", "EM trained",
+                   "tok/s", "NFE", "tau"):  # fmt: skip
+        table.add_column(header, justify="left" if header in ("sampler", "setting") else "right")
     for name, result in evals.items():
         m = result.get("metrics", {})
         base = result.get("baseline", {}).get("metrics", {})
+        setting = chosen_setting(result)
         table.add_row(
             name,
+            *((setting_label(setting) if setting is not None else "-",) if swept else ()),
             _cell(m.get("num_examples")),
             _cell(base.get("exact_match_flexible")),
             _cell(m.get("exact_match_flexible")),

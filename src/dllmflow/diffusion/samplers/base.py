@@ -63,8 +63,8 @@ def build_sampler_config(
     fields = sampler.config_cls.model_fields
     explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
     no_kv_cache = explicit.pop("no_kv_cache", False)
-    if "cache" not in fields and not no_kv_cache and (defaults or {}).get("cache") not in (None, "none"):
-        explicit.setdefault("cache", defaults["cache"])  # an approximate cache asked for: never dropped
+    if explicit.get("cache") == "none" and "cache" not in fields:  # no cache asked of a sampler without one
+        del explicit["cache"]
     unknown = [k for k in explicit if k not in fields]
     if unknown:
         raise UserError(_unknown_options_message(sampler, unknown))
