@@ -9,7 +9,8 @@ pad (EOS, else pad), supervised, so a diffusion model learns to emit EOS after t
 pads every row to the batch length `T` (the longest fill, rounded up to lcm(block, divisible), capped
 at `max_seq_len`) with the pad token, supervised only with `supervise_padding`. In response-window
 mode (block diffusion) blocks are aligned to the first supervised token and the block fill is
-attended; that mode trains single-turn data only, which is checked on every batch.
+attended; that mode trains single-turn data only, which is checked on every batch. With
+`dataset.packing` rows are packed several to a sequence instead (`dllmflow.data.pack`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ class DLLMCollator:
 
     @classmethod
     def from_settings(cls, settings, tokenizer) -> DLLMCollator:
-        dllm = settings.dllm
-        return cls(
+        """The run's collator: a `dllmflow.data.pack.PackedCollator` when `dataset.packing` is set."""
+        dllm, kind, extra = settings.dllm, cls, {}
+        if settings.dataset.packing:
+            from dllmflow.data.pack import PackedCollator
+
+            kind, extra = PackedCollator, {"overflow": settings.dataset.packing_overflow}
+        return kind(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             block_size=dllm.pad_block_size,
@@ -64,6 +70,7 @@ class DLLMCollator:
             max_seq_len=settings.dataset.seq_length,
             supervise_padding=dllm.supervise_padding,
             response_window=dllm.response_window,  # a fact of the mode config (block_diffusion)
+            **extra,
         )
 
     # 1) stage-1 fill end of one row

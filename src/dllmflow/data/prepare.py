@@ -46,6 +46,8 @@ _PREPARED_KEYS = frozenset({"format", "fingerprint", "splits", "content_hash"}) 
 
 # Added after format 1 shipped: left out of the fingerprint while unset, so existing prepared data is reused.
 _NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed", "max_row_bytes")
+# Read at batch time (dllmflow.data.pack), not by prepare: never part of the fingerprint.
+_BATCH_TIME_KEYS = ("packing", "packing_overflow")
 
 
 def _settings_used(settings) -> dict:
@@ -53,7 +55,7 @@ def _settings_used(settings) -> dict:
     unset = {k for k in _NEW_DATASET_KEYS if getattr(dataset, k) == type(dataset).model_fields[k].get_default(
         call_default_factory=True)}  # fmt: skip
     used = {
-        "dataset": dataset.model_dump(mode="json", exclude={"prepared_dir", *unset}),
+        "dataset": dataset.model_dump(mode="json", exclude={"prepared_dir", *_BATCH_TIME_KEYS, *unset}),
         "tokenizer": settings.tokenizer.model_dump(mode="json"),
     }
     if settings.tokenizer.name_or_path is None and settings.model.pretrained_model_name_or_path:

@@ -7,6 +7,7 @@ generator per sample (`dllmflow.diffusion.seeding`) and runs a kernel one row at
 
     from dllmflow.diffusion.corruption import corrupt_uniform, per_sample
     z, noise, p = per_sample(corrupt_uniform, seeds, input_ids, loss_mask, mask_token_id=M, eps=1e-3)
+    z, noise, p = corrupt_batch(corrupt_uniform, seeds, batch, draw_length=L, mask_token_id=M)  # packed too
 
 Kernels (all tensors `[B, L]`; `noisy_ids` keeps the dtype of `input_ids`, `noise_mask` is bool,
 `p_mask` float32):
@@ -66,6 +67,72 @@ def per_sample(
         torch.cat(parts, dim=0)[:, :length] if parts[0].dim() > 1 else torch.cat(parts, dim=0)
         for parts in zip(*outs)
     )
+
+
+def per_document(
+    kernel: Callable[..., tuple[Tensor, ...]],
+    seeds: Sequence[int],
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    document_ids: Tensor,
+    position_ids: Tensor,
+    *,
+    draw_length: int,
+    **kw: Any,
+) -> tuple[Tensor, ...]:
+    """`per_sample` for a packed batch (docs/strategies.md §1.8): each document drawn as its own row.
+
+    `document_ids` [R, T] (n = document n, -1 = padding) and `position_ids` [R, T] (offset inside the
+    document) say where each document lies; `seeds[n]` is document n's seed. Every document is cut out
+    into a row of its own, `per_sample` draws it at `draw_length` exactly as it would an unpacked row
+    holding that document, and the outputs go back to the packed positions. Padding positions take
+    document 0's values at offset 0 (never read: unsupervised), except bool outputs (False: no noise)
+    and id outputs (the padding's own ids).
+    """
+    R, T = input_ids.shape
+    N = len(seeds)
+    real = document_ids >= 0  # [R, T]
+    doc, pos = document_ids[real], position_ids[real]  # [P], the packed positions of all documents
+    if N == 0:  # every document of the batch was dropped: all padding, unsupervised, so never noised
+        return per_sample(kernel, [0] * R, input_ids, loss_mask, draw_length=draw_length, **kw)
+    # 1) the documents as rows [N, W] (content at offsets 0..len-1, zeros after: unsupervised)
+    W = int(pos.max()) + 1
+    rows_ids = input_ids.new_zeros(N, W)
+    rows_mask = loss_mask.new_zeros(N, W)
+    rows_ids[doc, pos] = input_ids[real]
+    rows_mask[doc, pos] = loss_mask[real]
+    # 2) draw each as `per_sample` draws an unpacked row
+    outs = per_sample(kernel, seeds, rows_ids, rows_mask, draw_length=draw_length, **kw)
+    # 3) back to the packed layout
+    src_doc = torch.where(real, document_ids, 0)  # [R, T]
+    src_pos = torch.where(real, position_ids, 0)  # [R, T]
+    packed = []
+    for o in outs:
+        gathered = o[src_doc, src_pos]  # [R, T]
+        packed.append(torch.where(real, gathered, _packed_default(gathered, input_ids)))
+    return tuple(packed)
+
+
+def _packed_default(values: Tensor, input_ids: Tensor) -> Tensor:
+    """What a padding position of a packed batch holds for one kernel output: no noise, its own id."""
+    if values.dtype == torch.bool:
+        return torch.zeros_like(values)
+    if values.dtype == input_ids.dtype:
+        return input_ids
+    return values
+
+
+def corrupt_batch(
+    kernel: Callable[..., tuple[Tensor, ...]], seeds: Sequence[int], batch: dict[str, Tensor], **kw: Any
+) -> tuple[Tensor, ...]:
+    """`kernel` over a collated batch, one generator per sample: `per_document` when the batch is
+    packed (it carries `document_ids`), else `per_sample` over its rows."""
+    if "document_ids" in batch:
+        return per_document(
+            kernel, seeds, batch["input_ids"], batch["loss_mask"], batch["document_ids"],
+            batch["position_ids"], **kw,
+        )  # fmt: skip
+    return per_sample(kernel, seeds, batch["input_ids"], batch["loss_mask"], **kw)
 
 
 def corrupt_uniform(

@@ -40,6 +40,8 @@ class DLLMBaseConfig(_Section):
 
     # DiffusionGemma-style modes align the collator's blocks to the response (see data/collate.py).
     response_window: ClassVar[bool] = False
+    # Why the mode cannot train packed rows (`dataset.packing`); None = it can (docs/strategies.md §1.8).
+    packing_refusal: ClassVar[str | None] = "it declares no packing support"
 
     mask_token_id: int | None = Field(
         None, ge=0, description="Mask token id; None = resolve from the tokenizer (then the strategy)."
@@ -84,6 +86,7 @@ class MDLMConfig(DLLMBaseConfig):
     """LLaDA-style masked diffusion (docs/strategies.md §2.1)."""
 
     mode: Literal["mdlm"] = "mdlm"
+    packing_refusal: ClassVar[str | None] = None
 
 
 @register_mode_config
@@ -91,6 +94,7 @@ class SCDDConfig(DLLMBaseConfig):
     """Self-correcting discrete diffusion (docs/strategies.md §2.2)."""
 
     mode: Literal["scdd"]
+    packing_refusal: ClassVar[str | None] = None
     vocab_size: PositiveInt = Field(
         ..., description="Vocabulary size including [MASK]; must equal the model's."
     )
@@ -108,6 +112,9 @@ class HybridConfig(DLLMBaseConfig):
     """Nemotron-Labs-Diffusion: diffusion + AR (docs/strategies.md §2.3)."""
 
     mode: Literal["hybrid"]
+    packing_refusal: ClassVar[str | None] = (
+        "its model masks the clean ids itself and builds its own AR and bidirectional masks"
+    )
     block_size: PositiveInt | None = Field(None, description="Set = blockwise corruption; unset = uniform.")
     half_life_ratio: float | None = Field(
         0.25, gt=0.0, description="Blockwise half-life ratio (null -> 0.25)."
@@ -122,6 +129,7 @@ class BlockDiffusionConfig(DLLMBaseConfig):
     """DiffusionGemma-style block diffusion (docs/strategies.md §2.4)."""
 
     mode: Literal["block_diffusion"]
+    packing_refusal: ClassVar[str | None] = "its encoder/decoder canvas is built around one response per row"
     response_window: ClassVar[bool] = True
     vocab_size: PositiveInt = Field(..., description="Vocabulary the uniform corruption draws from.")
     block_size: PositiveInt = Field(256, description="Response-block size for one-canvas-per-step selection.")
@@ -136,6 +144,9 @@ class DFlashConfig(DLLMBaseConfig):
     """DFlash speculative draft on a frozen target (docs/strategies.md §2.5). Its knobs live in the top-level `dflash:`."""
 
     mode: Literal["dflash"]
+    packing_refusal: ClassVar[str | None] = (
+        "its draft blocks are conditioned on the target's hidden states of one row"
+    )
 
 
 @register_mode_config
@@ -143,6 +154,7 @@ class IDLMConfig(DLLMBaseConfig):
     """Introspective diffusion: AR LM -> dLLM (docs/strategies.md §2.6)."""
 
     mode: Literal["idlm"]
+    packing_refusal: ClassVar[str | None] = "its [noisy | clean] 2L layout and block mask are built per row"
     mask_token_id: int = Field(..., ge=0, description="Explicit mask token id (I-DLM does not infer one).")
     block_length: PositiveInt | list[PositiveInt] = Field(
         1, description="I-DLM block size; a list runs a curriculum of successive fine-tunes (e.g. [1, 2, 3])."

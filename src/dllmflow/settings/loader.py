@@ -138,6 +138,7 @@ class Settings(BaseSettings):
             raise ValueError(
                 "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
             )
+        self.dataset.check_packing(self.dllm)
         if self.eval.untrained_baseline and self.model.tiny is None:
             raise ValueError(
                 "eval.untrained_baseline: only for a tiny random model (model.tiny); a pretrained model's "

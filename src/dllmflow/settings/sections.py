@@ -180,6 +180,32 @@ class DatasetConfig(Section):
     max_row_bytes: PositiveInt = Field(
         8 << 20, description="A JSONL line longer than this is dropped as malformed before it is parsed."
     )
+    packing: bool = Field(
+        False,
+        description="Pack several rows into each training sequence of seq_length; tokens attend only within "
+        "their row (mdlm, scdd; docs/strategies.md §1.8).",
+    )
+    packing_overflow: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="A row longer than seq_length once block-filled, when packing: cut there, or left out.",
+    )
+
+    def check_packing(self, dllm: Any) -> None:
+        """`dataset.packing` against the mode (its config's `packing_refusal`, None = packable) and the
+        padding rule: a packed batch has no per-row padding tail to supervise."""
+        if not self.packing:
+            return
+        refusal = getattr(dllm, "packing_refusal", "it declares no packing support")
+        if refusal is not None:
+            raise ValueError(
+                f"dataset.packing: true is not supported by dllm.mode={dllm.mode} ({refusal}); "
+                "set dataset.packing: false (packing trains modes mdlm and scdd)"
+            )
+        if dllm.supervise_padding:
+            raise ValueError(
+                "dataset.packing: true has no padding tail to supervise; set dllm.supervise_padding: false "
+                "or dataset.packing: false"
+            )
 
     @model_validator(mode="after")
     def _unshifted(self) -> DatasetConfig:

@@ -9,7 +9,9 @@ Every optimizer step consumes `global_batch_size` (gbs) consecutive global posit
 so a micro-batch is the same set of rows whatever the world size / accumulation split (for a fixed
 local batch size): padding, and therefore the loss, does not depend on the topology. With
 local_batch_size 1 this is k = r + j * world. Nothing is stored: resuming at step s is just asking for step s.
-The global position p is also the sample's identity for seeding its corruption noise.
+The global position p is also the sample's identity for seeding its corruption noise. With
+`dataset.packing` the collator packs the micro-batch's rows into fewer sequences
+(`dllmflow.data.pack`); `global_index` then lists the position of each document, not of each row.
 
     batches = GlobalBatches(dataset, collator, gbs=8, lbs=4, rank=0, world=2, seed=42)
     for mb in batches.step(17): ...      # list of collated micro-batches, each with "global_index" [B]
@@ -72,11 +74,15 @@ class GlobalBatches:
         return self._perm_cache[epoch][position % n]
 
     def step(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """The collated micro-batches of `step`; each carries `global_index` [B] (long) for noise seeding."""
+        """The collated micro-batches of `step`; each carries `global_index` [B] (long) for noise seeding
+        ([N], one per document, when the collator packs)."""
         out = []
         for micro in range(self.grad_accum_steps):
             positions = self.positions(step, micro)
             batch = self.collator([self.dataset[self.row_index(p)] for p in positions])
-            batch["global_index"] = torch.tensor(positions, dtype=torch.long)  # [B]
+            index = torch.tensor(positions, dtype=torch.long)  # [B]
+            if "document_index" in batch:  # packed: one entry per document, in document order
+                index = index[batch.pop("document_index")]  # [N]
+            batch["global_index"] = index
             out.append(batch)
         return out

@@ -27,9 +27,11 @@ def train_step(model, strategy, batches, step: int, settings, info: DistInfo, au
     from dllmflow.diffusion.seeding import sample_seed
 
     # 1) collate + corrupt everything first, so the denominators are known before any backward
-    micro = []
+    micro, packing = [], defaultdict(float)
     for mb in batches.step(step):
         positions = mb.pop("global_index").tolist()
+        for k in [k for k in mb if k.startswith("packing_")]:  # dataset.packing's overflow counters
+            packing[k] += float(mb.pop(k))
         mb = {k: v.to(info.device) for k, v in mb.items()}
         mb.update(strategy.corrupt(mb, [sample_seed(settings.train.seed, step, p) for p in positions]))
         micro.append(mb)
@@ -64,6 +66,7 @@ def train_step(model, strategy, batches, step: int, settings, info: DistInfo, au
         record.update(strategy.finalize_metrics(_reduce(metric_sums, info)))
     record["tokens_per_step"] = int(counts["__tokens"])
     record["supervised_tokens"] = int(counts["__supervised"])
+    record.update({k: int(v) for k, v in _reduce(packing, info).items()} if packing else {})
     return record
 
 

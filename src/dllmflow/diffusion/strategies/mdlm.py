@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dllmflow.diffusion.corruption import corrupt_uniform, per_sample
+from dllmflow.diffusion.corruption import corrupt_batch, corrupt_uniform
 from dllmflow.diffusion.losses import mdlm_loss_sum
 from dllmflow.errors import UserError
-from dllmflow.models.attention import forward_bidirectional
+from dllmflow.models.doc_attention import forward_bidirectional_batch
 
 from .base import Batch, LossOutput, Strategy
 
@@ -25,11 +25,10 @@ class MDLMStrategy(Strategy):
     name = "mdlm"
 
     def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:
-        z, noise, p = per_sample(
+        z, noise, p = corrupt_batch(
             corrupt_uniform,
             seeds,
-            batch["input_ids"],
-            batch["loss_mask"],
+            batch,  # packed or not (docs/strategies.md §1.8)
             draw_length=self.settings.dataset.seq_length,
             mask_token_id=require_mask_id(self),
             eps=self.cfg.eps,
@@ -40,9 +39,7 @@ class MDLMStrategy(Strategy):
         return {"diffusion": (batch["loss_mask"] != 0).sum()}  # supervised normalisation
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
-        logits = forward_bidirectional(
-            model, batch["noisy_input_ids"], batch.get("attention_mask")
-        )  # [B, L, V]
+        logits = forward_bidirectional_batch(model, batch["noisy_input_ids"], batch)  # [B, L, V]
         total = mdlm_loss_sum(
             logits, batch["input_ids"], batch["noise_mask"], batch["loss_mask"], batch["p_mask"]
         )

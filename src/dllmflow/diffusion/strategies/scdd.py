@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dllmflow.diffusion.corruption import corrupt_scdd, per_sample
+from dllmflow.diffusion.corruption import corrupt_batch, corrupt_scdd
 from dllmflow.diffusion.losses import scdd_loss_sum
 from dllmflow.errors import UserError
-from dllmflow.models.attention import forward_bidirectional
+from dllmflow.models.doc_attention import forward_bidirectional_batch
 from dllmflow.models.wrappers import unwrap
 
 from .base import Batch, LossOutput, Strategy, _model_vocab_size
@@ -48,11 +48,10 @@ class SCDDStrategy(Strategy):
 
     def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:
         c = self.cfg
-        z, noise, t = per_sample(
+        z, noise, t = corrupt_batch(
             corrupt_scdd,
             seeds,
-            batch["input_ids"],
-            batch["loss_mask"],
+            batch,  # packed or not (docs/strategies.md §1.8)
             draw_length=self.settings.dataset.seq_length,
             mask_token_id=require_mask_id(self),
             vocab_size=c.vocab_size,
@@ -70,7 +69,7 @@ class SCDDStrategy(Strategy):
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
         c = self.cfg
         z = batch["noisy_input_ids"]  # [B, L]
-        logits = forward_bidirectional(model, z, batch.get("attention_mask"))  # [B, L, V]
+        logits = forward_bidirectional_batch(model, z, batch)  # [B, L, V]; packed or not
         total = scdd_loss_sum(
             logits,
             batch["input_ids"],

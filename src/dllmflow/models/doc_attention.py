@@ -1,0 +1,73 @@
+"""Document-aware bidirectional attention for packed batches (docs/strategies.md §1.8).
+
+A packed sequence holds several documents (`dllmflow.data.pack`). Each token attends to every attended
+token of its own document and to nothing of the others: a block-diagonal float additive mask
+`[B, 1, T, T]` through the Hugging Face model, as `dllmflow.models.attention` does for one document per
+row, plus `position_ids` that restart at 0 with each document, so every document sees exactly the
+keys, values and rotary frame it would see alone in a row. The dense mask runs on every backend that
+takes a 4D mask (eager, sdpa; CPU and GPU); no varlen / flex-attention path is used.
+
+    from dllmflow.models.doc_attention import forward_bidirectional_batch
+    logits = forward_bidirectional_batch(model, noisy_ids, batch)   # packed or not, [B, T, V]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dllmflow.errors import UserError
+
+from .attention import NATIVELY_BIDIRECTIONAL, forward_bidirectional, mask_dtype, model_logits
+from .wrappers import unwrap
+
+
+def document_mask(document_ids: Tensor, attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Float additive [B, 1, T, T] mask: query q sees key k iff both belong to the same document
+    (`document_ids` [B, T], -1 = padding) and k is attended (`attention_mask` [B, T]). Each query keeps
+    its own diagonal, so no row is fully blocked (a block fill or padding query sees itself)."""
+    T = document_ids.shape[1]
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
+    key_ok = (attention_mask != 0) & (document_ids >= 0)  # [B, T]
+    eye = torch.eye(T, dtype=torch.bool, device=document_ids.device)[None]  # [1, T, T]
+    allowed = (same & key_ok[:, None, :]) | eye  # [B, T, T]
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=document_ids.device)
+    zero = torch.zeros((), dtype=dtype, device=document_ids.device)
+    return torch.where(allowed, zero, blocked)[:, None]  # [B, 1, T, T]
+
+
+def check_packable(model: nn.Module) -> None:
+    """A natively bidirectional remote-code model takes no 4D mask: its documents could not be kept apart."""
+    model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
+    if model_type in NATIVELY_BIDIRECTIONAL:
+        raise UserError(
+            f"dataset.packing: the {model_type} model attends through its own mask and takes no document "
+            "mask, so packed rows would see each other; set dataset.packing: false"
+        )
+
+
+def forward_documents(
+    model: nn.Module,
+    input_ids: Tensor,
+    document_ids: Tensor,
+    position_ids: Tensor,
+    attention_mask: Tensor,
+    logits_to_keep: int = 0,
+) -> Tensor:
+    """Logits [B, T, V] of a packed batch: bidirectional within each document, per-document positions."""
+    check_packable(model)
+    mask = document_mask(document_ids, attention_mask, mask_dtype(model, input_ids.device))
+    return model_logits(
+        model, logits_to_keep, input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+        use_cache=False,
+    )  # fmt: skip
+
+
+def forward_bidirectional_batch(model: nn.Module, input_ids: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    """`forward_documents` for a packed batch (it carries `document_ids`), else `forward_bidirectional`
+    with the batch's padding mask; `input_ids` [B, T] is what the model reads (e.g. the noisy ids)."""
+    if "document_ids" in batch:
+        return forward_documents(
+            model, input_ids, batch["document_ids"], batch["position_ids"], batch["attention_mask"]
+        )
+    return forward_bidirectional(model, input_ids, batch.get("attention_mask"))
