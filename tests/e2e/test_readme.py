@@ -154,3 +154,6 @@ def test_readme_runnable_blocks(tmp_path):
                 pytrace=False,
             )
         env = _read_env(env_file)
+    # A newcomer's commands leave the checkout as they found it (dvc.lock current, outputs ignored).
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
+    assert not dirty.strip(), f"the README's commands changed the checkout:\n{dirty}"
