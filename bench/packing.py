@@ -66,14 +66,14 @@ class Runner:
     """The trainer's step for one settings object: train_step + clip + AdamW, on a shared model."""
 
     def __init__(self, settings, data, tokenizer, model, strategy, device):
-        from dllmflow.data.collate import DLLMCollator
+        from dllmflow.data.pack import build_collator
         from dllmflow.training.data import GlobalBatches
         from dllmflow.training.distributed import DistInfo
 
         t = settings.train
         self.settings, self.model, self.strategy = settings, model, strategy
         self.info = DistInfo(0, 0, 1, device, False)
-        collate = DLLMCollator.from_settings(settings, tokenizer)
+        collate = build_collator(settings, tokenizer)
         self.batches = GlobalBatches(data, collate, t.global_batch_size, t.local_batch_size, 0, 1, t.seed)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.seconds, self.supervised, self.sequences, self.tokens = 0.0, 0, 0, 0

@@ -184,7 +184,10 @@ def cache_only(args) -> None:
 
     from dllmflow.data.tokenizer import train_bpe_tokenizer
 
-    texts = ["Natalia sold 48 clips in April and half as many in May. #### 72", "What is 2 + 3? The answer is 5."]
+    texts = [
+        "Natalia sold 48 clips in April and half as many in May. #### 72",
+        "What is 2 + 3? The answer is 5.",
+    ]
     tok = train_bpe_tokenizer(texts * 5, 300, "<mask>", "<pad>", "<eos>")
     prompts = [tok.encode(t) for t in (texts * 4)[: args.kv_limit]]
     big = random_qwen3(tok, args.kv_hidden, args.kv_layers, tok.mask_token_id)

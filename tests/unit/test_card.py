@@ -177,7 +177,9 @@ SWEEP = {
 def test_sweep_chart_plots_exact_match_against_speed_per_setting_and_marks_front_and_choice():
     assert sweep_chart({"llada": {"metrics": {}}}) is None  # no sweep, no chart
     spec = sweep_chart({"llada": {"metrics": {}, "sweep": SWEEP}})
-    assert spec["encoding"]["x"]["field"] == "tokens_per_s" and spec["encoding"]["y"]["field"] == "exact_match"
+    assert (
+        spec["encoding"]["x"]["field"] == "tokens_per_s" and spec["encoding"]["y"]["field"] == "exact_match"
+    )
     assert [(v["setting"], v["exact_match"], v["tokens_per_s"], v["pareto"], v["chosen"])
             for v in spec["data"]["values"]] == [
         ("threshold=None", 0.5, 100.0, True, False), ("threshold=0.9", 0.495, 300.0, True, True),

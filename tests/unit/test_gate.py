@@ -63,6 +63,8 @@ def test_speed_floor_is_off_by_default_and_names_the_setting_it_was_measured_at(
     gate = _gate(min_tokens_per_s=100)
     promote, reason = gate_decision(gate, 0.9, 99.9, sampler="llada", version=1, setting="threshold=0.9")
     assert not promote
-    assert reason == "tokens_per_s 99.90 at threshold=0.9 below the floor 100.0 (registry.gate.min_tokens_per_s)"
+    assert (
+        reason == "tokens_per_s 99.90 at threshold=0.9 below the floor 100.0 (registry.gate.min_tokens_per_s)"
+    )
     assert gate_decision(gate, 0.9, 100.0, sampler="llada", version=1, setting="threshold=0.9")[0]
     assert not gate_decision(gate, 0.9, math.nan, sampler="llada", version=1)[0]  # no speed measured

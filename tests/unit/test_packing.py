@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dllmflow.data.collate import DLLMCollator
-from dllmflow.data.pack import PackedCollator, first_fit_decreasing
+from dllmflow.data.pack import PackedCollator, build_collator, first_fit_decreasing
 from dllmflow.diffusion.corruption import corrupt_scdd, corrupt_uniform, per_document, per_sample
 from dllmflow.diffusion.seeding import sample_seed
 from dllmflow.diffusion.strategies import build_strategy
@@ -193,7 +193,7 @@ def _settings(mode, packing, **dllm):
 def _step(mode, packing, rows, **dllm):
     settings = _settings(mode, packing, **dllm)
     t = settings.train
-    batches = GlobalBatches(rows, DLLMCollator.from_settings(settings, Tok()), t.global_batch_size,
+    batches = GlobalBatches(rows, build_collator(settings, Tok()), t.global_batch_size,
                             t.local_batch_size, 0, 1, t.seed)  # fmt: skip
     model = _qwen3(seed=3)
     no_autocast = torch.autocast("cpu", enabled=False)

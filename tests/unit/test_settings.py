@@ -261,7 +261,10 @@ def test_removed_autocast_dtype_is_refused_naming_train_dtype(tmp_path):
     [
         ({"cache": "full"}, "eval.cache"),
         ({"sweep": {}}, "eval.sweep: give at least one of threshold, cache, steps, block_size"),
-        ({"sweep": {"threshold": [0.9, 0.9]}}, "eval.sweep.threshold: must be a non-empty list without repeats"),
+        (
+            {"sweep": {"threshold": [0.9, 0.9]}},
+            "eval.sweep.threshold: must be a non-empty list without repeats",
+        ),
         ({"sweep": {"threshold": [1.5]}}, "eval.sweep.threshold.0"),
         ({"sweep": {"cache": ["none", "full"]}}, "eval.sweep.cache.1"),
         ({"sweep": {"temperature": [0.0]}}, "eval.sweep.temperature"),

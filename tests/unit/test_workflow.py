@@ -158,14 +158,21 @@ def test_eval_cache_applies_to_the_samplers_that_take_it(monkeypatch):
     # hybrid: nemotron (its own exact cache) and llada (Fast-dLLM): dual is for llada, nemotron runs as is
     s = resolve_flow_settings(parse_params_config("dllm: {mode: hybrid}\neval: {cache: dual}\n"))
     assert eval_samplers(s) == ["nemotron", "llada"]
-    assert eval_defaults(s.eval, "llada")["cache"] == "dual" and "cache" not in eval_defaults(s.eval, "nemotron")
+    assert eval_defaults(s.eval, "llada")["cache"] == "dual" and "cache" not in eval_defaults(
+        s.eval, "nemotron"
+    )
 
 
 def test_a_sweep_key_no_evaluated_sampler_takes_is_refused_before_training():
     s = load_settings(TINY, eval={"samplers": ["gemma"], "sweep": {"threshold": [None, 0.9]}})
-    with pytest.raises(SettingsError, match=r"eval.sweep.threshold: 0.9 .* \(gemma\): none of them has a threshold"):
+    with pytest.raises(
+        SettingsError, match=r"eval.sweep.threshold: 0.9 .* \(gemma\): none of them has a threshold"
+    ):
         eval_samplers(s)
-    assert eval_samplers(load_settings(TINY, eval={"sweep": {"threshold": [None, 0.9]}})) == ["llada", "llada2"]
+    assert eval_samplers(load_settings(TINY, eval={"sweep": {"threshold": [None, 0.9]}})) == [
+        "llada",
+        "llada2",
+    ]
 
 
 def test_the_recipe_parse_stays_torch_free_unless_a_cache_is_asked_for():
@@ -189,12 +196,16 @@ def test_evaluate_sampler_with_a_sweep_keeps_the_chosen_point_and_the_table_name
     (run_dir / "checkpoints" / "step_000004" / "model").mkdir(parents=True)
     ckpt.rename(run_dir / "checkpoints" / "step_000004" / "model" / "consolidated")
     (run_dir / "checkpoints" / "LATEST").symlink_to("step_000004")
-    s = Settings.coerce(settings.to_dict() | {"eval": {**settings.eval.model_dump(), "sweep": {"steps": [2, 4]}}})
+    s = Settings.coerce(
+        settings.to_dict() | {"eval": {**settings.eval.model_dump(), "sweep": {"steps": [2, 4]}}}
+    )
     result = evaluate_sampler(s, str(run_dir), "llada")
     sweep = result["sweep"]
     assert [p["setting"] for p in sweep["points"]] == [{"steps": 2}, {"steps": 4}]
     assert sweep["chosen"] == choose_setting(sweep["points"], s.eval.sweep_tolerance)
     chosen = sweep["points"][sweep["chosen"]]
-    assert result["protocol"]["sampler_settings"]["steps"] == chosen["setting"]["steps"]  # what register records
+    assert (
+        result["protocol"]["sampler_settings"]["steps"] == chosen["setting"]["steps"]
+    )  # what register records
     row = next(line for line in results_table({"llada": result}).splitlines() if "llada" in line)
     assert f"steps={chosen['setting']['steps']}" in row

@@ -10,7 +10,7 @@ pads every row to the batch length `T` (the longest fill, rounded up to lcm(bloc
 at `max_seq_len`) with the pad token, supervised only with `supervise_padding`. In response-window
 mode (block diffusion) blocks are aligned to the first supervised token and the block fill is
 attended; that mode trains single-turn data only, which is checked on every batch. With
-`dataset.packing` rows are packed several to a sequence instead (`dllmflow.data.pack`).
+`dataset.packing` rows are packed several to a sequence instead (`dllmflow.data.pack`; `build_collator` picks).
 """
 
 from __future__ import annotations
@@ -56,13 +56,10 @@ class DLLMCollator:
 
     @classmethod
     def from_settings(cls, settings, tokenizer) -> DLLMCollator:
-        """The run's collator: a `dllmflow.data.pack.PackedCollator` when `dataset.packing` is set."""
-        dllm, kind, extra = settings.dllm, cls, {}
-        if settings.dataset.packing:
-            from dllmflow.data.pack import PackedCollator
-
-            kind, extra = PackedCollator, {"overflow": settings.dataset.packing_overflow}
-        return kind(
+        """This class's collator for the run (`dllmflow.data.pack.build_collator` picks the class: packed
+        when `dataset.packing` is set)."""
+        dllm = settings.dllm
+        return cls(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             block_size=dllm.pad_block_size,
@@ -70,8 +67,13 @@ class DLLMCollator:
             max_seq_len=settings.dataset.seq_length,
             supervise_padding=dllm.supervise_padding,
             response_window=dllm.response_window,  # a fact of the mode config (block_diffusion)
-            **extra,
+            **cls.extra_settings(settings),
         )
+
+    @classmethod
+    def extra_settings(cls, settings) -> dict:
+        """Constructor arguments a subclass reads from the settings besides the shared ones."""
+        return {}
 
     # 1) stage-1 fill end of one row
     def _fill_end(self, content_len: int, loss_mask: list[int]) -> int:

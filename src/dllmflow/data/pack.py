@@ -1,6 +1,6 @@
 """Sequence packing: several prepared rows (documents) share one training sequence, docs/strategies.md §1.8.
 
-    collate = DLLMCollator.from_settings(settings, tokenizer)   # a PackedCollator when dataset.packing
+    collate = build_collator(settings, tokenizer)   # a PackedCollator when dataset.packing, else DLLMCollator
     batch = collate(rows)    # input_ids / loss_mask / attention_mask / position_ids / document_ids [R, T],
                              # document_index [N] (which input row each document is), input_lengths [N]
 
@@ -48,8 +48,18 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def build_collator(settings, tokenizer) -> DLLMCollator:
+    """The run's collator: packed when `dataset.packing` is set, else one row per sequence."""
+    kind = PackedCollator if settings.dataset.packing else DLLMCollator
+    return kind.from_settings(settings, tokenizer)
+
+
 class PackedCollator(DLLMCollator):
     """`DLLMCollator` that packs its rows into as few sequences of `max_seq_len` as first-fit finds."""
+
+    @classmethod
+    def extra_settings(cls, settings) -> dict:
+        return {"overflow": settings.dataset.packing_overflow}
 
     def __init__(self, *args, overflow: Overflow = "truncate", **kw):
         super().__init__(*args, **kw)

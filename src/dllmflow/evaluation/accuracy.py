@@ -249,7 +249,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(sweep, "--sweep-file", help="YAML/JSON grid, e.g. {threshold: [null, 0.9], cache: [none, dual]}")
     add_flag(
-        sweep, "--sweep-tolerance", type=float, help="exact match a faster point may give up; default eval.sweep_tolerance"
+        sweep,
+        "--sweep-tolerance",
+        type=float,
+        help="exact match a faster point may give up; default eval.sweep_tolerance",
     )
     add_trust_arg(parser)
     add_sampler_args(parser, seed_default=None)

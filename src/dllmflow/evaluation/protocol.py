@@ -105,7 +105,9 @@ class EvalRunner:
     def with_overrides(self, overrides: dict[str, Any] | None) -> EvalRunner:
         """The same loaded model with the sampler rebuilt from its preset < settings.eval < `overrides`
         (a sweep point): the model loads once for every setting."""
-        return replace(self, runner=build_runner(self.model, self.tokenizer, self.settings, self.sampler, overrides))
+        return replace(
+            self, runner=build_runner(self.model, self.tokenizer, self.settings, self.sampler, overrides)
+        )
 
 
 def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
@@ -119,7 +121,9 @@ def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
     return values
 
 
-def build_runner(model: Any, tokenizer: Any, settings: Any, sampler: str, overrides: dict[str, Any] | None) -> Any:
+def build_runner(
+    model: Any, tokenizer: Any, settings: Any, sampler: str, overrides: dict[str, Any] | None
+) -> Any:
     """`sampler` on a loaded model, its config from preset < settings.eval < `overrides` (strict)."""
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.base import build_sampler_config
@@ -186,7 +190,7 @@ def sampler_takes(sampler: str, key: str, value: Any) -> bool:
 
 def cache_modes(sampler: str) -> tuple[str, ...]:
     """The `cache` values `sampler` takes ("none" only: it has no Fast-dLLM cache option)."""
-    from dllmflow.settings.sections import CACHE_MODES
+    from dllmflow.settings.pipeline import CACHE_MODES
 
     return tuple(m for m in CACHE_MODES if sampler_takes(sampler, "cache", m))
 

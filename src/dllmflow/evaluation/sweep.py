@@ -74,7 +74,7 @@ def build_grid(items: list[str] | None = None, file: str | Path | None = None) -
     import yaml
     from pydantic import ValidationError
 
-    from dllmflow.settings.sections import SweepGrid
+    from dllmflow.settings.pipeline import SweepGrid
 
     grid: dict[str, Any] = {}
     if file is not None:

@@ -243,7 +243,12 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
         choices=["none", "prefix", "dual"],
         help="llada, scdd: Fast-dLLM approximate KV cache (prefix, or prefix + suffix), refreshed per block",
     )
-    add_flag(g, "--no-kv-cache", action="store_true", help="exact caches (llada2, idlm, nemotron) off; also the causal context")
+    add_flag(
+        g,
+        "--no-kv-cache",
+        action="store_true",
+        help="exact caches (llada2, idlm, nemotron) off; also the causal context",
+    )
     add_flag(g, "--mask-id", type=int)
     add_flag(g, "--seed", type=int, default=seed_default)
 

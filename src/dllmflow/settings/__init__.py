@@ -25,29 +25,35 @@ from .loader import (
     parse_overrides,
     read_yaml,
 )
+from .pipeline import *  # noqa: F403 - eval, registry, flow, regenerate, listed in pipeline.__all__
+from .pipeline import __all__ as _PIPELINE
 from .sections import *  # noqa: F403 - the section models, listed in sections.__all__
 from .sections import __all__ as _SECTIONS
 
-__all__ = [
-    "MODE_NAMES",
-    "MODE_CONFIGS",
-    "BlockDiffusionConfig",
-    "DFlashConfig",
-    "DFlashSection",
-    "DLLMBaseConfig",
-    "DLLMConfig",
-    "HybridConfig",
-    "IDLMConfig",
-    "MDLMConfig",
-    "SCDDConfig",
-    "Settings",
-    "SettingsError",
-    "deep_merge",
-    "load_settings",
-    "load_settings_json",
-    "load_settings_text",
-    "load_settings_with_origins",
-    "parse_overrides",
-    "read_yaml",
-    "register_mode_config",
-] + list(_SECTIONS)
+__all__ = (
+    [
+        "MODE_NAMES",
+        "MODE_CONFIGS",
+        "BlockDiffusionConfig",
+        "DFlashConfig",
+        "DFlashSection",
+        "DLLMBaseConfig",
+        "DLLMConfig",
+        "HybridConfig",
+        "IDLMConfig",
+        "MDLMConfig",
+        "SCDDConfig",
+        "Settings",
+        "SettingsError",
+        "deep_merge",
+        "load_settings",
+        "load_settings_json",
+        "load_settings_text",
+        "load_settings_with_origins",
+        "parse_overrides",
+        "read_yaml",
+        "register_mode_config",
+    ]
+    + list(_SECTIONS)
+    + list(_PIPELINE)
+)

@@ -30,17 +30,14 @@ from dllmflow.common.files import atomic_write_json
 from dllmflow.errors import UserError
 
 from .dllm import DFlashSection, DLLMConfig, MDLMConfig
+from .pipeline import EvalConfig, FlowConfig, RegenerateConfig, RegistryConfig
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
     DistributedConfig,
-    EvalConfig,
-    FlowConfig,
     LaunchConfig,
     ModelConfig,
     PeftSection,
-    RegenerateConfig,
-    RegistryConfig,
     SafeName,
     TinyModelConfig,
     TokenizerConfig,

@@ -1,5 +1,5 @@
-"""Settings sections other than `dllm:`: model, tokenizer, dataset, train, checkpoint, launch, eval,
-registry, flow, regenerate, peft (LoRA). Each is a frozen pydantic `BaseModel` with `extra="forbid"` and
+"""Settings sections of the model, data and training: model, tokenizer, dataset, train, checkpoint,
+launch, peft (LoRA); `pipeline.py` holds eval, registry, flow and regenerate, `dllm.py` the modes. Each is a frozen pydantic `BaseModel` with `extra="forbid"` and
 `allow_inf_nan=False` (an `inf` learning rate would pass `gt=0` and train to NaN); defaults live here,
 YAML under `params/` only overrides them. Imports no torch.
 """
@@ -7,7 +7,7 @@ YAML under `params/` only overrides them. Imports no torch.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -16,7 +16,6 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
-    PositiveFloat,
     PositiveInt,
     field_validator,
     model_validator,
@@ -26,17 +25,9 @@ __all__ = [
     "CheckpointConfig",
     "DatasetConfig",
     "DistributedConfig",
-    "CACHE_MODES",
-    "CacheMode",
-    "EvalConfig",
-    "FlowConfig",
     "LaunchConfig",
     "ModelConfig",
     "PeftSection",
-    "RegenerateConfig",
-    "RegistryConfig",
-    "SWEEP_KEYS",
-    "SweepGrid",
     "TinyModelConfig",
     "TokenizerConfig",
     "TrainConfig",
@@ -346,205 +337,3 @@ class LaunchConfig(Section):
     scheduler_args: dict[str, str] = Field(
         default_factory=dict, description="torchx scheduler cfg (queue, ...)."
     )
-
-
-# Fast-dLLM approximate KV caches of the bidirectional samplers (llada, scdd): none, the committed
-# prefix, or prefix and suffix ("dual"), refreshed per block. Samplers with an exact cache (llada2, idlm)
-# turn it off with `no_kv_cache` instead.
-CacheMode = Literal["none", "prefix", "dual"]
-CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
-
-# The sampler settings a sweep may vary, in the order a point is written.
-SWEEP_KEYS = ("threshold", "cache", "steps", "block_size")
-MAX_SWEEP_POINTS = 64
-
-
-def _distinct(values: list | None) -> list | None:
-    if values is not None and (not values or len(set(values)) != len(values)):
-        raise ValueError("must be a non-empty list without repeats (or leave the key out)")
-    return values
-
-
-class SweepGrid(Section):
-    """`eval.sweep`: the grid of sampler settings evaluated per sampler (every combination), each point
-    scored for exact match and speed; the flow registers the fastest point within `eval.sweep_tolerance`
-    of the best exact match. `null` in a list = the sampler's preset (llada: no threshold). A key a
-    sampler does not take is dropped for that sampler (as an eval knob is); one no evaluated sampler
-    takes is an error naming `eval.sweep.<key>`."""
-
-    threshold: Annotated[list[Annotated[float, Field(gt=0.0, le=1.0)] | None] | None, AfterValidator(_distinct)] = None
-    cache: Annotated[list[CacheMode] | None, AfterValidator(_distinct)] = None
-    steps: Annotated[list[PositiveInt] | None, AfterValidator(_distinct)] = None
-    block_size: Annotated[list[PositiveInt] | None, AfterValidator(_distinct)] = None
-
-    def axes(self) -> dict[str, list]:
-        """The swept keys and their values, in `SWEEP_KEYS` order."""
-        return {k: list(getattr(self, k)) for k in SWEEP_KEYS if getattr(self, k) is not None}
-
-    @model_validator(mode="after")
-    def _small_grid(self) -> SweepGrid:
-        axes = self.axes()
-        if not axes:
-            raise ValueError(f"give at least one of {', '.join(SWEEP_KEYS)} (each a list of values)")
-        n = 1
-        for values in axes.values():
-            n *= len(values)
-        if n > MAX_SWEEP_POINTS:
-            raise ValueError(f"{n} points; at most {MAX_SWEEP_POINTS} (each point is a full evaluation)")
-        return self
-
-
-class EvalConfig(Section):
-    samplers: list[str] | None = Field(None, description="None = every sampler that fits the mode.")
-    split: str = "eval"
-    limit: PositiveInt | None = 32
-    max_new_tokens: PositiveInt = 128
-    steps: PositiveInt | None = None
-    block_size: PositiveInt | None = None
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
-    cache: CacheMode | None = Field(
-        None,
-        description="KV cache of the samplers that take one (llada, scdd: Fast-dLLM prefix/dual); the "
-        "others run as they are. None = each sampler's preset. Refused if no evaluated sampler can use it.",
-    )
-    temperature: NonNegativeFloat | None = None
-    n_shot: NonNegativeInt = 0
-    batch_size: PositiveInt = 8
-    seed: int = 0
-    untrained_baseline: bool = Field(
-        False,
-        description="Tiny random models only: also evaluate the same-seed untrained model (each sampler, "
-        "same examples), shown as 'EM untrained' in the results table and card. Doubles evaluate's time.",
-    )
-    sweep: SweepGrid | None = Field(
-        None,
-        description="Grid of sampler settings (threshold, cache, steps, block_size) evaluated per sampler; "
-        "the model is registered at the fastest point within sweep_tolerance of the best exact match. "
-        "Each point is a full evaluation: keep it small.",
-    )
-    sweep_tolerance: float = Field(
-        0.01, ge=0.0, le=1.0, description="Exact match a faster sweep point may give up (0.01 = 1 point)."
-    )
-
-
-class GateConfig(Section):
-    """When `champion` may move to a new version. Below the absolute floor of its metric a version is
-    registered (alias `candidate`) but never becomes champion, the first one included: `min_accuracy`
-    for an accuracy metric (exact_match_*), `min_tau` when the metric is `tau` (DFlash's mean acceptance
-    length, 1.0 = the draft never helps; `dllmflow.tracking.registry.gate_floor`)."""
-
-    metric: str = "exact_match_flexible"
-    tolerance: NonNegativeFloat = Field(
-        0.0, description="New accuracy may be this much below the champion's."
-    )
-    min_tokens_per_s: NonNegativeFloat = Field(
-        0.0,
-        description="Speed floor (tokens/s) of the gated sampler at the setting it is registered with "
-        "(the chosen `eval.sweep` point when there is a sweep); 0 = off.",
-    )
-    min_accuracy: float = Field(
-        0.05, ge=0.0, le=1.0, description="Accuracy floor: below it a version is never champion."
-    )
-    min_tau: float = Field(
-        1.1, ge=1.0, description="Floor when metric is tau: >= 1 accepted draft token per 10 target forwards."
-    )
-
-
-class RegistryConfig(Section):
-    tracking_uri: str | None = Field(
-        None, description="None = MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db"
-    )
-    experiment_name: str = Field("dllmflow", min_length=1, max_length=500, description="MLflow's limits.")
-    model_name: SafeName = "dllmflow-tiny"
-    gate: GateConfig = Field(default_factory=GateConfig)
-    live_tracking: bool = Field(
-        True, description="Rank 0 logs training metrics into the MLflow run while training (batched)."
-    )
-    system_metrics: bool = Field(
-        False, description="Also log MLflow system metrics (CPU, memory, GPU) from the trainer."
-    )
-    flush_every_s: PositiveFloat = Field(5.0, description="Live tracking: send buffered metrics this often.")
-    flush_timeout_s: NonNegativeFloat = Field(
-        30.0, description="How long the end of training waits for an unreachable tracking server."
-    )
-
-
-_CRON_FIELDS = (  # (name, low, high, names) of the 5 standard fields, then AWS's optional year
-    ("minute", 0, 59, ()),
-    ("hour", 0, 23, ()),
-    ("day of month", 1, 31, ()),
-    ("month", 1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")),
-    ("day of week", 0, 7, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")),
-    ("year", 1970, 2199, ()),
-)
-_CRON_MACROS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
-_CRON_ITEM = re.compile(r"(\*|\?|(\w+)(?:-(\w+))?)(?:/(\d+))?")
-
-
-def check_cron(value: str | None) -> str | None:
-    """A cron Argo's CronWorkflow accepts: 5 fields (minute hour day-of-month month day-of-week), or
-    the 6-field AWS form Metaflow documents (its trailing year is dropped for Argo), or a @daily-style
-    macro. Checked here so a typo fails when the recipe is parsed, not when the CronWorkflow is applied."""
-    if value is None or value.strip() in _CRON_MACROS:
-        return value
-    fields = value.split()
-    if len(fields) not in (5, 6):
-        raise ValueError(
-            f"{value!r} has {len(fields)} fields; a cron has 5: minute hour day-of-month month "
-            "day-of-week, e.g. '0 3 * * *' (daily 03:00 UTC)"
-        )
-    for text, (name, low, high, names) in zip(fields, _CRON_FIELDS):
-        for item in text.split(","):
-            m = _CRON_ITEM.fullmatch(item.upper())
-            if m is None or (m.group(1) == "?" and name not in ("day of month", "day of week")):
-                raise ValueError(f"{value!r}: bad {name} field {text!r}")
-            for part in filter(None, m.group(2, 3)):
-                number = names.index(part) + low if part in names else part  # JAN=1, SUN=0
-                if not str(number).isdigit() or not low <= int(number) <= high:
-                    raise ValueError(f"{value!r}: {name} {part!r} is not in {low}-{high}")
-    return value
-
-
-def check_project_name(value: str) -> str:
-    if not re.fullmatch(r"[a-z0-9_]{1,128}", value):
-        raise ValueError(f"{value!r}: a Metaflow @project name is 1-128 of a-z, 0-9 and '_', e.g. 'dllmflow'")
-    return value
-
-
-class FlowConfig(Section):
-    """Production knobs for the flows (schedule, project, train step resources, retries)."""
-
-    schedule_cron: Annotated[str | None, AfterValidator(check_cron)] = Field(
-        None, description="Cron of the Argo CronWorkflow, e.g. '0 3 * * *'; None = no schedule."
-    )
-    schedule_timezone: str | None = Field(None, description="IANA timezone of the cron (Argo); None = UTC.")
-    project: Annotated[str, AfterValidator(check_project_name)] = Field(
-        "dllmflow", description="Metaflow @project: deployments are named <project>.<branch>.<Flow>."
-    )
-    train_retries: NonNegativeInt = 1
-    resources: ResourcesConfig = Field(
-        default_factory=ResourcesConfig,
-        description="The train step's own resources when it only submits to a cluster scheduler; with a "
-        "local scheduler the step runs the trainers and requests launch.resources x launch.nnodes.",
-    )
-
-
-class RegenerateConfig(Section):
-    """DFlash data regeneration (`dllmflow regenerate`): defaults of its flags."""
-
-    input_data: str | None = None
-    output_dir: str = "data/regenerated"
-    target_server: str | None = Field(None, description="None = start a local `dllmflow serve`.")
-    model: str | None = None
-    messages_column: str = "messages"
-    split: str = "train"
-    dataset_name: str | None = None
-    shuffle_seed: int | None = None
-    shard_size: PositiveInt = 1000
-    concurrency: PositiveInt = 32
-    max_new_tokens: PositiveInt = 1024
-    temperature: NonNegativeFloat = 0.0
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    timeout_s: float = Field(600.0, gt=0.0)
-    max_retries: NonNegativeInt = 3
-    reasoning: Literal["none", "save", "disable"] = "none"

@@ -182,7 +182,10 @@ def gate_decision(
         return False, f"metric {gate.metric} missing for sampler {sampler}"
     if gate.min_tokens_per_s > 0 and not tokens_per_s >= gate.min_tokens_per_s:  # NaN fails a set floor
         at = f" at {setting}" if setting else ""
-        return False, f"tokens_per_s {tokens_per_s:.2f}{at} below the floor {gate.min_tokens_per_s} (registry.gate.min_tokens_per_s)"
+        return (
+            False,
+            f"tokens_per_s {tokens_per_s:.2f}{at} below the floor {gate.min_tokens_per_s} (registry.gate.min_tokens_per_s)",
+        )
     if value < floor:
         return (
             False,
@@ -244,7 +247,9 @@ def apply_gate(
     )
     client.set_model_version_tag(name, version.version, "gate.reason", reason)
     if setting is not None:
-        client.set_model_version_tag(name, version.version, "gate.setting", json.dumps(setting, sort_keys=True))
+        client.set_model_version_tag(
+            name, version.version, "gate.setting", json.dumps(setting, sort_keys=True)
+        )
     if version.run_id:
         client.set_tag(version.run_id, "gate.decision", "promoted" if promote else "rejected")
         client.set_tag(version.run_id, "gate.reason", reason)

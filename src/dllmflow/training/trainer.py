@@ -171,8 +171,8 @@ class Trainer:
     def build(self) -> None:
         """Data, tokenizer, strategy, model, optimizer, scheduler, checkpointer (identical init on every
         rank: seeded before building)."""
-        from dllmflow.data.collate import DLLMCollator
         from dllmflow.data.dataset import PreparedDataset
+        from dllmflow.data.pack import build_collator
         from dllmflow.data.tokenizer import load_tokenizer
         from dllmflow.diffusion.strategies import build_strategy
         from dllmflow.training.data import GlobalBatches
@@ -181,7 +181,7 @@ class Trainer:
         prepared = s.dataset.prepared_dir
         self.tokenizer = load_tokenizer(prepared)
         self.dataset = PreparedDataset(prepared, "train")
-        collator = DLLMCollator.from_settings(s, self.tokenizer)
+        collator = build_collator(s, self.tokenizer)
         self.batches = GlobalBatches(
             self.dataset,
             collator,

@@ -105,7 +105,12 @@ def sweep_chart(evals: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         "layer": [
             {
                 "mark": {"type": "point", "size": 80, "tooltip": {"content": "data"}},
-                "encoding": {"fill": {"condition": {"test": "datum.pareto", "field": "sampler", "type": "nominal"}, "value": None}},
+                "encoding": {
+                    "fill": {
+                        "condition": {"test": "datum.pareto", "field": "sampler", "type": "nominal"},
+                        "value": None,
+                    }
+                },
             },
             {
                 "transform": [{"filter": "datum.chosen"}],
