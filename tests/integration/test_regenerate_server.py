@@ -44,6 +44,20 @@ def stats(url: str, api_key: str | None = None) -> dict:
     return httpx.get(url.removesuffix("/v1") + "/stats", headers=headers).json()
 
 
+def settled_stats(url: str, quiet_s: float = 0.5, timeout_s: float = 30.0) -> dict:
+    """/stats once the server is idle: a killed client's last request may still be in flight (or not yet
+    counted: its body is parsed off the event loop) when the client dies."""
+    deadline = time.monotonic() + timeout_s
+    last = stats(url)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = stats(url)
+        if now["in_flight"] == 0 and now["requests"] == last["requests"]:
+            return now
+        last = now
+    raise AssertionError(f"server never went idle: {last}")
+
+
 def injected(url: str) -> int:
     """Chat requests the fault middleware (tests/_serving.py) has failed so far."""
     return httpx.get(url.removesuffix("/v1") + "/faults").json()["injected_failures"]
@@ -153,7 +167,7 @@ def test_kill_mid_run_then_resume_loses_and_duplicates_nothing(server, tmp_path,
     done = scan_shards(out)
     assert done and len(done) < n // k, f"kill did not land mid-run: {sorted(done)}"
 
-    before = stats(server)
+    before = settled_stats(server)
     rc, summary, _ = run(capsys, args(inp, out, server, *common, "--resume"))
     assert rc == 0
     assert summary["shards_resumed"] == len(done) and summary["rows_resumed"] == k * len(done)
