@@ -185,6 +185,32 @@ def test_kill_mid_run_then_resume_loses_and_duplicates_nothing(server, tmp_path,
     assert [r["messages"][-1] for r in resumed] == [r["messages"][-1] for r in reference]
 
 
+def test_seeded_sampling_reproduces_the_shards_byte_for_byte(server, tmp_path, capsys):
+    """`--seed` with sampling: a run at another concurrency, and a resume that regenerates a lost shard,
+    write exactly the same bytes; another seed writes other answers."""
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(12, invalid_at=(4,)))
+    sampled = ["--shard-size", "4", "--temperature", "0.8", "--max-new-tokens", "12"]
+
+    def regen(out: Path, seed: str, concurrency: str, *extra: str) -> None:
+        rc, _, err = run(
+            capsys, [*args(inp, out, server, *sampled, "--seed", seed, "--concurrency", concurrency), *extra]
+        )
+        assert rc == 0, err
+
+    regen(a := tmp_path / "a", "0", "8")
+    regen(b := tmp_path / "b", "0", "1")
+    (b / "shard-000001.parquet").unlink()  # lost: the resume requests its rows again
+    regen(b, "0", "3", "--resume")
+    regen(c := tmp_path / "c", "1", "8")
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and len(names) == 4  # 3 shards + manifest
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert json.loads((a / "manifest.json").read_text())["seed"] == 0
+    answers = [[r["messages"][-1]["content"] for r in s] for s in (read_shards(a), read_shards(c))]
+    assert answers[0] != answers[1] and any(answers[0])
+
+
 def test_injected_failures_abort_without_partial_shard_then_retries_succeed(
     model_dir, tmp_path, capsys, monkeypatch
 ):

@@ -135,7 +135,8 @@ def test_scan_shards_ignores_other_files_and_missing_dir(tmp_path):
 def test_manifest_holds_content_settings_only(tmp_path):
     m = shards.build_manifest(cfg(tmp_path, concurrency=7, timeout_s=5, max_retries=9))
     assert set(m) == {"input_data", "target_server", "model", "messages_column", "split", "dataset_name",
-                      "shuffle_seed", "shard_size", "max_new_tokens", "temperature", "top_p", "reasoning"}  # fmt: skip
+                      "shuffle_seed", "shard_size", "max_new_tokens", "temperature", "top_p", "reasoning",
+                      "seed"}  # fmt: skip
     assert m == shards.build_manifest(cfg(tmp_path, output_dir="elsewhere"))  # output_dir and knobs excluded
 
 
@@ -172,6 +173,18 @@ def test_resume_rules(tmp_path):
         UserError, match=r"model: 'm' \(manifest\) vs 'other'.*temperature: 0.0 \(manifest\) vs 0.8"
     ):
         shards.prepare_output_dir(out, shards.build_manifest(changed), resume=True)
+
+
+def test_seed_is_recorded_and_a_manifest_from_before_seed_still_resumes(tmp_path):
+    out = tmp_path / "out"
+    assert shards.build_manifest(cfg(tmp_path, seed=3))["seed"] == 3
+    old = {k: v for k, v in shards.build_manifest(cfg(tmp_path)).items() if k != "seed"}  # unseeded, older
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps(old))
+    (out / "shard-000000.parquet").write_text("")
+    assert shards.prepare_output_dir(out, shards.build_manifest(cfg(tmp_path)), resume=True) == {0}
+    with pytest.raises(UserError, match=r"seed: None \(manifest\) vs 3 \(now\)"):
+        shards.prepare_output_dir(out, shards.build_manifest(cfg(tmp_path, seed=3)), resume=True)
 
 
 def test_write_shard_is_atomic_and_round_trips(tmp_path):
@@ -346,6 +359,15 @@ def test_payload_and_reasoning_modes(tmp_path):
     assert "chat_template_kwargs" not in rh.build_payload(cfg(tmp_path, reasoning="save"), [U])
 
 
+def test_seeded_payloads_derive_the_seed_from_the_run_seed_and_the_row_index(tmp_path):
+    seeded = cfg(tmp_path, temperature=0.8, seed=0)
+    seeds = [rh.build_payload(seeded, [U], i)["seed"] for i in range(50)]
+    assert len(set(seeds)) == 50 and all(0 <= s < 2**63 for s in seeds)  # one int64 per row
+    assert seeds == [rh.row_seed(0, i) for i in range(50)]  # a pure function: stable across runs
+    assert rh.build_payload(cfg(tmp_path, temperature=0.8, seed=1), [U], 0)["seed"] != seeds[0]
+    assert "seed" not in rh.build_payload(cfg(tmp_path, temperature=0.8), [U], 3)  # unseeded: as before
+
+
 def test_assistant_turn_keeps_reasoning_only_when_saved():
     reply = {"choices": [{"message": {"role": "assistant", "content": "x", "reasoning_content": "r"}}]}
     assert rh.assistant_turn(reply, "save") == {"role": "assistant", "content": "x", "reasoning_content": "r"}
@@ -377,6 +399,7 @@ def test_flags_override_params_yaml(tmp_path):
     params = tmp_path / "p.yaml"
     params.write_text("regenerate:\n  input_data: a.jsonl\n  model: t\n  shard_size: 7\n  temperature: 0.8\n")
     c = rg.config_from_args(parse("--params", str(params), "--shard-size", "3", "--reasoning", "disable"))
+    assert c.seed is None and rg.config_from_args(parse("--params", str(params), "--seed", "7")).seed == 7
     assert (c.input_data, c.model, c.shard_size, c.temperature, c.reasoning) == (
         "a.jsonl",
         "t",

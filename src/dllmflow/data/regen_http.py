@@ -4,7 +4,7 @@ min(base * 2^attempt, cap) with jitter, or after the server's `Retry-After` when
 
     async with httpx.AsyncClient() as client:
         await check_server(client, "http://localhost:30000/v1", "target")
-        reply = await post_chat(client, url, build_payload(cfg, prompt), max_retries=3,
+        reply = await post_chat(client, url, build_payload(cfg, prompt, row_index), max_retries=3,
                                 backoff_base_s=1.0, backoff_cap_s=30.0, counters=Counters())
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import email.utils
+import hashlib
 import logging
 import os
 import random
@@ -78,7 +79,15 @@ def retry_wait_s(
     return wait
 
 
-def build_payload(cfg: RegenerateConfig, prompt: list[dict[str, Any]]) -> dict[str, Any]:
+def row_seed(seed: int, row_index: int) -> int:
+    """The `seed` of the request for input row `row_index` of a run seeded with `seed`: a 63-bit hash of
+    the pair, so a row's sample depends on neither the shard size, the concurrency nor a resume."""
+    digest = hashlib.blake2b(f"dllmflow-regenerate:{seed}:{row_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & (2**63 - 1)
+
+
+def build_payload(cfg: RegenerateConfig, prompt: list[dict[str, Any]], row_index: int = 0) -> dict[str, Any]:
+    """The chat request for `prompt`, input row `row_index` (it seeds the request when `cfg.seed` is set)."""
     payload = {
         "model": cfg.model,
         "messages": prompt,
@@ -86,6 +95,8 @@ def build_payload(cfg: RegenerateConfig, prompt: list[dict[str, Any]]) -> dict[s
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
     }
+    if cfg.seed is not None:  # OpenAI's `seed`: SGLang, vLLM and `dllmflow serve` sample reproducibly
+        payload["seed"] = row_seed(cfg.seed, row_index)
     if cfg.reasoning == "disable":  # top level, as SGLang and vLLM read it (not inside extra_body)
         payload["chat_template_kwargs"] = {"enable_thinking": False}
     return payload

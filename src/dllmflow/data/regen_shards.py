@@ -28,8 +28,9 @@ SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
 # (concurrency, timeout_s, max_retries) are left out so a resume may change them.
 MANIFEST_KEYS = (
     "input_data", "target_server", "model", "messages_column", "split", "dataset_name", "shuffle_seed",
-    "shard_size", "max_new_tokens", "temperature", "top_p", "reasoning",
+    "shard_size", "max_new_tokens", "temperature", "top_p", "reasoning", "seed",
 )  # fmt: skip
+OPTIONAL_KEYS = {"seed"}  # added later: a manifest written before it still proves a regeneration output
 
 
 def scan_shards(output_dir: str | os.PathLike) -> set[int]:
@@ -60,7 +61,7 @@ def read_manifest(output_dir: str | os.PathLike) -> dict[str, Any] | None:
         manifest = json.loads((out / MANIFEST).read_text())
     except (ValueError, UnicodeDecodeError):
         manifest = None
-    if not isinstance(manifest, dict) or not set(MANIFEST_KEYS) <= set(manifest):
+    if not isinstance(manifest, dict) or not set(MANIFEST_KEYS) - OPTIONAL_KEYS <= set(manifest):
         raise OutputPathError(
             f"--output-dir = {out}: its {MANIFEST} is not a regeneration manifest (another tool's output?); "
             "refusing to write into it: choose an empty or new path"

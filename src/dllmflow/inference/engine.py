@@ -4,10 +4,15 @@ few turns instead of holding the model until it is done.
 
     engine = ChatEngine("runs/target")                     # model + tokenizer with a chat template
     scheduler = Scheduler(engine, max_batch_size=16, chunk_tokens=8)
-    scheduler.submit(ChatRequest(prompt_ids, max_tokens=32, temperature=0.0, top_p=1.0))
+    scheduler.submit(ChatRequest(prompt_ids, max_tokens=32, temperature=0.8, top_p=1.0, seed=7))
     await scheduler.run()                                   # the one worker that owns the model
 
 `inference/serve.py` puts the HTTP API (OpenAI chat completions) in front of it.
+
+Seeded sampling: a request with a `seed` draws its tokens from its own `torch.Generator` seeded with it,
+so its tokens depend only on its prompt, settings and seed, never on what else shares its batch (its
+logits do not depend on the other rows, up to float rounding of the padded batch). Requests without a
+seed share the global RNG, as before.
 """
 
 from __future__ import annotations
@@ -37,10 +42,20 @@ class ChatRequest:
     temperature: float
     top_p: float
     stream: bool = False
+    seed: int | None = None  # the request's own generator draws its samples (None: the global RNG)
     tokens: list[int] = field(default_factory=list)  # new tokens, the stop token included
     finish_reason: str | None = None  # "stop" | "length" once finished
     cancelled: bool = False  # timed out or disconnected: dropped at the next turn
     events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
+    _generator: Any = field(default=None, repr=False)
+
+    def generator(self, device) -> Any:
+        """This request's `torch.Generator` (created on first use, seeded with `seed`); None unseeded."""
+        import torch
+
+        if self.seed is not None and self._generator is None:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
 
     def batch_key(self) -> tuple:
         """Rows of one batch sample the same way (max_tokens may differ: rows finish on their own)."""
@@ -56,19 +71,37 @@ class Decode:
     cache: Any  # transformers Cache over the same B rows
 
 
-def sample(logits, temperature: float, top_p: float):
-    """Next token per row from `logits` [B, V]: argmax at temperature 0, else temperature + nucleus."""
+def sample(logits, temperature: float, top_p: float, generators=None):
+    """Next token per row from `logits` [B, V]: argmax at temperature 0, else temperature + nucleus.
+    `generators` (one per row, None for a row without its own) makes a row's draw depend only on its
+    generator: each seeded row is drawn alone, the unseeded rows together from the global RNG."""
     import torch
 
     if temperature == 0:
         return logits.argmax(-1)  # [B]
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    order = None
     if top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+        probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
         # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
-        sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0
-        return order.gather(-1, torch.multinomial(sorted_p, 1)).squeeze(-1)  # [B]
-    return torch.multinomial(probs, 1).squeeze(-1)  # [B]
+        probs[(probs.cumsum(-1) - probs) > top_p] = 0
+    picks = _draw(probs, generators)  # [B] indices into probs' columns
+    return picks if order is None else order.gather(-1, picks[:, None]).squeeze(-1)  # [B]
+
+
+def _draw(probs, generators):
+    """One multinomial draw per row of `probs` [B, V]; rows with a generator use it alone."""
+    import torch
+
+    if generators is None or all(g is None for g in generators):
+        return torch.multinomial(probs, 1).squeeze(-1)  # [B]
+    picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)  # [B]
+    if free := [i for i, g in enumerate(generators) if g is None]:
+        picks[free] = torch.multinomial(probs[free], 1).squeeze(-1)
+    for i, g in enumerate(generators):
+        if g is not None:  # a [1, V] draw: the same random numbers whatever the batch holds
+            picks[i] = torch.multinomial(probs[i : i + 1], 1, generator=g)[0, 0]
+    return picks
 
 
 class ChatEngine:
@@ -169,8 +202,9 @@ class ChatEngine:
                 **{self.cache_arg: decode.cache},
                 **self.extra_args,
             )
-            first = decode.reqs[0]
-            next_ids = sample(out.logits[:, -1], first.temperature, first.top_p).tolist()  # [B]
+            first, logits = decode.reqs[0], out.logits[:, -1]  # [B, V]
+            generators = [r.generator(logits.device) for r in decode.reqs]
+            next_ids = sample(logits, first.temperature, first.top_p, generators).tolist()  # [B]
         for req, tok in zip(decode.reqs, next_ids):
             req.tokens.append(tok)
             if tok in self.eos_ids:

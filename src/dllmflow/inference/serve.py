@@ -16,10 +16,12 @@ SGLang or vLLM instead; this server exists so the pipeline runs without them.
 Requests are validated strictly (`inference/requests.py`): the honoured fields are `model`, `messages`
 (`role`, `content`, optional `name` and `reasoning_content`, all passed to the chat template),
 `max_tokens` / `max_completion_tokens` (at most `--max-tokens-cap`), `temperature` in [0, 2], `top_p` in
-(0, 1], `n` (1 only), `stream`, `stream_options.include_usage` and `chat_template_kwargs`; any other field
-is refused with HTTP 400 naming it, never silently ignored (a `null` value counts as absent). A body over
-`--max-body-bytes` is HTTP 413 (read as a stream and abandoned at the cap), JSON nested deeper than 32
-levels or more than `--max-messages` messages is 400. Decoding, validation and the chat template run in
+(0, 1], `seed` (an int64: the request samples from its own generator seeded with it, so the same request
+and seed give the same tokens whatever is batched with it), `n` (1 only), `stream`,
+`stream_options.include_usage` and `chat_template_kwargs`; any other field is refused with HTTP 400
+naming it, never silently ignored (a `null` value counts as absent). A body over `--max-body-bytes` is
+HTTP 413 (read as a stream and abandoned at the cap), JSON nested deeper than 32 levels or more than
+`--max-messages` messages is 400. Decoding, validation and the chat template run in
 a worker thread, so `/health` and other requests stay answered while a large request is examined.
 
 Scheduling (`inference/engine.py`): one worker owns the model. Requests that arrive together with the
@@ -143,7 +145,9 @@ class ChatServer:
         except RequestError as e:
             self.stats["rejected"] += 1
             return _error(e.status, str(e), param=e.param)
-        req = ChatRequest(prompt_ids, chat.max_tokens, chat.temperature, chat.top_p, stream=chat.stream)
+        req = ChatRequest(
+            prompt_ids, chat.max_tokens, chat.temperature, chat.top_p, stream=chat.stream, seed=chat.seed
+        )
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         head = {"id": f"chatcmpl-{self.stats['requests']}", "created": int(time.time()), "model": self.name}
         if chat.stream:

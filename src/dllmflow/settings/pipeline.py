@@ -231,6 +231,9 @@ class RegenerateConfig(Section):
     max_new_tokens: PositiveInt = 1024
     temperature: NonNegativeFloat = 0.0
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(
+        None, description="Seeds each request (OpenAI `seed`, from this and the row index); None = unseeded."
+    )
     timeout_s: float = Field(600.0, gt=0.0)
     max_retries: NonNegativeInt = 3
     reasoning: Literal["none", "save", "disable"] = "none"
