@@ -124,7 +124,8 @@ BAD = {
     "max_completion_tokens above the cap": (f'"max_completion_tokens": {CAP + 1}', "max_completion_tokens", "cap"),
     "logprobs": ('"logprobs": true', "logprobs", "not supported"),
     "tools": ('"tools": [{"type": "function", "function": {"name": "f"}}]', "tools", "not supported"),
-    "seed": ('"seed": 1', "seed", "not supported"),
+    "seed as bool": ('"seed": true', "seed", "valid integer"),  # seed is honoured; a bad one is refused
+    "seed above int64": ('"seed": 9223372036854775808', "seed", "less than or equal"),
     "unknown key": ('"frobnicate": 1', "frobnicate", "not supported"),
     "stream_options without stream": ('"stream_options": {"include_usage": true}', "stream_options", "stream"),
     "stream as string": ('"stream": "yes"', "stream", "valid boolean"),
