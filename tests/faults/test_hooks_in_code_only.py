@@ -13,31 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_run import prepare_tiny, tiny_run_settings
 
 from dllmflow.runs import read_metrics
-from dllmflow.settings import SettingsError, deep_merge, load_settings
+from dllmflow.settings import SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("hooks-prepared") / "tiny"
-    prepare(load_settings(RECIPE, dataset={"limit": 8, "seq_length": 128, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory.mktemp("hooks-prepared") / "tiny")
 
 
 def _settings(prepared: Path, **extra):
-    overrides = {
-        "dataset": {"limit": 8, "seq_length": 128, "prepared_dir": str(prepared)},
-        "train": {"max_steps": 3, "global_batch_size": 2, "local_batch_size": 2, "seed": 0},
-        "checkpoint": {"every_steps": 1, "keep_last": 1, "save_consolidated": "false"},
-    }
-    return load_settings(RECIPE, **deep_merge(overrides, extra))
+    return tiny_run_settings(prepared, 3, keep_last=1, **extra)
 
 
 class StopAt:

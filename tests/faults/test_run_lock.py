@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_run import prepare_tiny, tiny_run_settings
 
 from dllmflow.common.outputs import LOCK_FILE, DirLockedError, OutputPathError
 from dllmflow.runs import read_metrics
-from dllmflow.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
 torch.set_num_threads(1)
 
 _HOLD = """
@@ -37,20 +36,11 @@ with hold_dir_lock(sys.argv[1], "train"):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    from dllmflow.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("run-lock-prepared") / "tiny"
-    prepare(load_settings(RECIPE, dataset={"limit": 8, "seq_length": 128, "prepared_dir": str(out)}))
-    return out
+    return prepare_tiny(tmp_path_factory.mktemp("run-lock-prepared") / "tiny")
 
 
 def _settings(prepared: Path, max_steps: int):
-    return load_settings(
-        RECIPE,
-        dataset={"limit": 8, "seq_length": 128, "prepared_dir": str(prepared)},
-        train={"max_steps": max_steps, "global_batch_size": 2, "local_batch_size": 2, "seed": 0},
-        checkpoint={"every_steps": 1, "keep_last": 2, "save_consolidated": "false"},
-    )
+    return tiny_run_settings(prepared, max_steps)
 
 
 def _train(prepared: Path, run_dir: Path, max_steps: int, **flags):

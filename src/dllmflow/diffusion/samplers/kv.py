@@ -26,6 +26,7 @@ from .loop import (
     BlockConfig,
     BlockGeometry,
     LeftPaddedCanvas,
+    build_left_padded_canvas,
     commit_step,
     first_eos_done,
     get_num_transfer_tokens,
@@ -59,6 +60,22 @@ def check_cache_model(model: Any, sampler: str, what: str) -> None:
             f"sampler {sampler} with {what} needs a Hugging Face decoder that takes a KV cache and a 4D "
             f"attention mask, got {type(model).__name__} (model_type {model_type}); use cache 'none'"
         )
+
+
+def fast_dllm_canvas(sampler: Any, prompt_ids: list[list[int]], gen_length: int, cache: str):
+    """The left-padded canvas of an approximate (Fast-dLLM) cache, once the sampler may use one: its own
+    model (not a custom forward) that takes a KV cache, and a canvas within the model's positions."""
+    what = f"cache {cache!r}"
+    if sampler._forward != sampler.model_forward:
+        raise UserError(
+            f"sampler {sampler.name} with {what} needs the model itself, not a forward; use cache 'none'"
+        )
+    check_cache_model(sampler.model, sampler.name, what)
+    canvas = build_left_padded_canvas(
+        prompt_ids, gen_length, sampler.mask_id, sampler.fill_id, sampler.device, sampler=sampler.name
+    )
+    check_cache_fits(sampler.model, canvas.x.shape[1], sampler.name, what)
+    return canvas
 
 
 class ModelCache:

@@ -27,13 +27,12 @@ from torch import Tensor
 from dllmflow.errors import UserError
 
 from .base import GenerationResult, Sampler
-from .kv import CacheMode, FastDLLMCache, check_cache_fits, check_cache_model, run_cached_block_sampler
+from .kv import CacheMode, FastDLLMCache, fast_dllm_canvas, run_cached_block_sampler
 from .loop import (
     BlockConfig,
     BlockGeometry,
     block_geometry,
     build_canvas,
-    build_left_padded_canvas,
     run_block_sampler,
     run_infill,
 )
@@ -73,16 +72,7 @@ class LLaDASampler(Sampler):
         return seqs, nfe, row_nfe.tolist()
 
     def _generate_cached(self, prompt_ids: list[list[int]], geometry: BlockGeometry):
-        what = f"cache {self.config.cache!r}"
-        if self._forward != self.model_forward:
-            raise UserError(
-                f"sampler {self.name} with {what} needs the model itself, not a forward; use cache 'none'"
-            )
-        check_cache_model(self.model, self.name, what)
-        canvas = build_left_padded_canvas(
-            prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
-        )
-        check_cache_fits(self.model, canvas.x.shape[1], self.name, what)
+        canvas = fast_dllm_canvas(self, prompt_ids, geometry.gen_length, self.config.cache)
         source = FastDLLMCache(self.model, canvas, self.config.cache)
         nfe, row_nfe = run_cached_block_sampler(
             source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()

@@ -36,8 +36,8 @@ from dllmflow.diffusion.schedules import TINY, scdd_schedule
 from dllmflow.errors import UserError
 
 from .base import GenerationResult, Sampler, SamplerConfig
-from .kv import CacheMode, FastDLLMCache, check_cache_fits, check_cache_model
-from .loop import build_canvas, build_left_padded_canvas
+from .kv import CacheMode, FastDLLMCache, fast_dllm_canvas
+from .loop import build_canvas
 
 SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
 
@@ -169,16 +169,7 @@ class SCDDSampler(Sampler):
             pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
             rows, cols = ((pos >= start[:, None]) & (pos < (start + G)[:, None])).nonzero(as_tuple=True)
             return x, rows, cols, lambda i: self._forward(x, attn)[rows, cols].view(B, G, -1)
-        what = f"cache {cfg.cache!r}"
-        if self._forward != self.model_forward:
-            raise UserError(
-                f"sampler {self.name} with {what} needs the model itself, not a forward; use cache 'none'"
-            )
-        check_cache_model(self.model, self.name, what)
-        canvas = build_left_padded_canvas(
-            prompt_ids, G, self.mask_id, self.fill_id, self.device, sampler=self.name
-        )
-        check_cache_fits(self.model, canvas.x.shape[1], self.name, what)
+        canvas = fast_dllm_canvas(self, prompt_ids, G, cfg.cache)
         S, source = canvas.prefix_len, FastDLLMCache(self.model, canvas, "prefix")
         rows = torch.arange(B, device=self.device).repeat_interleave(G)  # [B*G]
         cols = torch.arange(S, S + G, device=self.device).repeat(B)  # [B*G]
