@@ -56,15 +56,25 @@ def eval_chart(evals: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "x": {"field": "tokens_per_s", "type": "quantitative", "title": "tokens / s"},
         "y": {"field": "exact_match_flexible", "type": "quantitative", "title": "exact match (flexible)"},
     }
-    return {
-        "$schema": "https://vega.github.io/schema/vega-lite/v5.json",
-        "title": "accuracy vs speed per sampler",
-        "data": {"values": values},
-        "encoding": encoding,
-        "layer": [
+    return _layered_chart(
+        "accuracy vs speed per sampler",
+        values,
+        encoding,
+        [
             {"mark": {"type": "point", "filled": True, "size": 80, "tooltip": True}},
             {"mark": {"type": "text", "align": "left", "dx": 7}, "encoding": {"text": {"field": "sampler"}}},
         ],
+    )
+
+
+def _layered_chart(title: str, values: list[dict], encoding: dict, layers: list[dict]) -> dict[str, Any]:
+    """A Vega-Lite spec: one data table, shared encoding, marks layered on it."""
+    return {
+        "$schema": "https://vega.github.io/schema/vega-lite/v5.json",
+        "title": title,
+        "data": {"values": values},
+        "encoding": encoding,
+        "layer": layers,
     }
 
 
@@ -97,12 +107,11 @@ def sweep_chart(evals: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         "y": {"field": "exact_match", "type": "quantitative", "title": "exact match"},
         "color": {"field": "sampler", "type": "nominal"},
     }
-    return {
-        "$schema": "https://vega.github.io/schema/vega-lite/v5.json",
-        "title": "accuracy vs speed per setting (filled: Pareto front; ringed: chosen)",
-        "data": {"values": values},
-        "encoding": encoding,
-        "layer": [
+    return _layered_chart(
+        "accuracy vs speed per setting (filled: Pareto front; ringed: chosen)",
+        values,
+        encoding,
+        [
             {
                 "mark": {"type": "point", "size": 80, "tooltip": {"content": "data"}},
                 "encoding": {
@@ -122,7 +131,7 @@ def sweep_chart(evals: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                 "encoding": {"text": {"field": "setting"}},
             },
         ],
-    }
+    )
 
 
 def eval_rows(evals: dict[str, dict[str, Any]]) -> list[list[str]]:
