@@ -6,13 +6,18 @@ resolution and response trimming. The denoising math lives in `loop.py`, each sa
     from dllmflow.diffusion.samplers.base import build_sampler_config
     cfg = build_sampler_config("llada", {"threshold": 0.9})           # an LLaDAConfig
     out = SAMPLERS["llada"](model, tokenizer, cfg).generate([prompt_ids])   # GenerationResult
+
+    stepper = sampler.stepper([ids_a, ids_b])     # the same decoding, one block per step()
+    while (progress := stepper.step()) is not None:  # BlockProgress: each row's committed tokens
+        stepper.keep([1])                            # drop row 0 before the next block
+    stepper.result                                   # GenerationResult of the rows kept
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -24,6 +29,14 @@ from dllmflow.errors import UserError
 
 # Attribute `load_for_generation` sets on a loaded model: the training Settings of its checkpoint.
 TRAINING_SETTINGS_ATTR = "dllmflow_training_settings"
+
+
+class SamplerSettingError(UserError):
+    """A sampler setting refused by `build_sampler_config`; `field` names it (a server's 400 names it)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class SamplerConfig(BaseModel):
@@ -67,7 +80,7 @@ def build_sampler_config(
         del explicit["cache"]
     unknown = [k for k in explicit if k not in fields]
     if unknown:
-        raise UserError(_unknown_options_message(sampler, unknown))
+        raise SamplerSettingError(_unknown_options_message(sampler, unknown), unknown[0])
     values = {k: v for k, v in (defaults or {}).items() if v is not None and k in fields}
     values.update(explicit)
     if no_kv_cache:
@@ -81,7 +94,8 @@ def build_sampler_config(
     except ValidationError as e:
         flags = ("--" + ".".join(map(str, err["loc"])).replace("_", "-") for err in e.errors())
         problems = "; ".join(f"{flag}: {err['msg']}" for flag, err in zip(flags, e.errors()))
-        raise UserError(f"invalid {name} sampler settings: {problems}") from None
+        field = ".".join(map(str, e.errors()[0]["loc"])) or None
+        raise SamplerSettingError(f"invalid {name} sampler settings: {problems}", field) from None
 
 
 def _unknown_options_message(sampler: type[Sampler], unknown: list[str]) -> str:
@@ -178,6 +192,8 @@ class Sampler(ABC):
     supports_infill: ClassVar[bool] = False
     supports_kv_cache: ClassVar[bool] = False
     supports_batching: ClassVar[bool] = True
+    # `steps` is the step budget of each block (llada2), not the total over max_new_tokens.
+    steps_per_block: ClassVar[bool] = False
     # Why a sampler has no KV-cache path (said when a cache is asked for).
     no_kv_cache_reason: ClassVar[str] = "it has no KV-cache path"
 
@@ -249,5 +265,58 @@ class Sampler(ABC):
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         """-> (generated ids per row, untrimmed; forward calls; forwards per row)."""
 
+    def _iter_generate(self, prompt_ids: list[list[int]]) -> Generator[Any, list[int] | None, tuple]:
+        """`_generate` block by block (a `loop.BlockLoop`: yields a `loop.BlockProgress` between blocks,
+        may be sent the rows to keep, returns `_generate`'s tuple for the rows kept). Samplers whose loop
+        steps override it; this default decodes the whole batch in one piece."""
+        return self._generate(prompt_ids)
+        yield  # makes this a generator
+
+    def stepper(self, prompt_ids: list[list[int]]) -> BlockStepper:
+        """Decode `prompt_ids` one block per `step()` (same tokens as `generate`)."""
+        if not self.supports_batching and len(prompt_ids) > 1:
+            raise UserError(f"sampler {self.name} decodes one prompt at a time; step one prompt per stepper")
+        return BlockStepper(self, prompt_ids)
+
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         raise UserError(f"sampler {self.name} does not support infill; use --sampler llada")
+
+
+class BlockStepper:
+    """A batch decoded one block per `step()`, so a caller (the server's scheduler) can give several
+    batches turns block by block and drop rows between blocks (`keep`). The tokens are `generate`'s: the
+    same loop runs, paused between blocks."""
+
+    def __init__(self, sampler: Sampler, prompt_ids: list[list[int]]):
+        self.sampler, self.rows = sampler, len(prompt_ids)
+        self.loop = sampler._iter_generate(prompt_ids)
+        self.result: GenerationResult | None = None
+        self.elapsed_s = 0.0
+        self._keep: list[int] | None = None
+        self._started = False
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only the rows `rows` (indices into the rows live now, at least one) from the next block on
+        (rows can leave only between blocks: after the first `step`)."""
+        if not self._started or not rows:
+            raise ValueError("keep() takes at least one row, after the first step()")
+        self._keep = [self._keep[r] for r in rows] if self._keep is not None else list(rows)
+        self.rows = len(rows)
+
+    def step(self) -> Any:
+        """Decode the next block: a `loop.BlockProgress` of the live rows, or None once the batch is
+        decoded (then `result` holds the GenerationResult of the rows kept, trimmed at stop ids)."""
+        t0 = time.perf_counter()
+        keep, self._keep, self._started = self._keep, None, True
+        try:
+            with torch.inference_mode():
+                return self.loop.send(keep)
+        except StopIteration as stop:
+            seqs, nfe, row_nfe = stop.value
+            trimmed = [trim_at_stop(s, self.sampler.stop_ids) for s in seqs]
+            self.result = GenerationResult(trimmed, nfe, sum(map(len, trimmed)), self.elapsed_s, row_nfe)
+            return None
+        finally:
+            self.elapsed_s += time.perf_counter() - t0
+            if self.result is not None:
+                self.result.elapsed_s = self.elapsed_s

@@ -22,14 +22,16 @@ from typing import Literal
 from pydantic import Field, PositiveInt
 
 from .base import Sampler
-from .kv import CausalShiftCache, check_cache_fits, run_cached_block_sampler
+from .kv import CausalShiftCache, check_cache_fits, iter_cached_block_sampler
 from .loop import (
     BlockConfig,
     BlockGeometry,
+    BlockLoop,
     block_geometry,
     build_canvas,
     build_left_padded_canvas,
-    run_block_sampler,
+    drain,
+    iter_block_sampler,
 )
 
 
@@ -62,12 +64,15 @@ class IDLMSampler(Sampler):
         self.cached = self.config.use_kv_cache and forward is None
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+        return drain(self._iter_generate(prompt_ids))
+
+    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
         cfg = self.config
         geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
         if self.cached:
-            return self._generate_cached(prompt_ids, geometry)
+            return (yield from self._iter_cached(prompt_ids, geometry))
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
-        x, nfe, row_nfe = run_block_sampler(
+        x, nfe, row_nfe = yield from iter_block_sampler(
             self._forward,
             canvas,
             cfg,
@@ -77,16 +82,17 @@ class IDLMSampler(Sampler):
             self.generator(),
             self.logit_shift,
         )
-        seqs = [x[b, len(p) : len(p) + geometry.gen_length].tolist() for b, p in enumerate(prompt_ids)]
+        G = geometry.gen_length
+        seqs = [x[b, int(s) : int(s) + G].tolist() for b, s in enumerate(canvas.gen_start)]  # kept rows
         return seqs, nfe, row_nfe.tolist()
 
-    def _generate_cached(self, prompt_ids, geometry: BlockGeometry):
+    def _iter_cached(self, prompt_ids, geometry: BlockGeometry) -> BlockLoop:
         canvas = build_left_padded_canvas(
             prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
         check_cache_fits(self.model, canvas.x.shape[1], self.name, "the KV cache (use_kv_cache)")
         source = CausalShiftCache(self.model, canvas)
-        nfe, row_nfe = run_cached_block_sampler(
+        nfe, row_nfe = yield from iter_cached_block_sampler(
             source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
         )
         return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist()

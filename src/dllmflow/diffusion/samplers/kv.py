@@ -25,9 +25,12 @@ from dllmflow.errors import UserError
 from .loop import (
     BlockConfig,
     BlockGeometry,
+    BlockLoop,
     LeftPaddedCanvas,
+    block_progress,
     build_left_padded_canvas,
     commit_step,
+    drain,
     first_eos_done,
     get_num_transfer_tokens,
 )
@@ -103,6 +106,13 @@ class ModelCache:
         self.calls += 1
         return out.logits[:, -keep:]
 
+    def select_rows(self, index: Tensor) -> None:
+        """Keep the batch rows `index` [B'] of every cached layer (an empty layer too: the next forward
+        appends to it)."""
+        for layer in self.cache.layers:
+            if isinstance(getattr(layer, "keys", None), Tensor):
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached positions."""
         if self.length > length:
@@ -140,6 +150,9 @@ class CausalShiftCache:
     def calls(self) -> int:
         return self.kv.calls
 
+    def select_rows(self, index: Tensor) -> None:
+        self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
+
     def __call__(self, lo: int, hi: int) -> Tensor:
         c, start, end = self.c, self.kv.length, hi - 1  # forward [start, end)
         # every position is "prefix" of a causal mask: k <= q, valid keys, a padded query keeps its diagonal
@@ -160,6 +173,9 @@ class BlockCausalCache:
     @property
     def calls(self) -> int:
         return self.kv.calls
+
+    def select_rows(self, index: Tensor) -> None:
+        self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
 
     def __call__(self, lo: int, hi: int) -> Tensor:
         c, start = self.c, self.kv.length
@@ -190,6 +206,9 @@ class FastDLLMCache:
     @property
     def calls(self) -> int:
         return self.kv.calls
+
+    def select_rows(self, index: Tensor) -> None:
+        self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
 
     def refresh(self, lo: int, hi: int) -> Tensor:
         """Full forward over the canvas; cache [0, lo) (+ [hi, T) for dual); logits [B, hi-lo, V]."""
@@ -235,12 +254,34 @@ def run_cached_block_sampler(
     """The block sampler of `loop.run_block_sampler` on a left-padded canvas, logits from `source`
     (same schedule, selection, threshold, last-step commit and per-row EOS stop), in place on
     `canvas.x`. -> (nfe, row_nfe [B])."""
-    x, S, G = canvas.x, canvas.prefix_len, geometry.gen_length
-    B = x.shape[0]
-    start = torch.full((B,), S, device=x.device)  # [B]
-    done = torch.zeros(B, dtype=torch.bool, device=x.device)  # [B]
-    row_nfe = torch.zeros(B, dtype=torch.long, device=x.device)
+    return drain(iter_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator))
+
+
+def iter_cached_block_sampler(
+    source,
+    canvas: LeftPaddedCanvas,
+    cfg: BlockConfig,
+    geometry: BlockGeometry,
+    mask_id: int,
+    fill_id: int,
+    generator: torch.Generator | None = None,
+) -> BlockLoop:
+    """`run_cached_block_sampler` one block at a time (a `loop.BlockLoop`); kept rows are selected in
+    the canvas and the source's cache."""
+    S, G = canvas.prefix_len, geometry.gen_length
+    B, device = canvas.x.shape[0], canvas.x.device
+    start = torch.full((B,), S, device=device)  # [B]
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
+    row_nfe = torch.zeros(B, dtype=torch.long, device=device)
     for j in range(geometry.num_blocks):
+        if j:
+            rows = yield block_progress(canvas.x, start, j * geometry.block_size, done, row_nfe)
+            if rows is not None:
+                index = torch.tensor(rows, dtype=torch.long, device=device)
+                canvas.select_rows(index)
+                source.select_rows(index)
+                start, done, row_nfe = start[index], done[index], row_nfe[index]
+        x = canvas.x
         lo, hi = S + j * geometry.block_size, min(S + (j + 1) * geometry.block_size, S + G)
         block = x[:, lo:hi]  # [B, b] a view: commits land in x
         schedule = get_num_transfer_tokens(block == mask_id, geometry.steps_per_block)  # [B, spb]
@@ -255,5 +296,6 @@ def run_cached_block_sampler(
                 done |= first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
         if cfg.eos_token_id is not None and bool(done.all()):
             break
+    x = canvas.x
     x[:, S:][x[:, S:] == mask_id] = fill_id  # rows stopped at an EOS keep masks after it
     return source.calls, row_nfe

@@ -27,13 +27,15 @@ from torch import Tensor
 from dllmflow.errors import UserError
 
 from .base import GenerationResult, Sampler
-from .kv import CacheMode, FastDLLMCache, fast_dllm_canvas, run_cached_block_sampler
+from .kv import CacheMode, FastDLLMCache, fast_dllm_canvas, iter_cached_block_sampler
 from .loop import (
     BlockConfig,
     BlockGeometry,
+    BlockLoop,
     block_geometry,
     build_canvas,
-    run_block_sampler,
+    drain,
+    iter_block_sampler,
     run_infill,
 )
 
@@ -60,21 +62,25 @@ class LLaDASampler(Sampler):
         return forward_bidirectional(self.model, input_ids, attention_mask, logits_to_keep)  # [B, T|n, V]
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+        return drain(self._iter_generate(prompt_ids))
+
+    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
         cfg = self.config
         geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
         if cfg.cache != "none":
-            return self._generate_cached(prompt_ids, geometry)
+            return (yield from self._iter_cached(prompt_ids, geometry))
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
-        x, nfe, row_nfe = run_block_sampler(
+        x, nfe, row_nfe = yield from iter_block_sampler(
             self._forward, canvas, cfg, geometry, self.mask_id, self.fill_id, self.generator()
         )
-        seqs = [x[b, len(p) : len(p) + geometry.gen_length].tolist() for b, p in enumerate(prompt_ids)]
+        G = geometry.gen_length
+        seqs = [x[b, int(s) : int(s) + G].tolist() for b, s in enumerate(canvas.gen_start)]  # kept rows
         return seqs, nfe, row_nfe.tolist()
 
-    def _generate_cached(self, prompt_ids: list[list[int]], geometry: BlockGeometry):
+    def _iter_cached(self, prompt_ids: list[list[int]], geometry: BlockGeometry) -> BlockLoop:
         canvas = fast_dllm_canvas(self, prompt_ids, geometry.gen_length, self.config.cache)
         source = FastDLLMCache(self.model, canvas, self.config.cache)
-        nfe, row_nfe = run_cached_block_sampler(
+        nfe, row_nfe = yield from iter_cached_block_sampler(
             source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
         )
         return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist()

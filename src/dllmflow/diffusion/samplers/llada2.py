@@ -43,9 +43,12 @@ from .base import Sampler, SamplerConfig, native_generate
 from .kv import BlockCausalCache, check_cache_fits
 from .loop import (
     BlockGeometry,
+    BlockLoop,
     LeftPaddedCanvas,
     block_geometry,
+    block_progress,
     build_left_padded_canvas,
+    drain,
     first_eos_done,
     get_num_transfer_tokens,
     gumbel_argmax,
@@ -107,6 +110,9 @@ class CanvasBlockCausal:
         self.calls += 1
         return self.forward(c.x[:, :hi], mask, c.position_ids[:, :hi], n)[:, -n:]
 
+    def select_rows(self, index: Tensor) -> None:
+        pass  # no state of its own: the canvas is shared with the loop, which selects it
+
 
 def refine_blocks(
     source: Callable[[int, int], Tensor],
@@ -122,12 +128,34 @@ def refine_blocks(
     nothing or `max_post_steps` ran), and stops at its EOS; the batch moves on when no row is left.
     `source(lo, hi)` -> logits [B, hi-lo, V] of the block (`CanvasBlockCausal`, `kv.BlockCausalCache`).
     -> (nfe = forward calls, row_nfe [B] = forwards each row took part in)."""
-    x, S = canvas.x, canvas.prefix_len
-    B, G, bs, spb = x.shape[0], geometry.gen_length, geometry.block_size, cfg.steps
-    start = torch.full((B,), S, device=x.device)  # [B]
-    done = torch.zeros(B, dtype=torch.bool, device=x.device)  # [B] stopped at an EOS
-    row_nfe = torch.zeros(B, dtype=torch.long, device=x.device)
+    return drain(iter_refine_blocks(source, canvas, cfg, geometry, mask_id, eos_id, generator))
+
+
+def iter_refine_blocks(
+    source: Callable[[int, int], Tensor],
+    canvas: LeftPaddedCanvas,
+    cfg: LLaDA2Config,
+    geometry: BlockGeometry,
+    mask_id: int,
+    eos_id: int | None,
+    generator: torch.Generator | None = None,
+) -> BlockLoop:
+    """`refine_blocks` one block at a time (a `loop.BlockLoop`): a block is yielded once every row
+    left it, so its tokens (edits included) are final."""
+    S, device = canvas.prefix_len, canvas.x.device
+    B, G, bs, spb = canvas.x.shape[0], geometry.gen_length, geometry.block_size, cfg.steps
+    start = torch.full((B,), S, device=device)  # [B]
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # [B] stopped at an EOS
+    row_nfe = torch.zeros(B, dtype=torch.long, device=device)
     for j in range(geometry.num_blocks):
+        if j:
+            rows = yield block_progress(canvas.x, start, j * bs, done, row_nfe)
+            if rows is not None:
+                index = torch.tensor(rows, dtype=torch.long, device=device)
+                canvas.select_rows(index)
+                source.select_rows(index)
+                start, done, row_nfe = start[index], done[index], row_nfe[index]
+        x, B = canvas.x, canvas.x.shape[0]
         lo, hi = S + j * bs, min(S + (j + 1) * bs, S + G)
         block = x[:, lo:hi]  # [B, b] a view: writes land in x
         schedule = get_num_transfer_tokens(block == mask_id, spb)  # [B, spb]
@@ -167,6 +195,7 @@ class LLaDA2Sampler(Sampler):
     supports_infill = False
     supports_kv_cache = True
     supports_batching = True  # a checkpoint's own generate takes one prompt: then one at a time
+    steps_per_block = True
 
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
@@ -198,8 +227,11 @@ class LLaDA2Sampler(Sampler):
         return getattr(self.tokenizer, "eos_token_id", None)
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+        return drain(self._iter_generate(prompt_ids))
+
+    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
         native = native_generate(self.model, "gen_length", "block_length") if self.model is not None else None
-        if native is not None:
+        if native is not None:  # the checkpoint's own generate: no blocks to yield
             out = [self._generate_native(native, p) for p in prompt_ids]
             return [s for o in out for s in o[0]], sum(o[1] for o in out), [n for o in out for n in o[2]]
         cfg = self.config
@@ -212,7 +244,7 @@ class LLaDA2Sampler(Sampler):
             source = BlockCausalCache(self.model, canvas, geometry.block_size)
         else:
             source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, self._mask_dtype())
-        nfe, row_nfe = refine_blocks(
+        nfe, row_nfe = yield from iter_refine_blocks(
             source, canvas, cfg, geometry, self.mask_id, self._eos_id(), self.generator()
         )
         gen = canvas.x[:, canvas.prefix_len :]  # [B, G]

@@ -7,6 +7,11 @@ block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the 
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
     x, nfe, row_nfe = run_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator)
 
+The block loops are generators (`iter_block_sampler`, `kv.iter_cached_block_sampler`,
+`llada2.iter_refine_blocks`) that yield a `BlockProgress` between blocks and may be sent the rows to
+keep (a server drops finished or abandoned rows there); `run_*` drain them, so decoding block by block
+gives the tokens of decoding at once (`drain`).
+
 Departures from the reference, on purpose (docs/strategies.md §7 caveat 6): with a threshold the last step of a
 block commits every remaining [MASK] of that block (never a stranded mask), and the EOS stop is per
 row (a finished row stops changing; the batch stops when every row is done). The [MASK] column is
@@ -16,7 +21,7 @@ never a candidate token, so a committed position can never hold [MASK].
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -159,6 +164,14 @@ class Canvas:
     attention_mask: Tensor  # [B, T] 1 on [0, P_b + G)
     gen_start: Tensor  # [B] = P_b
 
+    def select_rows(self, index: Tensor) -> None:
+        """Keep the rows `index` [B'] (in place: the loop and its sources share the canvas)."""
+        self.x, self.attention_mask, self.gen_start = (
+            self.x[index],
+            self.attention_mask[index],
+            self.gen_start[index],
+        )
+
 
 def build_canvas(prompts: list[list[int]], gen_length: int, mask_id: int, fill_id: int, device) -> Canvas:
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # [B]
@@ -181,6 +194,44 @@ class LeftPaddedCanvas:
     valid: Tensor  # [B, S + G] 0 on the left padding
     position_ids: Tensor  # [B, S + G] 0 at each row's first real token
     prefix_len: int  # S
+
+    def select_rows(self, index: Tensor) -> None:
+        """Keep the rows `index` [B'] (in place: the loop and its cache share the canvas). S stays: the
+        other rows' padding is still padding, and a row decodes as it would alone at any S."""
+        self.x, self.valid, self.position_ids = self.x[index], self.valid[index], self.position_ids[index]
+
+
+# ---- decoding block by block ------------------------------------------------------------------------
+
+
+@dataclass
+class BlockProgress:
+    """What a block loop yields between blocks: per live row, its generated ids so far (the blocks it has
+    left, which never change again; untrimmed), whether it stopped at an EOS, and its forwards so far."""
+
+    tokens: list[list[int]]
+    done: list[bool]
+    row_nfe: list[int]
+
+
+# A block loop: yields BlockProgress between blocks, is sent None or the indices of the rows to keep
+# (applied before the next block), returns what its `run_*` form returns.
+BlockLoop = Generator[BlockProgress, "list[int] | None", tuple]
+
+
+def block_progress(x: Tensor, start: Tensor, length: int, done: Tensor, row_nfe: Tensor) -> BlockProgress:
+    """Each row's `length` generated ids from its own window start ([B] `start`) on."""
+    rows = [x[b, int(s) : int(s) + length].tolist() for b, s in enumerate(start)]
+    return BlockProgress(rows, done.tolist(), row_nfe.tolist())
+
+
+def drain(loop: BlockLoop):
+    """Run a block loop to its end (every row kept); its return value."""
+    try:
+        while True:
+            next(loop)
+    except StopIteration as stop:
+        return stop.value
 
 
 def build_left_padded_canvas(
@@ -244,21 +295,43 @@ def run_block_sampler(
     on `canvas.x`. Block j of row b covers [P_b + j*bs, P_b + min((j+1)*bs, G)). Returns (x [B, T],
     nfe = forward calls, row_nfe [B] = forwards made while the row still had masks to fill).
     logit_shift: position p reads logits[p - shift] (I-DLM's next-token checkpoints: 1)."""
-    x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start
-    bsz, total = x.shape
-    # Only the rows' windows [P_b, P_b + G) are ever filled, and with prompts left-aligned and filler
-    # after, their union is the suffix from the shortest prompt on (plus the `logit_shift` positions
-    # read from before it): logits for that suffix alone, through the forward's `logits_to_keep` when
-    # it takes one (the LM head then skips the prompts). Same commits: candidates keep their order.
-    keep = min(total, total - int(start.min()) + logit_shift)
-    off = total - keep
-    keep_kw = {"logits_to_keep": keep} if takes_logits_to_keep(forward) else {}
-    x_kept = x[:, off:]  # [B, keep], a view: commits land in x
-    pos = torch.arange(total, device=x.device)[None, :]  # [1, T]
-    gen_end = start + geometry.gen_length  # [B]
-    done = torch.zeros(bsz, dtype=torch.bool, device=x.device)  # [B]
-    nfe, row_nfe = 0, torch.zeros(bsz, dtype=torch.long, device=x.device)
+    return drain(iter_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator, logit_shift))
+
+
+def iter_block_sampler(
+    forward: ForwardFn,
+    canvas: Canvas,
+    cfg: BlockConfig,
+    geometry: BlockGeometry,
+    mask_id: int,
+    fill_id: int,
+    generator: torch.Generator | None = None,
+    logit_shift: int = 0,
+) -> BlockLoop:
+    """`run_block_sampler` one block at a time (a `BlockLoop`)."""
+    bsz, total = canvas.x.shape
+    keep_kw_ok = takes_logits_to_keep(forward)
+    pos = torch.arange(total, device=canvas.x.device)[None, :]  # [1, T]
+    done = torch.zeros(bsz, dtype=torch.bool, device=canvas.x.device)  # [B]
+    nfe, row_nfe = 0, torch.zeros(bsz, dtype=torch.long, device=canvas.x.device)
     for j in range(geometry.num_blocks):
+        if j:
+            upto = min(j * geometry.block_size, geometry.gen_length)
+            rows = yield block_progress(canvas.x, canvas.gen_start, upto, done, row_nfe)
+            if rows is not None:
+                index = torch.tensor(rows, dtype=torch.long, device=canvas.x.device)
+                canvas.select_rows(index)
+                done, row_nfe = done[index], row_nfe[index]
+        x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start
+        # Only the rows' windows [P_b, P_b + G) are ever filled, and with prompts left-aligned and filler
+        # after, their union is the suffix from the shortest prompt on (plus the `logit_shift` positions
+        # read from before it): logits for that suffix alone, through the forward's `logits_to_keep` when
+        # it takes one (the LM head then skips the prompts). Same commits: candidates keep their order.
+        keep = min(total, total - int(start.min()) + logit_shift)
+        off = total - keep
+        keep_kw = {"logits_to_keep": keep} if keep_kw_ok else {}
+        x_kept = x[:, off:]  # [B, keep], a view: commits land in x
+        gen_end = start + geometry.gen_length  # [B]
         lo = start + j * geometry.block_size  # [B]
         hi = torch.minimum(lo + geometry.block_size, gen_end)  # [B]
         in_block = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, T]
@@ -277,6 +350,8 @@ def run_block_sampler(
         if cfg.eos_token_id is not None and bool(done.all()):
             break
     # Finished rows stop early: their leftover masks become filler (trimmed away after the EOS).
+    x, start = canvas.x, canvas.gen_start
+    gen_end = start + geometry.gen_length  # [B]
     leftover = (x == mask_id) & (pos >= start[:, None]) & (pos < gen_end[:, None])  # [B, T]
     x[leftover] = fill_id
     return x, nfe, row_nfe
