@@ -38,8 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Regenerate assistant turns through an OpenAI-compatible server.",
     ),
     "serve": (
-        "dllmflow.inference.serve_cli",
-        "Serve a local causal LM as an OpenAI-compatible chat endpoint.",
+        "dllmflow.tracking.serve_model",
+        "Serve a dLLM (run dir, export, models:/ URI) or a causal LM behind an OpenAI-compatible API.",
     ),
     "register": ("dllmflow.tracking.register_cli", "Log a finished run to MLflow and register its model."),
     "plan": ("dllmflow.training.planner", "Per-rank training memory of a recipe (no weights, no GPU)."),

@@ -140,11 +140,11 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def _explain(err: dict[str, Any]) -> RequestError:
+def _explain(err: dict[str, Any], honoured: tuple[str, ...] = HONOURED) -> RequestError:
     """One pydantic error -> a message naming the field, what is wrong and what is accepted."""
     param = _param(err["loc"])
     if err["type"] == "extra_forbidden":
-        where = f"this server honours {', '.join(HONOURED)}"
+        where = f"this server honours {', '.join(honoured)}"
         if len(err["loc"]) > 1 and err["loc"][0] == "messages":
             where = "a message may hold role, content, name and reasoning_content"
         return RequestError(f"'{param}' is not supported: {where}", param)

@@ -1,6 +1,7 @@
 """`dllmflow serve` on the command line, and `local_server`: the same server in a subprocess.
 
     dllmflow serve --model-path runs/target --port 30000 --served-model-name target
+    dllmflow serve --model runs/tiny_addition                # a dLLM run: its gated sampler and settings
     python -m dllmflow.inference.serve_cli --model-path runs/target          # the same, without the cli
 
     with local_server("runs/target", served_model_name="target") as url:    # http://127.0.0.1:PORT/v1
@@ -27,6 +28,7 @@ from pathlib import Path
 from dllmflow.common.cli_args import add_flag
 from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
+from dllmflow.inference.dllm_engine import is_dllm_checkpoint, served_from_path
 from dllmflow.inference.requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
 
 log = logging.getLogger("dllmflow.inference.serve")
@@ -35,9 +37,13 @@ log = logging.getLogger("dllmflow.inference.serve")
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_flag(
         p,
+        "--model",
         "--model-path",
+        dest="model_path",
         required=True,
-        help="Local HF model dir (config, weights, tokenizer with a chat template).",
+        help="What to serve: a local causal LM dir (config, weights, tokenizer with a chat template), a "
+        "dllmflow run or export dir (a dLLM, decoded with its recorded sampler), or, through `dllmflow "
+        "serve`, a registered model models:/<name>@<alias> or models:/<name>/<version>.",
     )
     p.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
     p.add_argument("--port", type=int, default=30000)
@@ -67,7 +73,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_flag(
         p, "--chunk-tokens", type=int, default=8,
-        help="New tokens per batch per scheduling turn: smaller lets short requests past long ones sooner.",
+        help="New tokens per batch per scheduling turn: smaller lets short requests past long ones sooner "
+        "(causal LMs; a dLLM's turn is one block).",
     )  # fmt: skip
     add_flag(
         p, "--api-key", default=None,
@@ -76,8 +83,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--log-level", default="INFO")
 
 
-def app_from_args(args: argparse.Namespace):
-    """Check the flags, load the engine, build the app: (app, served model name)."""
+def app_from_args(args: argparse.Namespace, served=None):
+    """Check the flags, load the engine, build the app: (app, served model name). `served`: a
+    `dllm_engine.ServedModel` resolved by the caller (a registered model, `tracking/serve_model.py`);
+    else a dllmflow run/export dir serves a dLLM and any other dir a causal LM."""
     from dllmflow.inference.engine import ChatEngine
     from dllmflow.inference.serve import build_app
 
@@ -86,6 +95,10 @@ def app_from_args(args: argparse.Namespace):
         raise UserError(f"{', '.join(bad)} must be >= 1")
     if args.request_timeout_s <= 0:
         raise UserError(f"--request-timeout-s must be > 0 (got {args.request_timeout_s:g})")
+    if served is None and str(args.model_path).startswith("models:/"):
+        raise UserError(f"--model {args.model_path}: a registry URI is resolved by `dllmflow serve`")
+    if served is not None or is_dllm_checkpoint(args.model_path):
+        return _dllm_app(args, served or served_from_path(args.model_path))
     engine = ChatEngine(args.model_path, args.dtype)
     name = args.served_model_name or Path(args.model_path).resolve().name
     app = build_app(
@@ -97,11 +110,26 @@ def app_from_args(args: argparse.Namespace):
     return app, name
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def _dllm_app(args: argparse.Namespace, served):
+    from dllmflow.inference.dllm_engine import DllmEngine
+    from dllmflow.inference.dllm_serve import build_dllm_app
+
+    engine = DllmEngine(served, args.dtype)
+    name = args.served_model_name or served.lineage.get("name") or Path(args.model_path).resolve().name
+    app = build_dllm_app(
+        engine, name, max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
+        request_timeout_s=args.request_timeout_s,
+        api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+    )  # fmt: skip
+    return app, name
+
+
+def cli_main(args: argparse.Namespace, served=None) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app, name = app_from_args(args)
+    app, name = app_from_args(args, served)
     log.info("serving %s as %r on http://%s:%d/v1", args.model_path, name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     return 0

@@ -1,0 +1,281 @@
+"""The dLLM side of `dllmflow serve`: a diffusion LM decoding batches block by block with the recorded
+sampler, driven by the same round-robin `engine.Scheduler` as the causal engine.
+
+    served = served_from_path("runs/tiny_addition")        # the sampler + settings recorded with it
+    engine = DllmEngine(served)                             # model, tokenizer, sampler preset
+    scheduler = Scheduler(engine, max_batch_size=16)        # inference/engine.py
+    scheduler.submit(engine.request(prompt_ids, {"threshold": 0.9}, max_tokens=16, stream=True))
+
+What is served: `ServedModel` (a local checkpoint dir, its sampler and recorded settings, lineage for
+`/v1/models`). `served_from_path` reads them from a run or export dir: the sampler the run was evaluated
+and gated with (`eval/<sampler>.json`, the sweep's chosen setting included), else the export's own
+(`config.json` `dllm` block). A registered model (`models:/<name>@<alias>`) is resolved a layer above,
+in `tracking/serve_model.py`, to the same `ServedModel`.
+
+Batching: requests whose sampler and settings are the same decode together (`request().batch_key()`);
+the samplers decode a row in a batch as alone (tests/unit/test_sampler_caches.py), so a client's answer
+does not depend on who else was served with it. A sampled request (temperature > 0 or random
+remasking) draws from a generator shared by its batch, so it decodes alone. A turn decodes ONE block of
+a batch (`Sampler.stepper`): a long request delays a short one by a block per turn, and a new request
+waits at most one block before its first block decodes. Rows leave a batch between blocks: once their
+answer is final (a stop token in a committed block, which never changes again) or when cancelled
+(client gone, timeout), so they cost nothing from the next block on.
+
+`max_tokens` is the sampler's `max_new_tokens`; when a request changes it without giving `steps`, the
+steps of samplers whose `steps` is a total (llada, idlm, ...) scale with it, keeping the recorded
+steps per token (llada2's steps are per block already).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dllmflow.errors import UserError
+from dllmflow.inference.engine import ChatRequest
+from dllmflow.inference.requests import RequestError
+from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
+
+EVAL_DIR = "eval"  # runs.RunLayout.eval_dir: eval/<sampler>.json, what the register step gates with
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A dLLM to serve: its local HF dir, the sampler and settings recorded at training/gating time,
+    and its lineage (registered name, version, alias, run id, sweep setting, source) for `/v1/models`."""
+
+    checkpoint: Path
+    sampler: str | None = None  # None: the export's default (`generate.resolve_default_sampler`)
+    sampler_settings: dict[str, Any] = field(default_factory=dict)
+    mode: str | None = None
+    lineage: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
+
+
+def is_dllm_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` resolves to a dllmflow export (a `dllm` block in config.json or training
+    settings.json next to it); a plain causal LM dir (the DFlash target) is not."""
+    try:
+        ckpt = resolve_checkpoint(path)
+        config = json.loads((ckpt / HF_CONFIG).read_text())
+    except (UserError, OSError, ValueError):
+        return False
+    return "dllm" in config or (ckpt / "settings.json").is_file()
+
+
+def served_from_path(path: str | os.PathLike) -> ServedModel:
+    """A run/export dir -> what to serve: the sampler and settings it was gated with when a run dir
+    holds `eval/<sampler>.json` (the sweep's chosen point), else the export's `dllm` block."""
+    from dllmflow.inference.generate import resolve_default_sampler
+    from dllmflow.models.model_card import read_dllm_block
+
+    ckpt = resolve_checkpoint(path)
+    block = read_dllm_block(ckpt) or {}
+    sampler = resolve_default_sampler(ckpt)
+    settings = recorded_settings(ckpt)
+    mode = block.get("mode") or (settings.dllm.mode if settings is not None else None)
+    sampler_settings = dict(block.get("sampler_settings") or {})
+    lineage: dict[str, Any] = {"source": str(Path(path).resolve())}
+    evaluation = _gating_eval(Path(path), ckpt, sampler)
+    if evaluation is not None:
+        protocol = evaluation.get("protocol", {})
+        sampler_settings = dict(protocol.get("sampler_settings") or sampler_settings)
+        sweep = evaluation.get("sweep")
+        if sweep:
+            lineage["setting"] = sweep["points"][sweep["chosen"]]["setting"]
+    return ServedModel(ckpt, sampler, sampler_settings, mode, lineage)
+
+
+def _gating_eval(root: Path, ckpt: Path, sampler: str) -> dict[str, Any] | None:
+    """The evaluation a run was gated with: `eval/<sampler>.json` in the nearest dir from the export
+    up to `root` (a run dir, or the recipe dir above its flow runs)."""
+    root = root.resolve()
+    for parent in [ckpt.resolve(), *ckpt.resolve().parents]:
+        found = parent / EVAL_DIR / f"{sampler}.json"
+        if found.is_file():
+            return json.loads(found.read_text())
+        if parent == root:
+            return None
+    return None
+
+
+@dataclass(eq=False)
+class DllmRequest(ChatRequest):
+    """A dLLM request: its sampler and full config (the batch key); `tokens` = its final tokens so far."""
+
+    sampler: str = "llada"
+    config: Any = None  # the sampler's SamplerConfig
+    nfe: int = 0  # forwards its row took part in
+    alone: bool = False  # decoded in a batch of its own (module docstring)
+
+    def batch_key(self) -> tuple:
+        if self.alone:
+            return ("alone", id(self))
+        return (self.sampler, self.config.model_dump_json(exclude={"seed"}))  # greedy: the seed draws nothing
+
+
+@dataclass(eq=False)
+class DllmDecode:
+    """A batch decoding block by block: its live requests and the sampler's stepper over their rows."""
+
+    reqs: list[DllmRequest]
+    stepper: Any  # diffusion.samplers.base.BlockStepper
+
+
+class DllmEngine:
+    """A dLLM + tokenizer + recorded sampler settings, decoding batches one block per `step`; the
+    interface `engine.Scheduler` drives (prefill / step / keep / result)."""
+
+    def __init__(self, served: ServedModel, dtype: str = "float32"):
+        import inspect
+
+        import torch
+
+        from dllmflow.diffusion.modes import SamplerMisfitError, check_sampler
+        from dllmflow.diffusion.samplers import SAMPLERS
+        from dllmflow.diffusion.samplers.base import build_sampler_config, stop_token_ids
+        from dllmflow.inference.generate import load_for_generation, resolve_default_sampler
+        from dllmflow.models.limits import max_positions
+
+        self.served = served
+        self.sampler = served.sampler or resolve_default_sampler(served.checkpoint)
+        try:
+            check_sampler(served.mode, self.sampler)
+        except SamplerMisfitError as e:
+            raise UserError(str(e)) from None
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model, self.tokenizer, _ = load_for_generation(
+            served.checkpoint, device=device, dtype=getattr(torch, dtype),
+            trust_remote_code=served.trust_remote_code,
+        )  # fmt: skip
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"{served.checkpoint}: the tokenizer has no chat_template; save one with it")
+        self.recorded = dict(served.sampler_settings)
+        self.preset = build_sampler_config(self.sampler, None, self.tokenizer, defaults=self.recorded)
+        self.sampler_cls = SAMPLERS[self.sampler]
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.max_length = int(max_positions(self.model) or 1 << 30)
+        self.reserved_template_args = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def encode(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+        )
+        return list(out)
+
+    def encode_text(self, prompt: str) -> list[int]:
+        """A text completion's prompt, as `dllmflow generate --raw` encodes it."""
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def request(
+        self, prompt_ids: list[int], overrides: dict[str, Any], max_tokens: int | None, *, stream: bool,
+        steps_cap: int,
+    ) -> DllmRequest:  # fmt: skip
+        """A request's sampler and config from the recorded settings and its overrides (`sampler`,
+        `steps`, `threshold`, `cache`, ...): the rules of `build_sampler_config` (the pyfunc's), refused
+        as RequestError naming `dllmflow.<field>`."""
+        from dllmflow.diffusion.modes import SamplerMisfitError, check_sampler
+        from dllmflow.diffusion.samplers import SAMPLERS
+        from dllmflow.diffusion.samplers.base import SamplerSettingError, build_sampler_config
+
+        overrides = dict(overrides)
+        sampler = overrides.pop("sampler", None) or self.sampler
+        try:
+            if not isinstance(sampler, str):
+                raise SamplerMisfitError(f"'sampler' must be a sampler name, got {sampler!r}")
+            check_sampler(self.served.mode, sampler)
+            preset = build_sampler_config(sampler, None, self.tokenizer, defaults=self.recorded)
+        except (SamplerMisfitError, UserError) as e:
+            raise RequestError(str(e), "dllmflow.sampler") from None
+        if max_tokens is not None:
+            overrides["max_new_tokens"] = max_tokens
+            if "steps" not in overrides and not SAMPLERS[sampler].steps_per_block:
+                overrides["steps"] = max(1, math.ceil(preset.steps * max_tokens / preset.max_new_tokens))
+        try:
+            config = build_sampler_config(sampler, overrides, self.tokenizer, defaults=self.recorded)
+        except SamplerSettingError as e:
+            param = e.field if e.field in ("temperature", "seed") else f"dllmflow.{e.field}"
+            raise RequestError(str(e), param if e.field else "dllmflow") from None
+        for name in ("steps", "max_post_steps"):  # a forward each: bounded like max_tokens
+            if isinstance(overrides.get(name), int) and overrides[name] > steps_cap:
+                raise RequestError(
+                    f"'dllmflow.{name}' is {overrides[name]}, above this server's cap of {steps_cap} "
+                    "(--max-tokens-cap)",
+                    f"dllmflow.{name}",
+                )
+        temperature = float(getattr(config, "temperature", 0.0))
+        # A sampled request draws from a generator its batch shares (the draws depend on the batch); a
+        # sampler without batching decodes one prompt at a time: either decodes alone.
+        sampled = temperature > 0 or getattr(config, "remasking", None) == "random"
+        return DllmRequest(prompt_ids, config.max_new_tokens, temperature, 1.0, stream=stream, seed=config.seed,
+                           sampler=sampler, config=config,
+                           alone=sampled or not SAMPLERS[sampler].supports_batching)  # fmt: skip
+
+    # ---- decoding (the Scheduler's interface) ---------------------------------------------------
+
+    def prefill(self, reqs: list[DllmRequest]) -> DllmDecode:
+        """Start a batch of requests sharing a batch key and decode its first block."""
+        from dllmflow.diffusion.samplers import SAMPLERS
+
+        first = reqs[0]
+        runner = SAMPLERS[first.sampler](
+            self.model, self.tokenizer, first.config, mask_id=self.model.config.mask_token_id
+        )
+        decode = DllmDecode(list(reqs), runner.stepper([r.prompt_ids for r in reqs]))
+        return self.step(decode, 1)
+
+    def step(self, decode: DllmDecode, num_blocks: int = 1) -> DllmDecode:
+        """Decode the batch's next block; rows whose answer became final finish and leave it."""
+        from dllmflow.diffusion.samplers.base import trim_at_stop
+
+        progress = decode.stepper.step()
+        if progress is None:  # the last block: the sampler's own trimmed result
+            result = decode.stepper.result
+            for req, seq, nfe in zip(decode.reqs, result.sequences, result.row_nfe):
+                req.tokens, req.nfe = list(seq), int(nfe)
+                req.finish_reason = "length" if len(seq) >= req.config.max_new_tokens else "stop"
+            decode.reqs = []
+            return decode
+        for req, toks, done, nfe in zip(decode.reqs, progress.tokens, progress.done, progress.row_nfe):
+            req.tokens, req.nfe = trim_at_stop(toks, self.stop_ids), int(nfe)
+            if done or len(req.tokens) < len(toks):  # a stop in a committed block: the answer is final
+                req.finish_reason = "stop"
+        self.keep(decode, [i for i, r in enumerate(decode.reqs) if r.finish_reason is None])
+        return decode
+
+    def keep(self, decode: DllmDecode, rows: list[int]) -> None:
+        """Drop every other row (between blocks): it costs nothing from the next block on."""
+        if len(rows) == len(decode.reqs):
+            return
+        decode.reqs = [decode.reqs[i] for i in rows]
+        if rows:
+            decode.stepper.keep(rows)
+
+    def text(self, req: DllmRequest) -> str:
+        return self.partial_text(req.tokens)
+
+    def partial_text(self, tokens: list[int]) -> str:
+        """The answer of these (final) tokens, as `dllmflow generate` and the pyfunc print it."""
+        from dllmflow.inference.generate import decode_response
+
+        return decode_response(self.tokenizer, tokens)
+
+    def result(self, req: DllmRequest) -> dict[str, Any]:
+        completion = len(req.tokens)
+        return {
+            "text": self.text(req),
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": completion,
+            "dllmflow": {
+                "sampler": req.sampler,
+                "nfe": req.nfe,
+                "tokens_per_forward": round(completion / req.nfe, 4) if req.nfe else 0.0,
+            },
+        }
