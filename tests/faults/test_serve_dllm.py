@@ -1,0 +1,256 @@
+"""`dllmflow serve` for a dLLM, end to end: a tiny export registered in a SQLite MLflow store and served
+from `models:/<name>@champion` in a subprocess. The official `openai` client works (chat and text,
+streamed and not); a stream delivers one event per committed block; `usage` carries NFE; requests with
+the same settings are batched and answer as they do alone; a bad sampler override is a 400 naming it;
+`/v1/models` reports the lineage; hostile bodies are refused and the server keeps serving; a client gone
+mid-stream leaves its batch at the next turn; a bad registry URI is one line and exit 2. One server
+for the module (~45 s for the file on 2 busy cores, most of it MLflow's store and the server start)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from dllmflow.inference.serve_cli import local_server
+from dllmflow.settings import load_settings
+
+pytestmark = pytest.mark.slow  # servers in subprocesses
+
+NAME = "dllmflow-serve-test"
+RECORDED = {"steps": 12, "max_new_tokens": 12, "block_size": 4}  # 3 blocks of 4 new tokens
+TEXTS = ["Natalia sold 48 clips in April and half as many in May. #### 72", "What is 2 + 3? The answer is 5."]
+HI = [{"role": "user", "content": "What is 2 + 3?"}]
+PROMPTS = ["What is 2 + 3?", "Natalia sold 48 clips", "Hi", "half as many in May, what is 48 + 24?"]
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory):
+    """(tracking uri, export dir): a tiny random dLLM export registered as NAME, alias champion."""
+    import mlflow
+    import torch
+    from mlflow import MlflowClient
+
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+    from dllmflow.models.build import build_model
+    from dllmflow.tracking.registry import register_model
+
+    tmp = tmp_path_factory.mktemp("serve_dllm")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    tok = train_bpe_tokenizer(TEXTS * 5, 300, "<mask>", "<pad>", "<eos>")
+    settings = load_settings(
+        model={"tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}},
+        registry={"tracking_uri": uri, "model_name": NAME},
+    )
+    torch.manual_seed(0)
+    export = tmp / "export"
+    build_model(settings, tok).save_pretrained(export)
+    tok.save_pretrained(export)
+    settings.write_json(export / "settings.json")
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as run:
+        run_id = run.info.run_id
+    setting = {"threshold": None}
+    version = register_model(
+        settings, run_id, export, sampler="llada", sampler_settings=RECORDED, setting=setting
+    )
+    MlflowClient(uri).set_registered_model_alias(NAME, "champion", version.version)
+    return uri, export, run_id, tmp
+
+
+@pytest.fixture(scope="module")
+def server(registered):
+    uri, _, _, tmp = registered
+    env = {"MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # local_server passes os.environ to the subprocess
+    try:
+        with local_server(f"models:/{NAME}@champion", max_tokens_cap=256) as url:
+            yield url
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url.removesuffix('/v1')}/stats", timeout=30).json()
+
+
+def test_models_reports_the_lineage(server, registered):
+    _, _, run_id, _ = registered
+    (card,) = client(server).models.list().data
+    lineage = card.model_extra["dllmflow"]
+    assert card.id == NAME and lineage["name"] == NAME and lineage["alias"] == "champion"
+    assert (
+        lineage["version"] == 1 and lineage["run_id"] == run_id and lineage["setting"] == {"threshold": None}
+    )
+    assert lineage["sampler"] == "llada" and lineage["mode"] == "mdlm"
+    assert {k: lineage["sampler_settings"][k] for k in RECORDED} == RECORDED
+
+
+def test_openai_client_chat_and_text_streamed_and_not(server):
+    c = client(server)
+    whole = c.chat.completions.create(model=NAME, messages=HI)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    usage = whole.usage.model_extra["dllmflow"]
+    assert 1 <= usage["nfe"] <= RECORDED["steps"] and usage["sampler"] == "llada"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    chunks = list(
+        c.chat.completions.create(
+            model=NAME, messages=HI, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    deltas = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+    assert "".join(deltas) == whole.choices[0].message.content  # same request, same greedy text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.model_extra["dllmflow"] == usage
+    assert sum(bool(d) for d in deltas) <= 3  # at most one content event per block of 4 tokens
+    text = c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8)
+    assert text.object == "text_completion" and text.usage.completion_tokens <= 8
+    pieces = list(c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == text.choices[0].text
+
+
+def test_raw_stream_sends_a_block_per_event_and_done(server):
+    body = {
+        "model": NAME,
+        "prompt": PROMPTS[2],
+        "max_tokens": 12,
+        "stream": True,
+        "dllmflow": {"block_size": 4},
+    }
+    with httpx.stream("POST", f"{server}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert len(events) <= 3 + 2  # <= 3 blocks with text, the finish event, [DONE]
+
+
+def test_same_settings_are_batched_and_answer_as_alone(server):
+    body = {"model": NAME, "max_tokens": 8}
+    alone = [
+        httpx.post(f"{server}/completions", json={**body, "prompt": p}, timeout=60).json()["choices"][0][
+            "text"
+        ]
+        for p in PROMPTS
+    ]
+    before = stats(server)
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as ac:
+            rs = await asyncio.gather(
+                *[ac.post(f"{server}/completions", json={**body, "prompt": p}) for p in PROMPTS]
+            )
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    assert asyncio.run(together()) == alone
+    after = stats(server)
+    assert after["batches"] - before["batches"] < len(PROMPTS) and after["max_batch_size_seen"] > 1
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"dllmflow": {"thresh": 0.9}}, "dllmflow.thresh"),
+        ({"dllmflow": {"threshold": 1.5}}, "dllmflow.threshold"),
+        ({"dllmflow": {"cache": "dual", "use_kv_cache": True}}, "dllmflow.use_kv_cache"),
+        ({"dllmflow": {"sampler": "nope"}}, "dllmflow.sampler"),
+        ({"dllmflow": {"steps": 10_000}}, "dllmflow.steps"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_bad_overrides_are_400_naming_the_field(server, extra, param):
+    r = httpx.post(f"{server}/chat/completions", json={"model": NAME, "messages": HI, **extra}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_good_override_changes_the_decoding(server):
+    c = client(server)
+    plain = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12)
+    fast = c.completions.create(
+        model=NAME,
+        prompt=PROMPTS[0],
+        max_tokens=12,
+        extra_body={"dllmflow": {"threshold": 0.001, "cache": "dual"}},
+    )
+    assert fast.usage.model_extra["dllmflow"]["nfe"] < plain.usage.model_extra["dllmflow"]["nfe"]
+
+
+def test_hostile_bodies_are_refused_and_serving_goes_on(server):
+    url = f"{server}/chat/completions"
+    headers = {"content-type": "application/json"}
+    big = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x" * (2 << 20)}]})
+    assert httpx.post(url, content=big, headers=headers, timeout=60).status_code == 413
+    many = {"model": NAME, "messages": HI * 1000}
+    r = httpx.post(url, json=many, timeout=60)
+    assert r.status_code == 400 and "--max-messages" in r.json()["error"]["message"]
+    deep = f'{{"model": "{NAME}", "messages": {"[" * 5000 + "]" * 5000}}}'
+    r = httpx.post(url, content=deep, headers=headers, timeout=60)
+    assert r.status_code == 400 and "deeper" in r.json()["error"]["message"]
+    assert (
+        client(server).chat.completions.create(model=NAME, messages=HI, max_tokens=4).usage.completion_tokens
+        <= 4
+    )
+
+
+def test_a_client_gone_mid_stream_leaves_its_batch_at_the_next_turn(server):
+    # 256 blocks of one token: hundreds of turns if the row stayed; it leaves a turn or so after the close
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 256, "stream": True, "dllmflow": {"block_size": 1}}
+    before = stats(server)
+    with httpx.stream("POST", f"{server}/completions", json=body, timeout=60) as r:
+        next(line for line in r.iter_lines() if line)  # the first block arrived: the row is decoding
+    for _ in range(300):
+        s = stats(server)
+        if s["active_rows"] == 0:
+            break
+        time.sleep(0.02)
+    assert s["active_rows"] == 0 and s["dropped"] - before["dropped"] == 1, s
+    assert s["turns"] - before["turns"] < 128, (before, s)
+
+
+def test_a_bad_registry_uri_is_one_line_and_exit_2(registered):
+    from dllmflow.errors import UserError
+    from dllmflow.tracking.serve_model import resolve_registered
+
+    uri, _, _, tmp = registered
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")}
+    cmd = [sys.executable, "-m", "dllmflow.cli", "serve", "--model", f"models:/{NAME}@nope", "--port", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "alias 'nope'" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    with pytest.raises(UserError, match="no version 3 of model 'nothing'"):
+        resolve_registered("models:/nothing/3", uri, str(tmp / "cache"))
+
+
+def test_a_version_that_is_not_a_dllmflow_model_is_refused(registered):
+    import mlflow
+    from mlflow import MlflowClient
+
+    from dllmflow.errors import UserError
+    from dllmflow.tracking.serve_model import resolve_registered
+
+    uri, _, _, tmp = registered
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as run:
+        mlflow.log_text("not a model", "other/readme.txt")
+    client = MlflowClient(uri)
+    client.create_registered_model("other")
+    client.create_model_version("other", f"runs:/{run.info.run_id}/other", run.info.run_id)
+    with pytest.raises(UserError, match="not a dllmflow model"):
+        resolve_registered("models:/other/1", uri, str(tmp / "cache"))
+    with pytest.raises(UserError, match="not a registry URI"):
+        resolve_registered("models:/other", uri)
+    assert Path(tmp / "cache").is_dir()
