@@ -1,6 +1,8 @@
-"""Short-request latency of `dllmflow serve` while a long request runs, vs with the server otherwise idle.
+"""Short-request latency of `dllmflow serve` while a long request runs, vs with the server otherwise idle;
+and (dLLM section) concurrent vs one-at-a-time serving of the demo dLLM.
 
     OMP_NUM_THREADS=1 python bench/serve_latency.py [--short 12] [--short-tokens 16] [--long-tokens 1500]
+    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm [--train-steps 300] [--clients 16]
 
 Scheduling gives every active batch `--chunk-tokens` new tokens per turn, so a short request arriving
 while a long one generates waits a few turns, not for the long one to end. Printed: the p50 latency of
@@ -8,12 +10,22 @@ short requests sent at a steady pace to an idle server, then while one long requ
 ratio; then the same with `--chunk-tokens` as large as the long request (one turn per request: the old
 run-to-completion behaviour) for comparison. Tiny random Llama whose stop token can never win, so the long request runs
 all its tokens. It does not assert.
+
+dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process), serves
+its run dir, and sends `--clients` streamed completions ("What is a + b?", the demo's 8 new tokens in 2
+blocks of 4, the recorded sampler otherwise) first one at a time, then all at once. Also printed: the
+batches the server formed, and one block's decode time in-process at batch 1 and at batch `--clients`
+(on a CPU a batched forward costs about as many times more as it has rows, which bounds what batching
+can give there; on an accelerator a batch of 16 costs little more than one row). Printed, measured in this one run: total throughput concurrent / sequential (goal
+>= 4x), p50 time to the first streamed block concurrent / a lone request's (goal <= 1.5x), and the
+concurrent max latency / median (goal <= 3x: no request starved).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
@@ -74,8 +86,131 @@ async def measure(url: str, args) -> dict[str, float]:
     }
 
 
+# ---- dLLM section ---------------------------------------------------------------------------------
+
+
+def train_demo(root: Path, steps: int) -> Path:
+    """The demo dLLM (params/tiny_addition.yaml) trained `steps` steps in this process -> its run dir."""
+    from dllmflow.data.prepare import prepare
+    from dllmflow.settings import load_settings
+    from dllmflow.training.trainer import run_training
+
+    recipe = Path(__file__).resolve().parents[1] / "params" / "tiny_addition.yaml"
+    settings = load_settings(
+        recipe, dataset={"prepared_dir": str(root / "prepared")}, train={"max_steps": steps},
+        checkpoint={"every_steps": steps}, run_dir=str(root / "run"),
+    )  # fmt: skip
+    prepare(settings)
+    run_training(settings, root / "run")
+    return root / "run"
+
+
+async def streamed(client: httpx.AsyncClient, url: str, body: dict) -> dict[str, float]:
+    """One streamed completion: seconds to its first block with text and to its end; tokens."""
+    t0 = time.perf_counter()
+    first, usage = None, None
+    async with client.stream("POST", f"{url}/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if first is None and event["choices"] and event["choices"][0]["text"]:
+                first = time.perf_counter() - t0
+            usage = event.get("usage") or usage
+    end = time.perf_counter() - t0
+    return {
+        "first_s": first if first is not None else end,
+        "total_s": end,
+        "tokens": usage["completion_tokens"],
+    }
+
+
+def dllm_bodies(clients: int) -> list[dict]:
+    bodies = []
+    for i in range(clients):
+        a, b = 10 + 7 * i % 89, 11 + 13 * i % 87
+        bodies.append({"model": "demo", "prompt": f"What is {a} + {b}?", "max_tokens": 8,
+                       "stream_options": {"include_usage": True}, "dllmflow": {"block_size": 4}})  # fmt: skip
+    return bodies
+
+
+async def dllm_measure(url: str, clients: int) -> dict[str, float]:
+    bodies = dllm_bodies(clients)
+    async with httpx.AsyncClient(timeout=600) as client:
+        await streamed(client, url, bodies[0])  # warm-up
+        t0 = time.perf_counter()
+        alone = [await streamed(client, url, b) for b in bodies]
+        sequential_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        together = await asyncio.gather(*[streamed(client, url, b) for b in bodies])
+        concurrent_s = time.perf_counter() - t0
+        served = (await client.get(f"{url.removesuffix('/v1')}/stats")).json()
+    tokens = sum(r["tokens"] for r in together)
+    latencies = [r["total_s"] for r in together]
+    return {
+        "tokens": tokens,
+        "sequential_s": sequential_s,
+        "concurrent_s": concurrent_s,
+        "throughput_x": (tokens / concurrent_s) / (sum(r["tokens"] for r in alone) / sequential_s),
+        "first_alone_p50_s": statistics.median(r["first_s"] for r in alone),
+        "first_together_p50_s": statistics.median(r["first_s"] for r in together),
+        "max_over_median": max(latencies) / statistics.median(latencies),
+        "batches": served["batches"],
+        "max_batch": served["max_batch_size_seen"],
+    }
+
+
+def block_cost(run: Path, clients: int) -> tuple[float, float]:
+    """Seconds of one first block (llada, the bench's settings) in-process at batch 1 and `clients`."""
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.inference.dllm_engine import served_from_path
+    from dllmflow.inference.generate import encode_prompt, load_for_generation
+
+    served = served_from_path(run)
+    model, tok, _ = load_for_generation(served.checkpoint, device="cpu")
+    over = {"max_new_tokens": 8, "block_size": 4}
+    config = build_sampler_config(served.sampler, over, tok, defaults=served.sampler_settings)
+    sampler = SAMPLERS[served.sampler](model, tok, config, mask_id=model.config.mask_token_id)
+    prompt = encode_prompt(tok, "What is 47 + 38?")
+    out = []
+    for batch in (1, clients):
+        sampler.stepper([prompt] * batch).step()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(5):
+            sampler.stepper([prompt] * batch).step()
+        out.append((time.perf_counter() - t0) / 5)
+    return out[0], out[1]
+
+
+def dllm_section(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        run = train_demo(Path(tmp), args.train_steps)
+        trained_s = time.perf_counter() - t0
+        with local_server(run, served_model_name="demo", max_batch_size=args.clients) as url:
+            r = asyncio.run(dllm_measure(url, args.clients))
+        one, many = block_cost(run, args.clients)
+    first_x = r["first_together_p50_s"] / r["first_alone_p50_s"]
+    print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained in {trained_s:.0f} s), {args.clients} "
+          f"streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
+    print(
+        f"  one at a time {r['sequential_s']:.2f} s, all at once {r['concurrent_s']:.2f} s, {r['tokens']} tokens"
+    )
+    print(f"  throughput concurrent / sequential {r['throughput_x']:.2f}x (goal >= 4x)")
+    print(f"  p50 time to first block: concurrent {r['first_together_p50_s'] * 1e3:.0f} ms, lone "
+          f"{r['first_alone_p50_s'] * 1e3:.0f} ms, ratio {first_x:.2f}x (goal <= 1.5x)")  # fmt: skip
+    print(f"  concurrent max latency / median {r['max_over_median']:.2f}x (goal <= 3x: no starvation)")
+    print(f"  server: {r['batches']} batches in all, largest {r['max_batch']} rows; one block in-process: "
+          f"{one * 1e3:.1f} ms at batch 1, {many * 1e3:.1f} ms at batch {args.clients} ({many / one:.1f}x)")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sections", default="causal,dllm", help="comma list: causal, dllm")
+    p.add_argument("--train-steps", type=int, default=300, help="dllm: demo model training steps")
+    p.add_argument("--clients", type=int, default=16, help="dllm: concurrent clients")
     p.add_argument("--short", type=int, default=12, help="short requests per phase")
     p.add_argument("--short-tokens", type=int, default=16)
     p.add_argument("--every-s", type=float, default=0.3, help="one short request every this many seconds")
@@ -83,7 +218,14 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=64)
     args = p.parse_args()
+    sections = set(args.sections.split(","))
+    if "causal" in sections:
+        causal_section(args)
+    if "dllm" in sections:
+        dllm_section(args)
 
+
+def causal_section(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_chat_lm(Path(tmp) / "model", args.hidden_size, 4096, never_stop=True)
         results = {}

@@ -28,6 +28,7 @@ steps per token (llada2's steps are per block already).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -180,7 +181,7 @@ class DllmEngine:
         """A request's sampler and config from the recorded settings and its overrides (`sampler`,
         `steps`, `threshold`, `cache`, ...): the rules of `build_sampler_config` (the pyfunc's), refused
         as RequestError naming `dllmflow.<field>`."""
-        from dllmflow.diffusion.modes import SamplerMisfitError, check_sampler
+        from dllmflow.diffusion.modes import SamplerMisfitError
         from dllmflow.diffusion.samplers import SAMPLERS
         from dllmflow.diffusion.samplers.base import SamplerSettingError, build_sampler_config
 
@@ -189,8 +190,7 @@ class DllmEngine:
         try:
             if not isinstance(sampler, str):
                 raise SamplerMisfitError(f"'sampler' must be a sampler name, got {sampler!r}")
-            check_sampler(self.served.mode, sampler)
-            preset = build_sampler_config(sampler, None, self.tokenizer, defaults=self.recorded)
+            preset = self._preset(sampler)
         except (SamplerMisfitError, UserError) as e:
             raise RequestError(str(e), "dllmflow.sampler") from None
         if max_tokens is not None:
@@ -216,6 +216,15 @@ class DllmEngine:
         return DllmRequest(prompt_ids, config.max_new_tokens, temperature, 1.0, stream=stream, seed=config.seed,
                            sampler=sampler, config=config,
                            alone=sampled or not SAMPLERS[sampler].supports_batching)  # fmt: skip
+
+    @functools.cache  # noqa: B019 (one engine per server; a handful of samplers)
+    def _preset(self, sampler: str) -> Any:
+        """`sampler`'s config under the recorded settings; UserError if it does not decode this mode."""
+        from dllmflow.diffusion.modes import check_sampler
+        from dllmflow.diffusion.samplers.base import build_sampler_config
+
+        check_sampler(self.served.mode, sampler)
+        return build_sampler_config(sampler, None, self.tokenizer, defaults=self.recorded)
 
     # ---- decoding (the Scheduler's interface) ---------------------------------------------------
 

@@ -51,6 +51,13 @@ class DllmServer(ChatServer):
     """`ChatServer`'s routes for a dLLM engine, plus text completions; chat and text share one path."""
 
     engine: DllmEngine
+    preparing = 0  # requests being read and validated (not yet submitted)
+
+    async def wait_answer(self, req: DllmRequest) -> tuple[str, Any]:
+        """Wait for "done" or "error" of a submitted request (streamed "tokens" events are skipped)."""
+        while (event := await req.events.get())[0] == "tokens":
+            pass
+        return event
 
     async def models(self, request):
         from starlette.responses import JSONResponse
@@ -80,11 +87,15 @@ class DllmServer(ChatServer):
         from starlette.responses import StreamingResponse
 
         self.stats["requests"] += 1
+        self.preparing += 1  # the scheduler forms a batch once the requests sent together are in
         try:
             body, req = await self.accept_dllm(request, chat)
+            self.scheduler.submit(req)
         except RequestError as e:
             self.stats["rejected"] += 1
             return _error(e.status, str(e), param=e.param)
+        finally:
+            self.preparing -= 1
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         prefix = "chatcmpl" if chat else "cmpl"
         head = {"id": f"{prefix}-{self.stats['requests']}", "created": int(time.time()), "model": self.name}
@@ -148,7 +159,8 @@ class DllmServer(ChatServer):
 
         self._enter()
         try:
-            kind, res = await asyncio.wait_for(self.answer(req), deadline - asyncio.get_running_loop().time())
+            left = deadline - asyncio.get_running_loop().time()
+            kind, res = await asyncio.wait_for(self.wait_answer(req), left)
         except TimeoutError:
             self.stats["timed_out"] += 1
             return _error(504, self.timeout_message, "timeout")
@@ -179,7 +191,6 @@ class DllmServer(ChatServer):
         try:
             if chat:
                 yield chunk("", role=True)
-            self.scheduler.submit(req)
             while True:
                 try:
                     kind, payload = await asyncio.wait_for(req.events.get(), deadline - loop.time())
@@ -204,7 +215,8 @@ class DllmServer(ChatServer):
                     yield "data: [DONE]\n\n"
                     self.stats["completed"] += 1
                     return
-        finally:  # also on a client disconnect: the scheduler drops the row at its next turn
+        finally:  # also on a client disconnect (the request was submitted before the response started):
+            # the scheduler drops the row at its next turn
             req.cancelled = True
             self.stats["in_flight"] -= 1
 
@@ -228,6 +240,7 @@ def build_dllm_app(
     limits = RequestLimits(max_tokens_cap, max_body_bytes, max_messages)
     scheduler = Scheduler(engine, max_batch_size, 1)
     server = DllmServer(engine, served_model_name, scheduler, limits, request_timeout_s, api_key)
+    scheduler.incoming = lambda: server.preparing
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,11 +250,17 @@ class Scheduler:
         chunk_tokens: int = 8,
         *,
         batch_wait_s: float = 0.005,
+        incoming: Callable[[], int] | None = None,
+        settle_s: float = 0.05,
     ):
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.chunk_tokens = chunk_tokens
         self.batch_wait_s = batch_wait_s
+        # Requests the server is still reading and validating: a batch being formed waits for them (at
+        # most `settle_s`), so clients that send together share a batch. None: only the queue counts.
+        self.incoming = incoming or (lambda: 0)
+        self.settle_s = settle_s
         self.queue: asyncio.Queue[ChatRequest] = asyncio.Queue()
         self.active: collections.deque[Decode] = collections.deque()
         self.running: list[ChatRequest] = []  # rows of the batch taking its turn now
@@ -287,10 +294,13 @@ class Scheduler:
         pending = []
         if wait:
             pending.append(await self.queue.get())
+            settle = asyncio.get_running_loop().time() + self.settle_s
             # Requests a client sends together arrive a few ms apart: collect while more keep coming.
             while len(pending) < self.max_batch_size:
                 await asyncio.sleep(self.batch_wait_s)
-                if self.queue.empty():
+                if self.queue.empty() and not (
+                    self.incoming() and asyncio.get_running_loop().time() < settle
+                ):
                     break
                 while not self.queue.empty():
                     pending.append(self.queue.get_nowait())
