@@ -94,8 +94,8 @@ def served_from_path(path: str | os.PathLike) -> ServedModel:
 def _gating_eval(root: Path, ckpt: Path, sampler: str) -> dict[str, Any] | None:
     """The evaluation a run was gated with: `eval/<sampler>.json` in the nearest dir from the export
     up to `root` (a run dir, or the recipe dir above its flow runs)."""
-    root = root.resolve()
-    for parent in [ckpt.resolve(), *ckpt.resolve().parents]:
+    root, ckpt = root.absolute(), ckpt.absolute()  # not resolved: a linked export sits in its run
+    for parent in [ckpt, *ckpt.parents]:
         found = parent / EVAL_DIR / f"{sampler}.json"
         if found.is_file():
             return json.loads(found.read_text())

@@ -1,0 +1,118 @@
+"""`inference/dllm_engine.py` in-process: what a run/export dir serves (the gated evaluation's settings and
+sweep point), a request's sampler config (steps kept per token, overrides refused by field, batch keys),
+and the round-robin `Scheduler` driving the engine block by block: each answer is the sampler's own
+for that prompt decoded alone (`Sampler.generate`, the reference), however the batch was formed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from dllmflow.inference.dllm_engine import DllmEngine, ServedModel, is_dllm_checkpoint, served_from_path
+from dllmflow.inference.requests import RequestError
+from dllmflow.settings import load_settings
+
+TEXTS = ["Natalia sold 48 clips in April and half as many in May. #### 72", "What is 2 + 3? The answer is 5."]
+RECORDED = {"steps": 12, "max_new_tokens": 12, "block_size": 4}
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+    from dllmflow.models.build import build_model
+
+    out = tmp_path_factory.mktemp("dllm_engine") / "export"
+    tok = train_bpe_tokenizer(TEXTS * 5, 300, "<mask>", "<pad>", "<eos>")
+    settings = load_settings(
+        model={"tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}}
+    )
+    torch.manual_seed(0)
+    build_model(settings, tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    settings.write_json(out / "settings.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(export):
+    return DllmEngine(ServedModel(export, "llada", RECORDED, "mdlm"))
+
+
+def test_a_run_dir_serves_the_setting_it_was_gated_at(export, tmp_path):
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "consolidated").symlink_to(export, target_is_directory=True)
+    sweep = {"chosen": 1, "points": [{"setting": {"threshold": None}}, {"setting": {"threshold": 0.9}}]}
+    protocol = {"sampler": "llada", "sampler_settings": {**RECORDED, "threshold": 0.9}}
+    (run / "eval" / "llada.json").write_text(json.dumps({"protocol": protocol, "sweep": sweep}))
+    served = served_from_path(run)
+    assert served.sampler == "llada" and served.mode == "mdlm"
+    assert served.sampler_settings == {**RECORDED, "threshold": 0.9}
+    assert served.lineage["setting"] == {"threshold": 0.9}
+    assert served_from_path(export).sampler_settings == {}  # an export without a dllm block: the preset
+    assert is_dllm_checkpoint(run) and is_dllm_checkpoint(export)
+
+
+def test_a_plain_causal_lm_dir_is_not_a_dllm(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert not is_dllm_checkpoint(tmp_path)
+    assert not is_dllm_checkpoint(tmp_path / "missing")
+
+
+def test_request_configs(engine):
+    req = engine.request([5, 6], {}, None, stream=False, steps_cap=64)
+    assert (req.config.steps, req.config.max_new_tokens, req.config.block_size) == (12, 12, 4)
+    shorter = engine.request([5, 6], {}, 4, stream=False, steps_cap=64)
+    assert (shorter.config.steps, shorter.config.max_new_tokens) == (4, 4)  # 1 step per token, as recorded
+    kept = engine.request([5, 6], {"steps": 2}, 4, stream=False, steps_cap=64)
+    assert kept.config.steps == 2
+    other_seed = engine.request([7], {"seed": 3}, None, stream=False, steps_cap=64)
+    assert other_seed.batch_key() == req.batch_key()  # greedy: the seed draws nothing
+    sampled = engine.request([7], {"temperature": 0.5}, None, stream=False, steps_cap=64)
+    again = engine.request([7], {"temperature": 0.5}, None, stream=False, steps_cap=64)
+    assert sampled.batch_key() != again.batch_key()  # a shared generator would tie their draws
+    for over, param in [({"thresh": 1}, "dllmflow.thresh"), ({"threshold": 0}, "dllmflow.threshold"),
+                        ({"temperature": -1}, "temperature"), ({"sampler": "idlm"}, "dllmflow.sampler"),
+                        ({"steps": 65}, "dllmflow.steps")]:  # fmt: skip
+        with pytest.raises(RequestError) as e:
+            engine.request([5], over, None, stream=False, steps_cap=64)
+        assert e.value.param == param, (over, str(e.value))
+
+
+def test_scheduled_answers_are_each_prompt_decoded_alone(engine):
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.inference.engine import Scheduler
+
+    prompts = [
+        engine.encode([{"role": "user", "content": t}], {}) for t in ("Hi", TEXTS[0], "What is 2 + 3?")
+    ]
+    reqs = [engine.request(p, {}, None, stream=True, steps_cap=64) for p in prompts]
+    reqs.append(
+        engine.request(prompts[0], {"block_size": 6}, None, stream=True, steps_cap=64)
+    )  # another batch
+
+    async def serve() -> list[tuple[list, dict]]:
+        scheduler = Scheduler(engine, max_batch_size=8, chunk_tokens=1)
+        for r in reqs:
+            scheduler.submit(r)
+        worker = asyncio.create_task(scheduler.run())
+        out = []
+        for r in reqs:
+            events = []
+            while (event := await r.events.get())[0] == "tokens":
+                events.append(event[1])
+            out.append((events, event[1]))
+        worker.cancel()
+        assert scheduler.counters["batches"] == 2 and scheduler.counters["max_batch_size_seen"] == 3
+        return out
+
+    for req, (blocks, done) in zip(reqs, asyncio.run(serve())):
+        sampler = SAMPLERS["llada"](engine.model, engine.tokenizer, req.config)
+        alone = sampler.generate([req.prompt_ids])
+        assert done["text"] == engine.partial_text(alone.sequences[0])
+        assert done["completion_tokens"] == len(alone.sequences[0])
+        assert all(alone.sequences[0][: len(b)] == b for b in blocks)  # each streamed block is final
+        assert 1 <= done["dllmflow"]["nfe"] <= alone.nfe
