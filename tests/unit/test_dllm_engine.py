@@ -116,3 +116,28 @@ def test_scheduled_answers_are_each_prompt_decoded_alone(engine):
         assert done["completion_tokens"] == len(alone.sequences[0])
         assert all(alone.sequences[0][: len(b)] == b for b in blocks)  # each streamed block is final
         assert 1 <= done["dllmflow"]["nfe"] <= alone.nfe
+
+
+def test_a_short_request_finishes_while_a_long_one_takes_its_turns(engine):
+    from dllmflow.inference.engine import Scheduler
+
+    prompt = engine.encode([{"role": "user", "content": "Hi"}], {})
+    long = engine.request(prompt, {"block_size": 1}, 64, stream=True, steps_cap=64)  # 64 blocks: 64 turns
+    short = engine.request(prompt, {"block_size": 4}, 4, stream=False, steps_cap=64)
+
+    async def race() -> tuple[int, int]:
+        scheduler = Scheduler(engine, max_batch_size=8, chunk_tokens=1)
+        worker = asyncio.create_task(scheduler.run())
+        scheduler.submit(long)
+        assert (await long.events.get())[0] == "tokens"  # the long one is decoding
+        scheduler.submit(short)
+        assert (await short.events.get())[0] == "done"
+        blocks_done = len(long.tokens)
+        long.cancelled = True  # leaves its batch at the next turn
+        while scheduler.stats()["active_rows"]:
+            await asyncio.sleep(0.01)
+        worker.cancel()
+        return blocks_done, scheduler.counters["dropped"]
+
+    blocks_done, dropped = asyncio.run(race())
+    assert long.finish_reason is None and blocks_done < 16 and dropped == 1
