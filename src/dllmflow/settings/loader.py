@@ -31,6 +31,7 @@ from dllmflow.errors import UserError
 
 from .dllm import DFlashSection, DLLMConfig, MDLMConfig
 from .pipeline import EvalConfig, FlowConfig, RegenerateConfig, RegistryConfig
+from .rl import RLConfig, check_rl_mode
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
@@ -103,6 +104,7 @@ class Settings(BaseSettings):
     flow: FlowConfig = Field(default_factory=FlowConfig)
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     peft: PeftSection | None = Field(None, description="LoRA adapters; the section's presence enables them.")
+    rl: RLConfig | None = Field(None, description="GRPO stage (`dllmflow rl`); None = supervised training.")
 
     @classmethod
     def settings_customise_sources(
@@ -136,6 +138,7 @@ class Settings(BaseSettings):
                 "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
             )
         self.dataset.check_packing(self.dllm)
+        check_rl_mode(self.rl, self.dllm, self.launch.nnodes * self.launch.nproc_per_node)
         if self.eval.untrained_baseline and self.model.tiny is None:
             raise ValueError(
                 "eval.untrained_baseline: only for a tiny random model (model.tiny); a pretrained model's "

@@ -28,6 +28,9 @@ FINGERPRINT_IGNORED = frozenset(
         "train.compile",
         "train.compile_backend",
         "dataset.prepared_dir",
+        "rl.eval_every",  # the in-run held-out evaluation changes no training number
+        "rl.eval_limit",
+        "rl.max_reward_failures",
     }
 )
 
@@ -35,7 +38,9 @@ FINGERPRINT_IGNORED = frozenset(
 def settings_fingerprint(settings) -> dict[str, Any]:
     """{"sha256": ..., "fields": {"train.lr": 0.01, ...}}: what a resume must match (stored in the
     checkpoint's trainer_state.json; the fields let a mismatch name what changed)."""
-    dump = settings.model_dump(mode="json", include=set(FINGERPRINT_SECTIONS))
+    # `rl` (a GRPO run) only when present, so a supervised run's fingerprint is what it always was.
+    rl = {"rl"} if getattr(settings, "rl", None) is not None else set()
+    dump = settings.model_dump(mode="json", include=set(FINGERPRINT_SECTIONS) | rl)
     fields = {k: v for k, v in _flatten(dump).items() if k not in FINGERPRINT_IGNORED}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return {"sha256": digest, "fields": fields}
