@@ -24,7 +24,7 @@ does) and once more, frozen, as the KL reference. Per step (`train_step`):
 Logged per step (metrics.jsonl, console, live MLflow as `train/<key>`): loss, reward_mean, reward_std,
 kl (of the rollout policy to the reference, before this step's updates: 0 at step 1), clip_frac,
 ratio_mean, entropy (policy entropy at the positions the estimator masks), rollout_tok_s, nfe (forwards
-per group), grad_norm, lr; every `rl.eval_every` steps heldout_em (greedy, `rl.eval_limit` prompts of
+per group), advantage_abs_mean, advantage_group_mean_max (~0: groups are centred), grad_norm, lr; every `rl.eval_every` steps heldout_em (greedy, `rl.eval_limit` prompts of
 the eval split, the evaluation's answer parser).
 """
 
@@ -197,9 +197,12 @@ class GRPOTrainer(Trainer):
 
         # 4) advantages, 5) draws scored by old policy and reference (no grad)
         device = info.device
-        batches = []
+        batches, adv_stats = [], {"adv_abs": 0.0, "adv_n": 0.0, "adv_group_mean_max": 0.0}
         for pr, pos, g, b in zip(prompts, positions, groups, scored):
             adv = group_advantages(b.values, G, scale=rl.advantage_scale).to(device)  # [G]
+            adv_stats["adv_abs"] += float(adv.abs().sum())
+            adv_stats["adv_n"] += G
+            adv_stats["adv_group_mean_max"] = max(adv_stats["adv_group_mean_max"], abs(float(adv.mean())))
             gen = torch.Generator().manual_seed(draw_seed(s.train.seed, pos))
             prompt_ids = torch.tensor([pr.ids] * G, dtype=torch.long)  # [G, P]: one prompt, no padding
             draws = self.estimator.draw(prompt_ids, g.completion_ids, g.completion_mask, self.mask_id, gen)
@@ -217,7 +220,8 @@ class GRPOTrainer(Trainer):
 
         # 6) mu policy updates over the same rollouts
         total_tokens = max(rollout["tokens"], 1.0)
-        sums = {"loss": 0.0, "kl0": 0.0, "clipped": 0.0, "ratio": 0.0, "h_sum": h_sum, "h_n": h_n}
+        sums = {"loss": 0.0, "kl0": 0.0, "clipped": 0.0, "ratio": 0.0, "h_sum": h_sum, "h_n": h_n,
+                "adv_abs": adv_stats["adv_abs"], "adv_n": adv_stats["adv_n"]}  # fmt: skip
         for it in range(rl.num_iterations):
             it_loss = 0.0
             for j, (draws, adv, ref, old, mask) in enumerate(batches):
@@ -241,6 +245,9 @@ class GRPOTrainer(Trainer):
             clip_frac=g["clipped"] / total_tokens,
             ratio_mean=g["ratio"] / total_tokens,
             entropy=g["h_sum"] / max(g["h_n"], 1.0),
+            advantage_abs_mean=g["adv_abs"] / max(g["adv_n"], 1.0),
+            # group normalisation: every group's advantages average to 0 (max over groups; this rank's)
+            advantage_group_mean_max=adv_stats["adv_group_mean_max"],
         )
         self.scheduler.step()
         if rl.eval_every and (step + 1) % rl.eval_every == 0:

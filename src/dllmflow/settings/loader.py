@@ -146,7 +146,7 @@ class Settings(BaseSettings):
             )
         gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         world = self.launch.nnodes * self.launch.nproc_per_node
-        if gbs % (lbs * world):
+        if gbs % (lbs * world) and self.rl is None:  # GRPO's batch is rl.prompts_per_step x G
             raise ValueError(
                 f"train.global_batch_size ({gbs}) must be a multiple of local_batch_size x world size ({lbs} x {world})"
             )
