@@ -31,7 +31,7 @@ __all__ = ["RL_ESTIMATORS", "RL_REWARDS", "EstimatorSettings", "RLConfig", "chec
 # The names `dllmflow.rl.estimators.ESTIMATORS` and `dllmflow.rl.rewards.REWARDS` register (a unit test
 # keeps these equal to the registries, which live above settings and import torch).
 RL_ESTIMATORS: tuple[str, ...] = ("one_step", "mc_elbo", "coupled")
-RL_REWARDS: tuple[str, ...] = ("exact_match", "format")
+RL_REWARDS: tuple[str, ...] = ("exact_match", "exact_match_strict", "format")
 _USER_REWARD = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
