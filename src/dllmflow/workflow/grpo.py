@@ -114,6 +114,29 @@ def check_rl_settings(settings: Settings, *, import_user: bool = True) -> None:
     build_rewards(rl.rewards, rl.reward_weights, import_user=import_user)
 
 
+# ---- the flow's start ------------------------------------------------------------------------------------
+
+
+def start(
+    config: dict[str, Any], *, init_from: str = "", max_steps: int = 0, eval_limit: int = 0, pathspec: str | None = None
+) -> tuple[Settings, dict[str, str], str | None]:
+    """The flow's start: the Config with the run-time Parameters, started from `init_from` (else
+    `rl.init_from`), checked in full (sampler, estimator, rewards); the MLflow run opened with the
+    parent's lineage. -> (settings, parent, MLflow run id or None)."""
+    from dllmflow.tracking import mlflow_run
+    from dllmflow.workflow import finetune
+
+    s, parent = starting_settings(
+        finetune.resolve_flow_settings(config, max_steps=max_steps, eval_limit=eval_limit), init_from or None
+    )
+    check_rl_settings(s)
+    run_id = None
+    if s.registry.live_tracking:
+        lineage = {"metaflow_run": pathspec, "git_sha": mlflow_run.git_sha(), "stage": "grpo", **parent}
+        run_id = mlflow_run.open_run(s, lineage=lineage)
+    return s, parent, run_id
+
+
 # ---- train -----------------------------------------------------------------------------------------------
 
 
