@@ -1,0 +1,196 @@
+"""Sequence log-likelihood estimators for absorbing-mask dLLMs (`mdlm`, `scdd`), docs/strategies.md §8.1.
+
+A masked diffusion model has no tractable log p(completion | prompt); GRPO needs one per token for its
+policy ratio. Each estimator splits the work in two so that the policy, the old policy and the frozen
+reference are scored on the SAME noise (otherwise their ratio measures the noise, not the policy):
+
+    est = build_estimator("coupled")                    # or "one_step" (prompt_mask_prob=0.15), "mc_elbo" (num_masks=2)
+    draws = est.draw(prompt_ids, completion_ids, completion_mask, mask_id, generator)   # noise, no model
+    logp = est.token_logp(model, draws)                 # [B, C]; logp.sum(-1) is the sequence estimate
+    ref = est.token_logp(ref_model, draws)              # same draws -> a meaningful ratio / KL
+
+  one_step  d1 / diffu-GRPO: the whole completion masked, each prompt token masked w.p. prompt_mask_prob,
+            one forward; log p of each completion token (biased, cheap).
+  mc_elbo   num_masks draws of t ~ U(eps, 1), each completion token masked w.p. t, weight 1/t on the
+            masked tokens' log p, averaged: an unbiased estimate of the MDLM ELBO (§2.1).
+  coupled   DiffuCoder's coupled sampling: num_pairs pairs (mask M at level t, its complement at 1-t),
+            weights 1/(2t) and 1/(2(1-t)): every completion token scored exactly once per pair, unbiased
+            for the same ELBO with lower variance than mc_elbo at the same number of forwards.
+
+Draws never touch the global RNG: only the `generator` given (the caller seeds it per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from dllmflow.errors import UserError
+from dllmflow.models.attention import NATIVELY_BIDIRECTIONAL, bidirectional_mask, mask_dtype, model_logits
+from dllmflow.models.wrappers import unwrap
+
+
+@dataclass
+class Draws:
+    """The noise of one estimate: K noisy copies of each row and the weight of each scored token."""
+
+    noisy_ids: Tensor  # [K, B, P+C] what the model reads (prompt ++ completion, [MASK] where noised)
+    attention_mask: Tensor  # [B, P+C] 1 = a real token (prompt_mask ++ completion_mask)
+    targets: Tensor  # [B, C] the clean completion ids
+    weights: Tensor  # [K, B, C] float32: weight of log p(target) read from copy k (0 = not scored)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.noisy_ids.shape[-1] - self.targets.shape[-1]
+
+
+class Estimator:
+    """Base: `draw` makes the noise (model-free, deterministic given the generator), `token_logp` scores it."""
+
+    name: ClassVar[str]
+
+    def draw(
+        self,
+        prompt_ids: Tensor,  # [B, P]
+        completion_ids: Tensor,  # [B, C]
+        completion_mask: Tensor,  # [B, C] 1 = a completion token, 0 = right padding
+        mask_id: int,
+        generator: torch.Generator,
+        prompt_mask: Tensor | None = None,  # [B, P] 1 = a prompt token, 0 = left padding; None = no padding
+    ) -> Draws:
+        comp = completion_mask.to(torch.bool)  # [B, C]
+        pmask = torch.ones_like(prompt_ids, dtype=torch.bool) if prompt_mask is None else prompt_mask.bool()
+        noisy_prompt, noisy_comp, weights = self._noise(
+            prompt_ids, completion_ids, comp, pmask, mask_id, generator
+        )
+        return Draws(
+            noisy_ids=torch.cat([noisy_prompt, noisy_comp], dim=-1),  # [K, B, P+C]
+            attention_mask=torch.cat([pmask, comp], dim=-1).long(),  # [B, P+C]
+            targets=completion_ids,
+            weights=weights * comp.to(torch.float32),  # padding is never scored
+        )
+
+    def _noise(
+        self,
+        prompt: Tensor,
+        completion: Tensor,
+        comp: Tensor,
+        pmask: Tensor,
+        mask_id: int,
+        gen: torch.Generator,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (noisy prompt [K, B, P], noisy completion [K, B, C], weights [K, B, C])."""
+        raise NotImplementedError
+
+    def token_logp(self, model: nn.Module, draws: Draws) -> Tensor:
+        """Σ_k weights[k] · log p_θ(target | noisy copy k) per completion token: [B, C], differentiable.
+
+        The K copies run as one batch of K·B rows, bidirectionally, padding keys hidden and positions
+        counted from each row's first real token (so a left-padded prompt reads as it would alone)."""
+        K, B, T = draws.noisy_ids.shape
+        C = draws.targets.shape[-1]
+        ids = draws.noisy_ids.reshape(K * B, T)  # [K*B, T]
+        valid = draws.attention_mask.repeat(K, 1)  # [K*B, T]
+        logits = _forward(model, ids, valid)[:, T - C :]  # [K*B, C, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 whatever the model dtype
+        target = draws.targets.repeat(K, 1)  # [K*B, C]
+        picked = logp.gather(-1, target[..., None]).squeeze(-1).view(K, B, C)  # [K, B, C]
+        return (picked * draws.weights).sum(dim=0)  # [B, C]
+
+
+def _forward(model: nn.Module, ids: Tensor, valid: Tensor) -> Tensor:
+    """Logits [N, T, V] with bidirectional attention over the real tokens of each row."""
+    config = getattr(unwrap(model), "config", None)
+    if getattr(config, "model_type", None) in NATIVELY_BIDIRECTIONAL:
+        return model_logits(model, input_ids=ids)  # remote code takes no 4D mask (models/attention.py)
+    mask = bidirectional_mask(valid, mask_dtype(model, ids.device))  # [N, 1, T, T]
+    position_ids = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [N, T]
+    return model_logits(model, input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+
+
+def _masked(ids: Tensor, where: Tensor, mask_id: int) -> Tensor:
+    return torch.where(where, torch.full_like(ids, mask_id), ids)
+
+
+class OneStep(Estimator):
+    """d1's one-step estimate: completion fully masked, prompt tokens masked w.p. `prompt_mask_prob`."""
+
+    name = "one_step"
+
+    def __init__(self, prompt_mask_prob: float = 0.15):
+        if not 0.0 <= prompt_mask_prob < 1.0:
+            raise UserError(f"rl.estimator.prompt_mask_prob must be in [0, 1), got {prompt_mask_prob}")
+        self.prompt_mask_prob = float(prompt_mask_prob)
+
+    def _noise(self, prompt, completion, comp, pmask, mask_id, gen):
+        u = torch.rand(prompt.shape, device=prompt.device, generator=gen)  # [B, P]
+        noisy_prompt = _masked(prompt, (u < self.prompt_mask_prob) & pmask, mask_id)
+        noisy_comp = _masked(completion, comp, mask_id)
+        return (
+            noisy_prompt[None],
+            noisy_comp[None],
+            torch.ones(1, *completion.shape, device=completion.device),
+        )
+
+
+class MCElbo(Estimator):
+    """Monte-Carlo MDLM ELBO: per draw t ~ U(eps, 1), mask w.p. t, weight 1/t, averaged over `num_masks`."""
+
+    name = "mc_elbo"
+
+    def __init__(self, num_masks: int = 2, eps: float = 1e-3):
+        if num_masks < 1:
+            raise UserError(f"rl.estimator.num_masks must be >= 1, got {num_masks}")
+        if not 0.0 < eps < 1.0:
+            raise UserError(f"rl.estimator.eps must be in (0, 1), got {eps}")
+        self.num_masks, self.eps = int(num_masks), float(eps)
+
+    def _noise(self, prompt, completion, comp, pmask, mask_id, gen):
+        K, (B, C), dev = self.num_masks, completion.shape, completion.device
+        # 1) one level per copy and row, 2) one uniform per token: masked where u < t
+        t = self.eps + (1.0 - self.eps) * torch.rand(K, B, 1, device=dev, generator=gen)  # [K, B, 1]
+        masked = torch.rand(K, B, C, device=dev, generator=gen) < t  # [K, B, C]
+        noisy_comp = _masked(completion.expand(K, B, C), masked, mask_id)
+        weights = masked.to(torch.float32) / t / K  # [K, B, C]
+        return prompt.expand(K, *prompt.shape), noisy_comp, weights
+
+
+class Coupled(Estimator):
+    """DiffuCoder's coupled masks: each pair is a mask M at level t and its complement (level 1-t)."""
+
+    name = "coupled"
+
+    def __init__(self, num_pairs: int = 1, eps: float = 1e-3):
+        if num_pairs < 1:
+            raise UserError(f"rl.estimator.num_pairs must be >= 1, got {num_pairs}")
+        if not 0.0 < eps < 0.5:
+            raise UserError(f"rl.estimator.eps must be in (0, 0.5), got {eps}")
+        self.num_pairs, self.eps = int(num_pairs), float(eps)
+
+    def _noise(self, prompt, completion, comp, pmask, mask_id, gen):
+        N, (B, C), dev = self.num_pairs, completion.shape, completion.device
+        # t ~ U(eps, 1-eps) is symmetric, so 1-t has the law of t: each half alone is an unbiased ELBO
+        # estimate (weight 1/level on its masked tokens) and the pair averages the two.
+        t = self.eps + (1.0 - 2.0 * self.eps) * torch.rand(N, B, 1, device=dev, generator=gen)  # [N, B, 1]
+        m = torch.rand(N, B, C, device=dev, generator=gen) < t  # [N, B, C] mask M; its complement is ~m
+        masks = torch.cat([m, ~m], dim=0)  # [2N, B, C]
+        levels = torch.cat([t, 1.0 - t], dim=0)  # [2N, B, 1]
+        noisy_comp = _masked(completion.expand(2 * N, B, C), masks, mask_id)
+        weights = masks.to(torch.float32) / levels / (2 * N)  # [2N, B, C]
+        return prompt.expand(2 * N, *prompt.shape), noisy_comp, weights
+
+
+ESTIMATORS: dict[str, type[Estimator]] = {"one_step": OneStep, "mc_elbo": MCElbo, "coupled": Coupled}
+
+
+def build_estimator(name: str, **params: Any) -> Estimator:
+    """The estimator `name` with its parameters; an unknown name is a UserError listing the choices."""
+    if name not in ESTIMATORS:
+        raise UserError(f"rl.estimator: unknown estimator {name!r}; choose one of: {', '.join(ESTIMATORS)}")
+    try:
+        return ESTIMATORS[name](**params)
+    except TypeError as e:
+        raise UserError(f"rl.estimator: {name} does not take {sorted(params)} ({e})") from None
