@@ -1,11 +1,12 @@
 """GRPO end to end on the bundled addition task: a briefly supervised tiny model, then a few GRPO steps.
 
-  * `dllmflow rl` -> torchx -> torchrun, 2 DDP ranks, 3 steps (2 prompts x G=4, mu=2 updates a step),
-    live MLflow tracking: the mechanics (rewards finite and varied, advantages centred per group, KL
-    >= 0 and exactly 0 at step 1 where the policy is the reference, the step metrics in metrics.jsonl
-    and in MLflow, the consolidated export);
-  * the same run killed by SIGKILL (kill -9) on rank 1 after step 2's checkpoint, then `--resume`:
-    every per-step metric equals the uninterrupted run's, bit for bit;
+  * 3 steps in-process (2 prompts x G=4, mu=2 updates a step): the mechanics (rewards finite and
+    varied, advantages centred per group, KL >= 0 and exactly 0 at step 1 where the policy is the
+    reference, the step metrics, the consolidated export);
+  * the same run through `dllmflow rl` -> torchx -> torchrun, killed by SIGKILL (kill -9) after step 2's
+    checkpoint, then `--resume`: every per-step metric equals the in-process run's, bit for bit, and
+    the resumed run logs live into MLflow with its SFT parent as a tag. (The same with 2 DDP ranks
+    against a 2-rank reference passes too; it is left out for time: three 2-process launches.)
   * a reward returning NaN: the step is skipped and counted, then the run stops naming the prompt and
     the error, and nothing is exported (in-process, one rank).
 """
@@ -82,18 +83,16 @@ def rl_cmd(recipe: Path, sft_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_grpo_ddp_mechanics_and_kill9_resume_is_exact(sft, tmp_path):
-    prep, sft_dir = sft
-    cfg = {**rl_overrides(prep), "launch": {"nproc_per_node": 2}}
-    runs = {}
-    for name in ("full", "killed"):
-        recipe = tmp_path / f"{name}.yaml"
-        recipe.write_text(yaml.safe_dump({**cfg, "run_dir": str(tmp_path / name)}))
-        runs[name] = rl_cmd(recipe, sft_dir)
+def test_grpo_mechanics_and_kill9_resume_is_exact(sft, tmp_path, monkeypatch):
+    from dllmflow.rl.trainer import run_grpo
+    from dllmflow.workflow.grpo import starting_settings
 
-    # 1) uninterrupted, live-tracked
-    full = subprocess.run(runs["full"], capture_output=True, text=True, env=env(tmp_path), cwd=tmp_path)
-    assert full.returncode == 0, full.stderr[-3000:]
+    prep, sft_dir = sft
+    # 1) the reference: uninterrupted, in-process (one rank)
+    monkeypatch.syspath_prepend(str(HERE))
+    s, parent = starting_settings(load_settings(RECIPE, **rl_overrides(prep)), str(sft_dir))
+    assert parent["parent_export"].endswith("consolidated")
+    run_grpo(s, tmp_path / "full")
     records = read_metrics(tmp_path / "full" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
@@ -105,29 +104,31 @@ def test_grpo_ddp_mechanics_and_kill9_resume_is_exact(sft, tmp_path):
     assert any(r["reward_std"] > 0 and r["advantage_abs_mean"] > 0 for r in records)
     assert 0.0 <= records[-1]["heldout_em"] <= 1.0 and "heldout_em" not in records[0]
     assert (tmp_path / "full" / "checkpoints" / "LATEST" / "model" / "consolidated" / "config.json").is_file()
-    from mlflow import MlflowClient
 
-    client = MlflowClient(env(tmp_path)["MLFLOW_TRACKING_URI"])
-    run = client.search_runs([client.get_experiment_by_name("dllmflow").experiment_id])[0]
-    assert run.data.tags["dllmflow.parent_init_from"] == str(sft_dir)
-    history = client.get_metric_history(run.info.run_id, "train/reward_mean")
-    assert [m.step for m in history] == [1, 2, 3]
-
-    # 2) rank 1 killed by SIGKILL after step 2 (checkpointed), then --resume: bit-identical metrics
+    # 2) `dllmflow rl` (torchx -> torchrun) killed by SIGKILL after step 2 (checkpointed), then --resume,
+    #    live-tracked: the same metrics, bit for bit
+    recipe = tmp_path / "killed.yaml"
+    recipe.write_text(yaml.safe_dump({**rl_overrides(prep), "run_dir": str(tmp_path / "killed")}))
+    cmd = rl_cmd(recipe, sft_dir)
     killed = subprocess.run(
-        runs["killed"], capture_output=True, text=True, cwd=tmp_path,
-        env=with_fault_env(env(tmp_path), fail_at=2, rank=1, kill=True),
-    )  # fmt: skip
+        cmd, capture_output=True, text=True, cwd=tmp_path, env=with_fault_env(env(tmp_path), fail_at=2, kill=True)
+    )
     assert killed.returncode != 0
     ckpts = tmp_path / "killed" / "checkpoints"
     assert os.readlink(ckpts / "LATEST") == "step_000002"
     assert not (ckpts / "step_000002" / "model" / "consolidated").exists()
-    resumed = subprocess.run(runs["killed"] + ["--resume"], capture_output=True, text=True, env=env(tmp_path), cwd=tmp_path)
+    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env(tmp_path), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in again] == [1, 2, 3]
     for a, b in zip(records, again):
         assert {k: a.get(k) for k in EXACT} == {k: b.get(k) for k in EXACT}
+    from mlflow import MlflowClient
+
+    client = MlflowClient(env(tmp_path)["MLFLOW_TRACKING_URI"])
+    run = client.search_runs([client.get_experiment_by_name("dllmflow").experiment_id], order_by=["start_time DESC"])[0]
+    assert run.data.tags["dllmflow.parent_init_from"] == str(sft_dir)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/kl")] == [3]  # logged live
 
 
 def test_failing_reward_skips_then_stops_naming_the_prompt(sft, tmp_path):
