@@ -21,10 +21,16 @@ from dllmflow.workflow.deploy import deployment, run_tags
 @project(name=config_expr("recipe.flow.project"))
 class GRPOFlow(FlowSpec):
     recipe = Config(
-        "recipe", default="params/tiny_addition_grpo.yaml", parser="dllmflow.workflow.finetune.parse_params_config"
+        "recipe",
+        default="params/tiny_addition_grpo.yaml",
+        parser="dllmflow.workflow.finetune.parse_params_config",
     )
-    init_from = Parameter("init-from", default="", help="Starting model (run dir, export, models:/...); '' = rl.init_from.")
-    max_steps = Parameter("max-steps", type=int, default=0, help="Override train.max_steps (0 = from params).")
+    init_from = Parameter(
+        "init-from", default="", help="Starting model (run dir, export, models:/...); '' = rl.init_from."
+    )
+    max_steps = Parameter(
+        "max-steps", type=int, default=0, help="Override train.max_steps (0 = from params)."
+    )
     eval_limit = Parameter("eval-limit", type=int, default=0, help="Override eval.limit (0 = from params).")
 
     @step
@@ -47,7 +53,9 @@ class GRPOFlow(FlowSpec):
 
         self.samplers = finetune.eval_samplers(self.settings)
         # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint.
-        self.training = grpo.train(self.settings, self.run_dir, parent=self.parent, mlflow_run_id=self.mlflow_run_id)
+        self.training = grpo.train(
+            self.settings, self.run_dir, parent=self.parent, mlflow_run_id=self.mlflow_run_id
+        )
         self.next(self.evaluate, foreach="samplers")
 
     @step
@@ -81,7 +89,9 @@ class GRPOFlow(FlowSpec):
             current.card["report"], self.settings, self.training["run_dir"], self.evals, self.training,
             self.registration,
         )  # fmt: skip
-        print(finetune.next_steps_message(self.settings, self.registration, current.pathspec, evals=self.evals))
+        print(
+            finetune.next_steps_message(self.settings, self.registration, current.pathspec, evals=self.evals)
+        )
 
 
 if __name__ == "__main__":

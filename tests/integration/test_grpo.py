@@ -1,14 +1,14 @@
 """GRPO end to end on the bundled addition task: a briefly supervised tiny model, then a few GRPO steps.
 
-  * 3 steps in-process (2 prompts x G=4, mu=2 updates a step): the mechanics (rewards finite and
-    varied, advantages centred per group, KL >= 0 and exactly 0 at step 1 where the policy is the
-    reference, the step metrics, the consolidated export);
-  * the same run through `dllmflow rl` -> torchx -> torchrun, killed by SIGKILL (kill -9) after step 2's
-    checkpoint, then `--resume`: every per-step metric equals the in-process run's, bit for bit, and
-    the resumed run logs live into MLflow with its SFT parent as a tag. (The same with 2 DDP ranks
-    against a 2-rank reference passes too; it is left out for time: three 2-process launches.)
-  * a reward returning NaN: the step is skipped and counted, then the run stops naming the prompt and
-    the error, and nothing is exported (in-process, one rank).
+* 3 steps in-process (2 prompts x G=4, mu=2 updates a step): the mechanics (rewards finite and
+  varied, advantages centred per group, KL >= 0 and exactly 0 at step 1 where the policy is the
+  reference, the step metrics, the consolidated export);
+* the same run through `dllmflow rl` -> torchx -> torchrun, killed by SIGKILL (kill -9) after step 2's
+  checkpoint, then `--resume`: every per-step metric equals the in-process run's, bit for bit, and
+  the resumed run logs live into MLflow with its SFT parent as a tag. (The same with 2 DDP ranks
+  against a 2-rank reference passes too; it is left out for time: three 2-process launches.)
+* a reward returning NaN: the step is skipped and counted, then the run stops naming the prompt and
+  the error, and nothing is exported (in-process, one rank).
 """
 
 from __future__ import annotations
@@ -63,8 +63,12 @@ def sft(tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("grpo")
     data = {"dataset": {"limit": 256, "prepared_dir": str(tmp / "prep")}}
     prepare(load_settings(SFT_RECIPE, **data))
-    s = load_settings(SFT_RECIPE, **data, train={"max_steps": 30, "log_every": 10, "global_batch_size": 32, "local_batch_size": 32},
-                       checkpoint={"every_steps": 30})
+    s = load_settings(
+        SFT_RECIPE,
+        **data,
+        train={"max_steps": 30, "log_every": 10, "global_batch_size": 32, "local_batch_size": 32},
+        checkpoint={"every_steps": 30},
+    )
     run_training(s, tmp / "sft")
     return tmp / "prep", tmp / "sft"
 
@@ -111,13 +115,19 @@ def test_grpo_mechanics_and_kill9_resume_is_exact(sft, tmp_path, monkeypatch):
     recipe.write_text(yaml.safe_dump({**rl_overrides(prep), "run_dir": str(tmp_path / "killed")}))
     cmd = rl_cmd(recipe, sft_dir)
     killed = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=tmp_path, env=with_fault_env(env(tmp_path), fail_at=2, kill=True)
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=with_fault_env(env(tmp_path), fail_at=2, kill=True),
     )
     assert killed.returncode != 0
     ckpts = tmp_path / "killed" / "checkpoints"
     assert os.readlink(ckpts / "LATEST") == "step_000002"
     assert not (ckpts / "step_000002" / "model" / "consolidated").exists()
-    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env(tmp_path), cwd=tmp_path)
+    resumed = subprocess.run(
+        cmd + ["--resume"], capture_output=True, text=True, env=env(tmp_path), cwd=tmp_path
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in again] == [1, 2, 3]
@@ -126,7 +136,9 @@ def test_grpo_mechanics_and_kill9_resume_is_exact(sft, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     client = MlflowClient(env(tmp_path)["MLFLOW_TRACKING_URI"])
-    run = client.search_runs([client.get_experiment_by_name("dllmflow").experiment_id], order_by=["start_time DESC"])[0]
+    run = client.search_runs(
+        [client.get_experiment_by_name("dllmflow").experiment_id], order_by=["start_time DESC"]
+    )[0]
     assert run.data.tags["dllmflow.parent_init_from"] == str(sft_dir)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/kl")] == [3]  # logged live
 

@@ -64,9 +64,13 @@ def test_the_absorbing_mask_modes_take_rl():
 
 
 def test_prompts_split_evenly_over_ranks():
-    with pytest.raises(SettingsError, match=r"rl.prompts_per_step \(3\) must be a multiple of the world size \(2\)"):
+    with pytest.raises(
+        SettingsError, match=r"rl.prompts_per_step \(3\) must be a multiple of the world size \(2\)"
+    ):
         load_settings(GRPO, rl={"prompts_per_step": 3}, launch={"nproc_per_node": 2})
-    assert load_settings(GRPO, rl={"prompts_per_step": 4}, launch={"nproc_per_node": 2}).rl.prompts_per_step == 4
+    assert (
+        load_settings(GRPO, rl={"prompts_per_step": 4}, launch={"nproc_per_node": 2}).rl.prompts_per_step == 4
+    )
 
 
 def test_a_recorded_user_reward_is_not_imported(tmp_path):
@@ -96,5 +100,7 @@ def test_the_rollout_sampler_must_fit_the_mode_and_take_the_options():
     with pytest.raises(UserError, match=r"rl.sampler .*does not take no_such_knob"):
         check_rl_settings(load_settings(GRPO, rl={"sampler_overrides": {"no_such_knob": 1}}))
     with pytest.raises(UserError, match="rl.estimator"):
-        check_rl_settings(load_settings(GRPO, rl={"estimator": {"name": "one_step", "params": {"num_masks": 2}}}))
+        check_rl_settings(
+            load_settings(GRPO, rl={"estimator": {"name": "one_step", "params": {"num_masks": 2}}})
+        )
     check_rl_settings(load_settings(GRPO, rl={"sampler": "llada2", "sampler_overrides": {"steps": 4}}))

@@ -67,11 +67,15 @@ def rollout_sampler_config(settings: Any, tokenizer: Any = None, *, greedy: bool
     return build_sampler_config(name, explicit, tokenizer, defaults=eval_defaults(settings.eval, name))
 
 
-def build_rollout_sampler(model: nn.Module, tokenizer: Any, settings: Any, mask_id: int, *, greedy: bool = False):
+def build_rollout_sampler(
+    model: nn.Module, tokenizer: Any, settings: Any, mask_id: int, *, greedy: bool = False
+):
     from dllmflow.diffusion.samplers import SAMPLERS
 
     config = rollout_sampler_config(settings, tokenizer, greedy=greedy)
-    return SAMPLERS[sampler_name(settings)](model, tokenizer, config, mask_id=mask_id, training_settings=settings)
+    return SAMPLERS[sampler_name(settings)](
+        model, tokenizer, config, mask_id=mask_id, training_settings=settings
+    )
 
 
 def decode_group(sampler: Any, prompt_ids: list[int], num: int, seed: int) -> Group:
@@ -112,7 +116,9 @@ def masked_entropy(model: nn.Module, draws: Any) -> tuple[float, float]:
     else:
         mask = bidirectional_mask(valid, mask_dtype(model, ids.device))  # [K*B, 1, T, T]
         positions = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [K*B, T]
-        logits = model_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        logits = model_logits(
+            model, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+        )
     logp = torch.log_softmax(logits[:, T - C :].float(), dim=-1)  # [K*B, C, V]
     entropy = -(logp.exp() * logp).sum(-1).view(K, B, C)  # [K, B, C]
     scored = draws.weights > 0  # [K, B, C]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +82,9 @@ class GRPOTrainer(Trainer):
 
     def __init__(self, settings, run_dir=None, *, import_user: bool = True, **kwargs: Any) -> None:
         if settings.rl is None:
-            raise UserError("GRPO needs an `rl:` section in the settings (see params/tiny_addition_grpo.yaml)")
+            raise UserError(
+                "GRPO needs an `rl:` section in the settings (see params/tiny_addition_grpo.yaml)"
+            )
         if settings.model.pretrained_model_name_or_path is None:
             raise UserError(
                 "rl.init_from: no starting model; run `dllmflow rl --init-from <run dir | export | models:/...>`"
@@ -306,7 +307,9 @@ class GRPOTrainer(Trainer):
         if not hasattr(self, "_heldout"):
             s = self.settings
             self._heldout = PromptSet(s.dataset.prepared_dir, "eval", self.tokenizer, limit=s.rl.eval_limit)
-            self._greedy = build_rollout_sampler(unwrap(self.model), self.tokenizer, s, self.mask_id, greedy=True)
+            self._greedy = build_rollout_sampler(
+                unwrap(self.model), self.tokenizer, s, self.mask_id, greedy=True
+            )
         info = self.info
         mine = [self._heldout[i] for i in range(info.rank, len(self._heldout), info.world_size)]
         self.model.eval()

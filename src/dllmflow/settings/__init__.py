@@ -25,9 +25,9 @@ from .loader import (
     parse_overrides,
     read_yaml,
 )
-from .rl import RL_ESTIMATORS, RL_REWARDS, EstimatorSettings, RLConfig
 from .pipeline import *  # noqa: F403 - eval, registry, flow, regenerate, listed in pipeline.__all__
 from .pipeline import __all__ as _PIPELINE
+from .rl import RL_ESTIMATORS, RL_REWARDS, EstimatorSettings, RLConfig
 from .sections import *  # noqa: F403 - the section models, listed in sections.__all__
 from .sections import __all__ as _SECTIONS
 

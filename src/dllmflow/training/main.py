@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None, *, run=None, prog: str = "python -m dllm
         settings = load_settings_json(args.settings, import_plugins=True)  # written by our launcher
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         run_dir = Path(args.settings).resolve().parent
-        result = (run or run_training)(settings, run_dir, resume=resume, overwrite=args.overwrite and not resume)
+        result = (run or run_training)(
+            settings, run_dir, resume=resume, overwrite=args.overwrite and not resume
+        )
         if rank == "0":
             print(f"training done: step {result.final_step}, checkpoint {result.checkpoint_dir}", flush=True)
         return 0

@@ -76,7 +76,9 @@ def _registered_export(uri: str, settings: Settings) -> tuple[Path, dict[str, st
     }
 
 
-def starting_settings(settings: SettingsLike, init_from: str | None = None) -> tuple[Settings, dict[str, str]]:
+def starting_settings(
+    settings: SettingsLike, init_from: str | None = None
+) -> tuple[Settings, dict[str, str]]:
     """`settings` starting from `init_from` (else `rl.init_from`): the model is that export, its
     lineage returned. UserError naming rl.init_from when it is missing or of another mode."""
     s = Settings.coerce(settings)
@@ -84,7 +86,9 @@ def starting_settings(settings: SettingsLike, init_from: str | None = None) -> t
         raise UserError("the recipe has no `rl:` section; add one (see params/tiny_addition_grpo.yaml)")
     init = init_from or s.rl.init_from
     if not init:
-        raise UserError("rl.init_from: no starting model; pass --init-from <run dir | export | models:/name@alias>")
+        raise UserError(
+            "rl.init_from: no starting model; pass --init-from <run dir | export | models:/name@alias>"
+        )
     export, parent = resolve_init_from(init, s)
     trained = runs.recorded_settings(export)
     if trained is not None and trained.dllm.mode != s.dllm.mode:
@@ -118,7 +122,12 @@ def check_rl_settings(settings: Settings, *, import_user: bool = True) -> None:
 
 
 def start(
-    config: dict[str, Any], *, init_from: str = "", max_steps: int = 0, eval_limit: int = 0, pathspec: str | None = None
+    config: dict[str, Any],
+    *,
+    init_from: str = "",
+    max_steps: int = 0,
+    eval_limit: int = 0,
+    pathspec: str | None = None,
 ) -> tuple[Settings, dict[str, str], str | None]:
     """The flow's start: the Config with the run-time Parameters, started from `init_from` (else
     `rl.init_from`), checked in full (sampler, estimator, rewards); the MLflow run opened with the
@@ -159,7 +168,9 @@ def train(
     handle, log_dir = None, None
     if overwrite or not layout.is_finished(s.train.max_steps):
         resume = layout.latest_step() is not None and not overwrite if resume is None else resume
-        result = launch(s, resume=resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id, entry="dllmflow.rl.main")
+        result = launch(
+            s, resume=resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id, entry="dllmflow.rl.main"
+        )
         handle, log_dir = result.app_handle, result.log_dir
     return {
         "run_dir": str(s.resolved_run_dir),
@@ -173,7 +184,9 @@ def train(
 # ---- evaluate / register / card (the fine-tune flow's, plus the starting model) ----------------------------
 
 
-def evaluate(settings: SettingsLike, run_dir: str, sampler: str, *, mlflow_run_id: str | None = None) -> dict[str, Any]:
+def evaluate(
+    settings: SettingsLike, run_dir: str, sampler: str, *, mlflow_run_id: str | None = None
+) -> dict[str, Any]:
     """The fine-tune flow's evaluation of the GRPO export, with the starting model's exact match (same
     sampler, examples and setting) as its `baseline` ("EM before" in the table)."""
     from dllmflow.evaluation.accuracy import evaluate as evaluate_checkpoint
@@ -237,7 +250,10 @@ def fill_card(card, settings, run_dir, evals, training, registration) -> None:
     parent = training.get("parent", {})
     card.append(Markdown(f"## GRPO from `{parent.get('parent_init_from', s.rl.init_from)}`"))
     records = runs.read_metrics(runs.RunLayout(run_dir).metrics_jsonl)
-    for key, title in (("reward_mean", "Mean reward per step"), ("heldout_em", "Held-out exact match (greedy)")):
+    for key, title in (
+        ("reward_mean", "Mean reward per step"),
+        ("heldout_em", "Held-out exact match (greedy)"),
+    ):
         points = [{"step": r["step"], key: r[key]} for r in records if isinstance(r.get(key), (int, float))]
         if points:
             card.append(Markdown(f"### {title}"))
@@ -269,7 +285,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
     add_train_args(parser)
     add_flag(
-        parser, "--init-from", default=None, help="starting model: run dir, export dir or models:/<name>@<alias>"
+        parser,
+        "--init-from",
+        default=None,
+        help="starting model: run dir, export dir or models:/<name>@<alias>",
     )
 
 
@@ -284,10 +303,16 @@ def cli_main(args: argparse.Namespace) -> int:
     run_id = given
     if not given and settings.registry.live_tracking:
         try:
-            tags = {"dllmflow.mode": settings.dllm.mode, "dllmflow.source": "rl", **{f"dllmflow.{k}": v for k, v in parent.items()}}
+            tags = {
+                "dllmflow.mode": settings.dllm.mode,
+                "dllmflow.source": "rl",
+                **{f"dllmflow.{k}": v for k, v in parent.items()},
+            }
             run_id = create_run(settings, tags=tags)
         except Exception as e:  # training never waits for MLflow
-            print(f"warning: MLflow tracking unavailable ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+            print(
+                f"warning: MLflow tracking unavailable ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr
+            )
     status = "FAILED"
     try:
         result = train(
@@ -301,5 +326,8 @@ def cli_main(args: argparse.Namespace) -> int:
                 end_run(settings, run_id, status)
             except Exception as e:
                 print(f"warning: could not mark MLflow run {run_id} {status}: {e}", file=sys.stderr)
-    print(f"rl done: {result['run_dir']} (export {result['consolidated_dir']})" + (f", MLflow run {run_id}" if run_id else ""))
+    print(
+        f"rl done: {result['run_dir']} (export {result['consolidated_dir']})"
+        + (f", MLflow run {run_id}" if run_id else "")
+    )
     return 0
