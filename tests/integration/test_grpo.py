@@ -88,7 +88,7 @@ def rl_cmd(recipe: Path, sft_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_grpo_mechanics_and_kill9_resume_is_exact(sft, tmp_path, monkeypatch):
-    from dllmflow.rl.trainer import run_grpo
+    from dllmflow.rl.grpo_trainer import run_grpo
     from dllmflow.workflow.grpo import starting_settings
 
     prep, sft_dir = sft
@@ -144,7 +144,7 @@ def test_grpo_mechanics_and_kill9_resume_is_exact(sft, tmp_path, monkeypatch):
 
 
 def test_failing_reward_skips_then_stops_naming_the_prompt(sft, tmp_path):
-    from dllmflow.rl.trainer import RewardFailureError, run_grpo
+    from dllmflow.rl.grpo_trainer import RewardFailureError, run_grpo
     from dllmflow.workflow.grpo import starting_settings
 
     prep, sft_dir = sft

@@ -31,7 +31,7 @@ from dllmflow.errors import UserError
 
 from .dllm import DFlashSection, DLLMConfig, MDLMConfig
 from .pipeline import EvalConfig, FlowConfig, RegenerateConfig, RegistryConfig
-from .rl import RLConfig, check_rl_mode
+from .rl import RLConfig, check_rl_mode, import_reward
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
@@ -130,6 +130,19 @@ class Settings(BaseSettings):
                     f"cannot import plugin {name!r} ({e}); put its directory on PYTHONPATH or install its package"
                 ) from None
         return plugins
+
+    @field_validator("rl")
+    @classmethod
+    def _import_user_rewards(cls, rl: RLConfig | None) -> RLConfig | None:
+        """A user's reward ("module:attr") imports, under the switch that guards `plugins`: never from a
+        recorded settings.json (a checkpoint's, an export's)."""
+        if rl is not None and _IMPORT_PLUGINS.get():
+            for name in rl.user_rewards():
+                try:
+                    import_reward(name)
+                except ValueError as e:
+                    raise ValueError(f"rl.rewards: {e}") from None
+        return rl
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> Settings:

@@ -1,7 +1,7 @@
 """The `rl:` section: a GRPO stage on top of a supervised dLLM (docs/strategies.md, the RL section).
 
 Absent (`rl: null`, the default) in every supervised recipe; present, it turns `dllmflow rl` /
-`python -m dllmflow.rl.main` into GRPO from `init_from`. Same rules as `sections.py`: frozen, extra
+`python -m dllmflow.rl` into GRPO from `init_from`. Same rules as `sections.py`: frozen, extra
 fields refused, defaults here, imports no torch:
 
     from dllmflow.settings import load_settings
@@ -105,19 +105,17 @@ class RLConfig(Section):
     @field_validator("rewards")
     @classmethod
     def _known_rewards(cls, rewards: list[str]) -> list[str]:
-        from .loader import _IMPORT_PLUGINS  # the same switch that guards `plugins`
-
         for name in rewards:
-            if name in RL_REWARDS:
-                continue
-            if not _USER_REWARD.fullmatch(name):
+            if name not in RL_REWARDS and not _USER_REWARD.fullmatch(name):
                 raise ValueError(
                     f"unknown reward {name!r}; choose from {', '.join(RL_REWARDS)} or name your own "
                     "callable as 'module:attr'"
                 )
-            if _IMPORT_PLUGINS.get():  # never from a recorded settings.json (a checkpoint's, an export's)
-                import_reward(name)
         return rewards
+
+    def user_rewards(self) -> list[str]:
+        """The rewards named "module:attr" (imported by the root's validator, like `plugins`)."""
+        return [name for name in self.rewards if name not in RL_REWARDS]
 
     @field_validator("sampler_overrides")
     @classmethod

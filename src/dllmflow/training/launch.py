@@ -109,7 +109,7 @@ def build_app(
     """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes.
     `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks; with `mlflow_run_id`,
     rank 0 logs metrics live into that MLflow run (training/live.py). `entry`: the module torchrun runs
-    (dllmflow.rl.main for GRPO)."""
+    (dllmflow.rl for GRPO)."""
     from torchx import specs
 
     lc = settings.launch

@@ -29,7 +29,7 @@ FAIL_MARKER = "dllmflow.training.main failed:"
 
 def main(argv: list[str] | None = None, *, run=None, prog: str = "python -m dllmflow.training.main") -> int:
     """`run(settings, run_dir, resume=, overwrite=) -> TrainResult`: the loop to run (None = supervised
-    `run_training`; dllmflow.rl.main passes GRPO's)."""
+    `run_training`; dllmflow.rl passes GRPO's)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--settings", required=True, help="RUN/settings.json written by `dllmflow train`")
     parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")

@@ -5,7 +5,7 @@
 
     from dllmflow.workflow import grpo
     settings, parent = grpo.starting_settings(load_settings("params/tiny_addition_grpo.yaml"), "runs/sft")
-    training = grpo.train(settings, "runs/grpo", parent=parent)       # torchx -> torchrun -> dllmflow.rl.main
+    training = grpo.train(settings, "runs/grpo", parent=parent)       # torchx -> torchrun -> dllmflow.rl
 
 `rl.init_from` (or `--init-from`, which wins) is a run dir, an export dir or a registered model
 (`models:/<name>@<alias>` or `models:/<name>/<version>`, downloaded from MLflow). `starting_settings`
@@ -169,7 +169,7 @@ def train(
     if overwrite or not layout.is_finished(s.train.max_steps):
         resume = layout.latest_step() is not None and not overwrite if resume is None else resume
         result = launch(
-            s, resume=resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id, entry="dllmflow.rl.main"
+            s, resume=resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id, entry="dllmflow.rl"
         )
         handle, log_dir = result.app_handle, result.log_dir
     return {

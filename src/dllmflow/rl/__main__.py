@@ -1,7 +1,7 @@
 """The GRPO entry point: one process per rank, started by torchrun (or plain python for one rank).
 
-    torchrun --nproc_per_node 2 -m dllmflow.rl.main --settings runs/x/settings.json [--resume | --overwrite]
-    python -m dllmflow.rl.main --settings runs/x/settings.json          # a single in-process rank
+    torchrun --nproc_per_node 2 -m dllmflow.rl --settings runs/x/settings.json [--resume | --overwrite]
+    python -m dllmflow.rl --settings runs/x/settings.json          # a single in-process rank
 
 `dllmflow rl` (workflow/grpo.py) writes the settings.json (with `rl.init_from` resolved to the starting
 export) and launches this through torchx, as `dllmflow train` launches dllmflow.training.main. Same
@@ -17,10 +17,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dllmflow.rl.trainer import run_grpo
+    from dllmflow.rl.grpo_trainer import run_grpo
     from dllmflow.training.main import main as training_main
 
-    return training_main(argv, run=run_grpo, prog="python -m dllmflow.rl.main")
+    return training_main(argv, run=run_grpo, prog="python -m dllmflow.rl")
 
 
 if __name__ == "__main__":
