@@ -67,13 +67,21 @@ def _registered_export(uri: str, settings: Settings) -> tuple[Path, dict[str, st
             f"rl.init_from={uri!r}: no such registered model version ({str(e).splitlines()[0]}); "
             "write models:/<name>@<alias> or models:/<name>/<version>"
         ) from None
-    export = runs.resolve_checkpoint(local / "artifacts" / "checkpoint")
+    export = runs.resolve_checkpoint(local / _checkpoint_artifact(local))
     return export, {
         "parent_init_from": uri,
         "parent_export": str(export),
         "parent_model": f"{name}/{version.version}",
         "parent_run_id": version.run_id or "",
     }
+
+
+def _checkpoint_artifact(model_dir: Path) -> str:
+    """Where the registered pyfunc keeps its `checkpoint` artifact (tracking/registry.py), per its MLmodel."""
+    import yaml
+
+    mlmodel = yaml.safe_load((model_dir / "MLmodel").read_text())
+    return mlmodel["flavors"]["python_function"]["artifacts"]["checkpoint"]["path"]
 
 
 def starting_settings(
@@ -163,6 +171,10 @@ def train(
     from dllmflow.training.launch import launch
 
     s = Settings.coerce(settings).with_run_dir(run_dir)
+    if not Path(
+        s.model.pretrained_model_name_or_path
+    ).exists():  # resolved on another machine (a flow's start pod)
+        s, _ = starting_settings(s, s.rl.init_from)
     check_rl_settings(s)
     layout = runs.RunLayout(s.resolved_run_dir)
     handle, log_dir = None, None
