@@ -22,7 +22,7 @@ def test_off_by_default_and_the_sft_fingerprint_is_unchanged():
     assert s.rl is None
     assert not any(k.startswith("rl") for k in settings_fingerprint(s)["fields"])
     g = load_settings(GRPO)
-    assert g.rl.num_generations == 8 and g.rl.estimator.name == "coupled"
+    assert g.rl.num_generations == 8 and g.rl.estimator.name == "one_step"
     fields = settings_fingerprint(g)["fields"]
     assert fields["rl.kl_beta"] == 0.02 and "rl.eval_every" not in fields  # eval cadence may change on resume
 
