@@ -3,7 +3,7 @@
 held-out EM by >= 0.15 absolute within 15 minutes on 2 CPU cores, with an SFT-only run of the same wall
 time beside it.
 
-    OMP_NUM_THREADS=1 python bench/grpo_addition.py                       # SFT 800 steps, then 15 min each arm
+    OMP_NUM_THREADS=1 python bench/grpo_addition.py                       # SFT 720 steps, then 15 min each arm
     python bench/grpo_addition.py --sft-steps 600 --minutes 5 --set rl.kl_beta=0.0
 
 In one temp dir: prepare tiny_addition, SFT `--sft-steps` (params/tiny_addition.yaml, the cosine
@@ -73,7 +73,7 @@ def main() -> None:
     from dllmflow.workflow.grpo import starting_settings
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sft-steps", type=int, default=800)
+    p.add_argument("--sft-steps", type=int, default=720)
     p.add_argument("--minutes", type=float, default=15.0)
     p.add_argument("--limit", type=int, default=256, help="held-out prompts scored")
     p.add_argument("--set", action="append", default=[], help="GRPO recipe override, e.g. rl.kl_beta=0.0")
