@@ -212,12 +212,11 @@ class GRPOTrainer(Trainer):
                 ref = self.estimator.token_logp(self.reference, draws)  # [G, C]
                 old = self.estimator.token_logp(unwrap(self.model), draws) if rl.num_iterations > 1 else None
             batches.append((draws, adv, ref, old, g.completion_mask.to(device)))
+        h_sum = h_n = 0.0
         with self.autocast:
-            h_sum, h_n = (
-                map(sum, zip(*(masked_entropy(unwrap(self.model), d[0]) for d in batches)))
-                if batches
-                else (0.0, 0.0)
-            )
+            for draws, *_ in batches:
+                h, n = masked_entropy(unwrap(self.model), draws)
+                h_sum, h_n = h_sum + h, h_n + n
 
         # 6) mu policy updates over the same rollouts
         total_tokens = max(rollout["tokens"], 1.0)

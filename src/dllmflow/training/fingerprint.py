@@ -41,7 +41,9 @@ def settings_fingerprint(settings) -> dict[str, Any]:
     # `rl` (a GRPO run) only when present, so a supervised run's fingerprint is what it always was.
     rl = {"rl"} if getattr(settings, "rl", None) is not None else set()
     dump = settings.model_dump(mode="json", include=set(FINGERPRINT_SECTIONS) | rl)
-    fields = {k: v for k, v in _flatten(dump).items() if k not in FINGERPRINT_IGNORED}
+    # A GRPO run's parent is `rl.init_from`; where its export was downloaded to may differ on a retry.
+    ignored = FINGERPRINT_IGNORED | ({"model.pretrained_model_name_or_path"} if rl else set())
+    fields = {k: v for k, v in _flatten(dump).items() if k not in ignored}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return {"sha256": digest, "fields": fields}
 
