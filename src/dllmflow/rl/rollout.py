@@ -73,9 +73,11 @@ def build_rollout_sampler(
     from dllmflow.diffusion.samplers import SAMPLERS
 
     config = rollout_sampler_config(settings, tokenizer, greedy=greedy)
-    return SAMPLERS[sampler_name(settings)](
+    sampler = SAMPLERS[sampler_name(settings)](
         model, tokenizer, config, mask_id=mask_id, training_settings=settings
     )
+    sampler.grad_mode = torch.no_grad  # the policy trains right after: no inference tensors (FSDP2's buffers)
+    return sampler
 
 
 def decode_group(sampler: Any, prompt_ids: list[int], num: int, seed: int) -> Group:
