@@ -19,7 +19,10 @@ Measured 2026-12-02 (2 CPU cores shared with other jobs, load average 8-12; --mi
 The goal is NOT met on this task: continued SFT (the reference answers are the verifiable answers) is
 far stronger per second than GRPO's 64 sampled rollouts a step. Other points tried (SFT 800 steps, EM
 0.80): lr 1e-3 -> EM 0.15 in 60 steps (the policy collapses); lr 1e-4 -> 0.83 in 80 steps (sampled
-reward 0.33 -> 0.68); from EM 0.47, lr 3e-4 + kl_beta 0 + temperature 0.7: sampled reward flat then down.
+reward 0.33 -> 0.68); from EM 0.47 (128 prompts): lr 3e-4 + kl_beta 0 + temperature 0.7, 150 steps -> 0.31;
+lr 1e-4 + kl_beta 0 + mu 2 + exact_match only, 200 steps -> 0.38. A one-step gradient check on one group
+moves the sequence estimates with the advantages (correlation 0.5): no sign error, but completions that
+share tokens ("#### 055" vs "#### 065") are pushed both ways by one_step's per-token estimate.
 The `coupled` estimator's 1/t token weights overflowed the k3 KL (loss 7.8e5, grad norm 1.8e8 at step 20).
 """
 
