@@ -1,8 +1,9 @@
-"""The `dllmflow` command: prepare | train | generate | evaluate | regenerate | serve | register | plan |
+"""The `dllmflow` command: prepare | train | rl | generate | evaluate | regenerate | serve | register | plan |
 export | config.
 
     dllmflow prepare --params params/tiny_mdlm.yaml
     dllmflow train   --params params/tiny_mdlm.yaml
+    dllmflow rl      --params params/tiny_addition_grpo.yaml --init-from runs/tiny_addition
     dllmflow generate --checkpoint runs/tiny_mdlm/checkpoints --prompt "What is 2+3?" --sampler llada
     dllmflow evaluate --checkpoint runs/tiny_mdlm/checkpoints --limit 8
     dllmflow plan --params params/qwen3_8b_idlm.yaml --world-size 8 --device-memory-gib 141
@@ -31,6 +32,7 @@ from dllmflow.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("dllmflow.data.prepare", "Tokenise chat data into parquet shards + manifest (DVC stage)."),
     "train": ("dllmflow.training.launch", "Launch training through torchx (torchrun) and wait."),
+    "rl": ("dllmflow.workflow.grpo", "GRPO from a supervised model (torchx/torchrun), like train."),
     "generate": ("dllmflow.inference.generate", "Generate text from a checkpoint with a sampler."),
     "evaluate": ("dllmflow.evaluation.accuracy", "GSM8K exact match and speed of a checkpoint."),
     "regenerate": (

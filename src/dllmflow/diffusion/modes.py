@@ -70,6 +70,12 @@ class ModeSpec:
         return self.samplers[0] if self.samplers else None
 
     @property
+    def supports_rl(self) -> bool:
+        """GRPO (`rl:`) can train it: its config declares no `rl_refusal` (settings/dllm.py says why
+        hybrid, block_diffusion, dflash and idlm cannot; the settings check it at parse time)."""
+        return self.config.rl_refusal is None
+
+    @property
     def evaluations(self) -> tuple[str, ...]:
         """What the flow's evaluate step runs by default: the fitting samplers, then the extras."""
         return self.samplers + self.extra_evaluations

@@ -27,6 +27,7 @@ from .loader import (
 )
 from .pipeline import *  # noqa: F403 - eval, registry, flow, regenerate, listed in pipeline.__all__
 from .pipeline import __all__ as _PIPELINE
+from .rl import RL_ESTIMATORS, RL_REWARDS, EstimatorSettings, RLConfig
 from .sections import *  # noqa: F403 - the section models, listed in sections.__all__
 from .sections import __all__ as _SECTIONS
 
@@ -53,6 +54,10 @@ __all__ = (
         "parse_overrides",
         "read_yaml",
         "register_mode_config",
+        "RL_ESTIMATORS",
+        "RL_REWARDS",
+        "EstimatorSettings",
+        "RLConfig",
     ]
     + list(_SECTIONS)
     + list(_PIPELINE)

@@ -42,6 +42,9 @@ class DLLMBaseConfig(_Section):
     response_window: ClassVar[bool] = False
     # Why the mode cannot train packed rows (`dataset.packing`); None = it can (docs/strategies.md §1.8).
     packing_refusal: ClassVar[str | None] = "it declares no packing support"
+    # Why GRPO (`rl:`) cannot train the mode; None = it can: an absorbing-mask model whose sequence
+    # log-likelihood the estimators of `dllmflow.rl.estimators` bound (read as `ModeSpec.supports_rl`).
+    rl_refusal: ClassVar[str | None] = "it declares no sequence log-likelihood estimator"
 
     mask_token_id: int | None = Field(
         None, ge=0, description="Mask token id; None = resolve from the tokenizer (then the strategy)."
@@ -87,6 +90,7 @@ class MDLMConfig(DLLMBaseConfig):
 
     mode: Literal["mdlm"] = "mdlm"
     packing_refusal: ClassVar[str | None] = None
+    rl_refusal: ClassVar[str | None] = None
 
 
 @register_mode_config
@@ -95,6 +99,9 @@ class SCDDConfig(DLLMBaseConfig):
 
     mode: Literal["scdd"]
     packing_refusal: ClassVar[str | None] = None
+    # Absorbing [MASK] plus uniform noise: the estimators mask only, which the model reads like any
+    # partly masked canvas (its predictions at [MASK] are the absorbing part of its posterior).
+    rl_refusal: ClassVar[str | None] = None
     vocab_size: PositiveInt = Field(
         ..., description="Vocabulary size including [MASK]; must equal the model's."
     )
@@ -112,6 +119,9 @@ class HybridConfig(DLLMBaseConfig):
     """Nemotron-Labs-Diffusion: diffusion + AR (docs/strategies.md §2.3)."""
 
     mode: Literal["hybrid"]
+    rl_refusal: ClassVar[str | None] = (
+        "its model masks the clean ids itself and mixes a causal AR branch; no masked-canvas estimator of it yet"
+    )
     packing_refusal: ClassVar[str | None] = (
         "its model masks the clean ids itself and builds its own AR and bidirectional masks"
     )
@@ -129,6 +139,9 @@ class BlockDiffusionConfig(DLLMBaseConfig):
     """DiffusionGemma-style block diffusion (docs/strategies.md §2.4)."""
 
     mode: Literal["block_diffusion"]
+    rl_refusal: ClassVar[str | None] = (
+        "its corruption is uniform over the vocabulary, not an absorbing [MASK], so the masked estimators do not bound its likelihood"
+    )
     packing_refusal: ClassVar[str | None] = "its encoder/decoder canvas is built around one response per row"
     response_window: ClassVar[bool] = True
     vocab_size: PositiveInt = Field(..., description="Vocabulary the uniform corruption draws from.")
@@ -144,6 +157,9 @@ class DFlashConfig(DLLMBaseConfig):
     """DFlash speculative draft on a frozen target (docs/strategies.md §2.5). Its knobs live in the top-level `dflash:`."""
 
     mode: Literal["dflash"]
+    rl_refusal: ClassVar[str | None] = (
+        "a DFlash export is a speculative draft conditioned on a frozen target, not a standalone policy"
+    )
     packing_refusal: ClassVar[str | None] = (
         "its draft blocks are conditioned on the target's hidden states of one row"
     )
@@ -154,6 +170,9 @@ class IDLMConfig(DLLMBaseConfig):
     """Introspective diffusion: AR LM -> dLLM (docs/strategies.md §2.6)."""
 
     mode: Literal["idlm"]
+    rl_refusal: ClassVar[str | None] = (
+        "its [noisy | clean] 2L layout and introspective verification need their own estimator"
+    )
     packing_refusal: ClassVar[str | None] = "its [noisy | clean] 2L layout and block mask are built per row"
     mask_token_id: int = Field(..., ge=0, description="Explicit mask token id (I-DLM does not infer one).")
     block_length: PositiveInt | list[PositiveInt] = Field(

@@ -31,6 +31,7 @@ from dllmflow.errors import UserError
 
 from .dllm import DFlashSection, DLLMConfig, MDLMConfig
 from .pipeline import EvalConfig, FlowConfig, RegenerateConfig, RegistryConfig
+from .rl import RLConfig, check_rl_mode, import_reward
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
@@ -103,6 +104,7 @@ class Settings(BaseSettings):
     flow: FlowConfig = Field(default_factory=FlowConfig)
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     peft: PeftSection | None = Field(None, description="LoRA adapters; the section's presence enables them.")
+    rl: RLConfig | None = Field(None, description="GRPO stage (`dllmflow rl`); None = supervised training.")
 
     @classmethod
     def settings_customise_sources(
@@ -129,6 +131,19 @@ class Settings(BaseSettings):
                 ) from None
         return plugins
 
+    @field_validator("rl")
+    @classmethod
+    def _import_user_rewards(cls, rl: RLConfig | None) -> RLConfig | None:
+        """A user's reward ("module:attr") imports, under the switch that guards `plugins`: never from a
+        recorded settings.json (a checkpoint's, an export's)."""
+        if rl is not None and _IMPORT_PLUGINS.get():
+            for name in rl.user_rewards():
+                try:
+                    import_reward(name)
+                except ValueError as e:
+                    raise ValueError(f"rl.rewards: {e}") from None
+        return rl
+
     @model_validator(mode="after")
     def _cross_section_rules(self) -> Settings:
         if self.dllm.mode == "dflash" and self.dflash is None:
@@ -136,6 +151,7 @@ class Settings(BaseSettings):
                 "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
             )
         self.dataset.check_packing(self.dllm)
+        check_rl_mode(self.rl, self.dllm, self.launch.nnodes * self.launch.nproc_per_node)
         if self.eval.untrained_baseline and self.model.tiny is None:
             raise ValueError(
                 "eval.untrained_baseline: only for a tiny random model (model.tiny); a pretrained model's "
@@ -143,7 +159,7 @@ class Settings(BaseSettings):
             )
         gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         world = self.launch.nnodes * self.launch.nproc_per_node
-        if gbs % (lbs * world):
+        if gbs % (lbs * world) and self.rl is None:  # GRPO's batch is rl.prompts_per_step x G
             raise ValueError(
                 f"train.global_batch_size ({gbs}) must be a multiple of local_batch_size x world size ({lbs} x {world})"
             )

@@ -28,6 +28,9 @@ FINGERPRINT_IGNORED = frozenset(
         "train.compile",
         "train.compile_backend",
         "dataset.prepared_dir",
+        "rl.eval_every",  # the in-run held-out evaluation changes no training number
+        "rl.eval_limit",
+        "rl.max_reward_failures",
     }
 )
 
@@ -35,8 +38,12 @@ FINGERPRINT_IGNORED = frozenset(
 def settings_fingerprint(settings) -> dict[str, Any]:
     """{"sha256": ..., "fields": {"train.lr": 0.01, ...}}: what a resume must match (stored in the
     checkpoint's trainer_state.json; the fields let a mismatch name what changed)."""
-    dump = settings.model_dump(mode="json", include=set(FINGERPRINT_SECTIONS))
-    fields = {k: v for k, v in _flatten(dump).items() if k not in FINGERPRINT_IGNORED}
+    # `rl` (a GRPO run) only when present, so a supervised run's fingerprint is what it always was.
+    rl = {"rl"} if getattr(settings, "rl", None) is not None else set()
+    dump = settings.model_dump(mode="json", include=set(FINGERPRINT_SECTIONS) | rl)
+    # A GRPO run's parent is `rl.init_from`; where its export was downloaded to may differ on a retry.
+    ignored = FINGERPRINT_IGNORED | ({"model.pretrained_model_name_or_path"} if rl else set())
+    fields = {k: v for k, v in _flatten(dump).items() if k not in ignored}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return {"sha256": digest, "fields": fields}
 

@@ -104,10 +104,12 @@ def build_app(
     endpoint: str | None = None,
     overwrite: bool = False,
     mlflow_run_id: str | None = None,
+    entry: str = "dllmflow.training.main",
 ):
     """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes.
     `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks; with `mlflow_run_id`,
-    rank 0 logs metrics live into that MLflow run (training/live.py)."""
+    rank 0 logs metrics live into that MLflow run (training/live.py). `entry`: the module torchrun runs
+    (dllmflow.rl for GRPO)."""
     from torchx import specs
 
     lc = settings.launch
@@ -125,7 +127,7 @@ def build_app(
     ]  # fmt: skip
     if lc.rdzv_backend == "static":
         cmd += ["--node_rank", specs.macros.replica_id]
-    cmd += ["-m", "dllmflow.training.main", "--settings", str(settings_json)]
+    cmd += ["-m", entry, "--settings", str(settings_json)]
     cmd += ["--resume"] if resume else ["--overwrite"] if overwrite else []
     # shlex-quote everything but the endpoint, which may hold a ${RANK0_HOST} for bash to expand
     script = " ".join(arg if isinstance(arg, _Raw) else shlex.quote(arg) for arg in cmd)
@@ -159,6 +161,7 @@ def launch(
     stream: bool = True,
     overwrite: bool = False,
     mlflow_run_id: str | None = None,
+    entry: str = "dllmflow.training.main",
 ) -> LaunchResult:
     """Write RUN/settings.json, submit the app on `launch.scheduler`, wait (echoing the trainers' stdout
     for local schedulers when `stream`); raise UserError naming the failing rank on failure. The
@@ -197,7 +200,7 @@ def launch(
         bindir = os.path.dirname(sys.executable)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    app = build_app(settings, run_dir, resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id)
+    app = build_app(settings, run_dir, resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id, entry=entry)
     runner = get_runner()
     try:
         handle = runner.run(app, scheduler=lc.scheduler, cfg=cfg)

@@ -27,10 +27,10 @@ from dllmflow.errors import UserError
 FAIL_MARKER = "dllmflow.training.main failed:"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m dllmflow.training.main", description=__doc__.split("\n")[0]
-    )
+def main(argv: list[str] | None = None, *, run=None, prog: str = "python -m dllmflow.training.main") -> int:
+    """`run(settings, run_dir, resume=, overwrite=) -> TrainResult`: the loop to run (None = supervised
+    `run_training`; dllmflow.rl passes GRPO's)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--settings", required=True, help="RUN/settings.json written by `dllmflow train`")
     parser.add_argument("--resume", action="store_true", help="continue from RUN/checkpoints/LATEST")
     parser.add_argument(
@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings_json(args.settings, import_plugins=True)  # written by our launcher
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         run_dir = Path(args.settings).resolve().parent
-        result = run_training(settings, run_dir, resume=resume, overwrite=args.overwrite and not resume)
+        result = (run or run_training)(
+            settings, run_dir, resume=resume, overwrite=args.overwrite and not resume
+        )
         if rank == "0":
             print(f"training done: step {result.final_step}, checkpoint {result.checkpoint_dir}", flush=True)
         return 0

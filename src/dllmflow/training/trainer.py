@@ -303,12 +303,17 @@ class Trainer:
             self.model,
             self.optimizer,
             self.scheduler,
-            extra_state={"samples_seen": samples},
+            extra_state={"samples_seen": samples, **self.extra_state()},
             export=export,
         )
         if export is not None:
             self.result.consolidated_dir = export_dir(self.result.checkpoint_dir)
         return self.result.checkpoint_dir
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-able loop state a subclass saves with each checkpoint (trainer_state.json), e.g. RL's
+        count of skipped reward steps; read back after `resume` from `result.checkpoint_dir`."""
+        return {}
 
     def export(self, model_dir: Path) -> None:
         """Collective: the consolidated HF dir into `<model_dir>/consolidated` (rank 0 writes)."""

@@ -196,6 +196,9 @@ class Sampler(ABC):
     steps_per_block: ClassVar[bool] = False
     # Why a sampler has no KV-cache path (said when a cache is asked for).
     no_kv_cache_reason: ClassVar[str] = "it has no KV-cache path"
+    # The grad mode `generate` runs in. GRPO's rollouts under FSDP2 set `torch.no_grad`: FSDP2 reuses
+    # its all-gather buffers, and ones made in inference mode cannot be written in the training step.
+    grad_mode: Callable[[], Any] = torch.inference_mode
 
     def __init__(
         self,
@@ -247,7 +250,7 @@ class Sampler(ABC):
         if not prompt_ids:
             return GenerationResult([], 0, 0, 0.0)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with self.grad_mode():
             if self.supports_batching:
                 seqs, nfe, row_nfe = self._generate(prompt_ids)
             else:  # one prompt at a time

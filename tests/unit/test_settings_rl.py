@@ -1,0 +1,106 @@
+"""The `rl:` section: off by default, and every bad value refused at parse time naming its field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dllmflow.errors import UserError
+from dllmflow.settings import RL_ESTIMATORS, RL_REWARDS, SettingsError, load_settings, load_settings_json
+
+ROOT = Path(__file__).resolve().parents[2]
+SFT = ROOT / "params" / "tiny_addition.yaml"
+GRPO = ROOT / "params" / "tiny_addition_grpo.yaml"
+
+
+def test_off_by_default_and_the_sft_fingerprint_is_unchanged():
+    from dllmflow.training.fingerprint import settings_fingerprint
+
+    s = load_settings(SFT)
+    assert s.rl is None
+    assert not any(k.startswith("rl") for k in settings_fingerprint(s)["fields"])
+    g = load_settings(GRPO)
+    assert g.rl.num_generations == 8 and g.rl.estimator.name == "one_step"
+    fields = settings_fingerprint(g)["fields"]
+    assert fields["rl.kl_beta"] == 0.02 and "rl.eval_every" not in fields  # eval cadence may change on resume
+
+
+@pytest.mark.parametrize(
+    ("rl", "field", "words"),
+    [
+        ({"num_generations": 1}, "rl.num_generations", "greater than or equal to 2"),
+        ({"estimator": {"name": "exact"}}, "rl.estimator.name", "one_step, mc_elbo, coupled"),
+        ({"rewards": ["bleu"]}, "rl.rewards", "unknown reward 'bleu'"),
+        ({"rewards": ["no_such_module_xyz:fn"], "reward_weights": None}, "rl", "rl.rewards: reward"),
+        ({"rewards": ["exact_match"], "reward_weights": [1.0, 2.0]}, "rl", "one weight per reward"),
+        ({"sampler_overrides": {"seed": 3}}, "rl.sampler_overrides", "rl.temperature"),
+        ({"clip_eps": 0.0}, "rl.clip_eps", "greater than 0"),
+        ({"bogus": 1}, "rl.bogus", "unknown field"),
+    ],
+)
+def test_bad_values_name_their_field(rl, field, words):
+    with pytest.raises(SettingsError) as err:
+        load_settings(GRPO, rl=rl)
+    assert f"{field}: " in str(err.value) and words in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", ["tiny_hybrid", "tiny_block_diffusion", "tiny_idlm", "tiny_dflash"])
+def test_a_mode_without_an_estimator_is_refused_naming_it(recipe):
+    from dllmflow.diffusion.modes import MODES
+
+    s = load_settings(ROOT / "params" / f"{recipe}.yaml")
+    assert not MODES[s.dllm.mode].supports_rl
+    with pytest.raises(SettingsError, match=rf"rl: dllm.mode={s.dllm.mode} has no sequence log-likelihood"):
+        load_settings(ROOT / "params" / f"{recipe}.yaml", rl={})
+
+
+def test_the_absorbing_mask_modes_take_rl():
+    from dllmflow.diffusion.modes import MODES
+
+    assert [m for m, spec in MODES.items() if spec.supports_rl] == ["mdlm", "scdd"]
+    assert load_settings(ROOT / "params" / "tiny_scdd.yaml", rl={}).rl.num_generations == 4
+
+
+def test_prompts_split_evenly_over_ranks():
+    with pytest.raises(
+        SettingsError, match=r"rl.prompts_per_step \(3\) must be a multiple of the world size \(2\)"
+    ):
+        load_settings(GRPO, rl={"prompts_per_step": 3}, launch={"nproc_per_node": 2})
+    assert (
+        load_settings(GRPO, rl={"prompts_per_step": 4}, launch={"nproc_per_node": 2}).rl.prompts_per_step == 4
+    )
+
+
+def test_a_recorded_user_reward_is_not_imported(tmp_path):
+    """As with `plugins`: a settings.json someone else wrote never imports its reward module."""
+    data = load_settings(GRPO).to_dict()
+    data["rl"].update(rewards=["no_such_module_xyz:fn"], reward_weights=None)
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps(data))
+    assert load_settings_json(path).rl.rewards == ["no_such_module_xyz:fn"]
+    with pytest.raises(SettingsError, match="does not import"):
+        load_settings_json(path, import_plugins=True)
+
+
+def test_setting_names_match_the_registries():
+    from dllmflow.rl.estimators import ESTIMATORS
+    from dllmflow.rl.rewards import REWARDS
+
+    assert set(RL_ESTIMATORS) == set(ESTIMATORS)
+    assert set(RL_REWARDS) == set(REWARDS)
+
+
+def test_the_rollout_sampler_must_fit_the_mode_and_take_the_options():
+    from dllmflow.workflow.grpo import check_rl_settings
+
+    with pytest.raises(UserError, match=r"rl.sampler .*'idlm' does not fit"):
+        check_rl_settings(load_settings(GRPO, rl={"sampler": "idlm"}))
+    with pytest.raises(UserError, match=r"rl.sampler .*does not take no_such_knob"):
+        check_rl_settings(load_settings(GRPO, rl={"sampler_overrides": {"no_such_knob": 1}}))
+    with pytest.raises(UserError, match="rl.estimator"):
+        check_rl_settings(
+            load_settings(GRPO, rl={"estimator": {"name": "one_step", "params": {"num_masks": 2}}})
+        )
+    check_rl_settings(load_settings(GRPO, rl={"sampler": "llada2", "sampler_overrides": {"steps": 4}}))
