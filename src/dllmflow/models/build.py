@@ -19,6 +19,7 @@ import torch
 from dllmflow.errors import UserError
 from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
 from dllmflow.models.meta import on_meta, pretrained_kwargs
+from dllmflow.models.shipped_configs import planned_from_shipped
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -73,7 +74,7 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
     cfg = settings.model
     name = cfg.pretrained_model_name_or_path
     field = "model.pretrained_model_name_or_path"
-    if _looks_local(name) and not Path(name).expanduser().exists():
+    if _looks_local(name) and not Path(name).expanduser().exists() and not planned_from_shipped(name):
         raise UserError(f"{field}={name!r}: no such directory; point it at a model dir or a hub id")
     # under models.meta.build_on_meta: the skeleton only, no weight read
     kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **pretrained_kwargs()}
