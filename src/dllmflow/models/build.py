@@ -19,7 +19,7 @@ import torch
 from dllmflow.errors import UserError
 from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
 from dllmflow.models.meta import on_meta, pretrained_kwargs
-from dllmflow.models.shipped_configs import planned_from_shipped
+from dllmflow.models.shipped_configs import planned_from_shipped, resolve_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -84,9 +84,11 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
         kwargs["gguf_file"] = cfg.gguf_file
     else:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    for knob in ("dlm_paradigm", "block_size", "canvas_length"):
-        if getattr(cfg, knob) is not None:
-            kwargs[knob] = getattr(cfg, knob)
+    knobs = {
+        k: getattr(cfg, k)
+        for k in ("dlm_paradigm", "block_size", "canvas_length")
+        if getattr(cfg, k) is not None
+    }
     # Weights read (not the meta skeleton): a local dir's files are checked whole first, then the load
     # report names damaged tensors (models/integrity.py). On meta no weight is read; rank 0's eager
     # build, whose state dict fills the skeleton, is the one checked.
@@ -96,6 +98,10 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
     if check:
         kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
+        if knobs:
+            # family knobs go on the config: a class whose config lacks one would get it as an init kwarg
+            gguf = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+            kwargs["config"] = resolve_config(name, trust_remote_code=cfg.trust_remote_code, **gguf, **knobs)
         loaded = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         hint = " (set model.trust_remote_code: true)" if "trust_remote_code" in str(e) else ""
