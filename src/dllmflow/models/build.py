@@ -38,10 +38,32 @@ def build_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> PreTr
         return model.to(dtype)
     model = _from_pretrained(settings, dtype)
     # A tokenizer that gained specials (<mask>, <pad>) needs rows for them in the embedding.
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        check_new_rows_train(model, settings, tokenizer, rows)
         model.resize_token_embeddings(len(tokenizer))
     _set_token_ids(model.config, tokenizer)
     return model
+
+
+def check_new_rows_train(model: PreTrainedModel, settings: Settings, tokenizer, rows: int) -> None:
+    """Tokens the checkpoint has no embedding row for (a <mask> added to a tokenizer that had none) get
+    new, untrained rows. Full fine-tuning trains them; LoRA freezes the embedding, so it must list the
+    input embedding in `peft.modules_to_save` (trained in full), else a UserError naming the field."""
+    peft = settings.peft
+    if peft is None or not peft.enabled:
+        return
+    embedding = model.get_input_embeddings()
+    name = next(n for n, m in model.named_modules() if m is embedding)
+    if any(entry in (name, name.rpartition(".")[2]) for entry in peft.modules_to_save):
+        return
+    new = tokenizer.convert_ids_to_tokens(list(range(rows, len(tokenizer))))
+    raise UserError(
+        f"peft.modules_to_save: the tokenizer has {len(new)} token(s) the checkpoint has no embedding row for "
+        f"({', '.join(map(repr, new[:4]))}: e.g. a mask token added because the tokenizer had none); LoRA "
+        f"would leave their new rows untrained: add {name.rpartition('.')[2]!r} to peft.modules_to_save "
+        f"(a tied lm_head stays tied), or set dllm.mask_token_id to a token the checkpoint already has"
+    )
 
 
 def build_tiny_model(
