@@ -83,10 +83,12 @@ def materialize(
     state_dict: dict[str, Tensor] | None = None,
     buffers: dict[str, Tensor] | None = None,
     skip: Callable[[str], bool] | None = None,
+    fill: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Allocate the (possibly sharded) meta model on `device` and fill it: the full `state_dict`
-    (rank 0's under a process group, broadcast to the others; `buffers` = rank 0's non-persistent
-    buffers) or, when it is None, the seeded eager init replayed from the RNG state `rng`."""
+    """Allocate the (possibly sharded) meta model on `device` and fill it: `fill(model)` when given (each
+    rank reads its own shards: models/sharded_load.py), else the full `state_dict` (rank 0's under a
+    process group, broadcast to the others; `buffers` = rank 0's non-persistent buffers) or, when it is
+    None, the seeded eager init replayed from the RNG state `rng`."""
     shared = _shared_parameters(model)
     kept = {n: b.clone() for n, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
@@ -96,6 +98,9 @@ def materialize(
     for (owner, name), rest in shared.items():  # to_empty gives each module its own copy: re-tie
         for module, other in rest:
             setattr(module, other, getattr(owner, name))
+    if fill is not None:
+        fill(model)
+        return model
     if state_dict is None:
         apply_seeded_init(model, rng, skip)
         return model

@@ -41,6 +41,7 @@ from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.errors import UserError
 from dllmflow.models import meta
 from dllmflow.models.lora import apply_lora, init_lora_weights, is_adapter_module
+from dllmflow.models.sharded_load import agree_on_errors, pretrained_dir, sharded_loader
 from dllmflow.training.distributed import DistInfo, apply_ddp, decoder_blocks
 
 if TYPE_CHECKING:
@@ -62,24 +63,40 @@ def build_parallel_model(tokenizer: Any, settings: Settings, info: DistInfo) -> 
     if settings.model.gguf_file:  # transformers has no meta loader for GGUF: the eager build, as before
         eager = apply_lora(_master(build_mode_model(settings, tokenizer), settings).to(info.device), settings)
         return _wrap(_transform(eager, settings, info), settings, info)
-    # 1) pretrained: rank 0 reads the checkpoint (seeded, so resized embedding rows match the eager build)
-    state = buffers = None
-    if settings.model.pretrained_model_name_or_path is not None:
-        state, buffers = {}, {}
-        if info.is_main:
-            eager = apply_lora(build_mode_model(settings, tokenizer), settings)
-            state, buffers = eager.state_dict(), meta.non_persistent_buffers(eager)
-            del eager
-    # 2) the skeleton, transforms and shards, no storage yet
+    # 1) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
         model = apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings)  # pre-shard
     model = _transform(model, settings, info)
+    # 2) pretrained: every rank reads its own shards from the safetensors (the same decision on every
+    #    rank: it reads only file headers), else rank 0 reads the whole checkpoint and broadcasts it
+    name = settings.model.pretrained_model_name_or_path
+    local = pretrained_dir(name) if name is not None else None
+    loader = sharded_loader(model, local) if local is not None else None
+    state = buffers = None
+    if name is not None and loader is None:
+        state, buffers = {}, {}
+        if info.is_main:
+            torch.set_rng_state(rng)  # seeded, so resized embedding rows and adapters match the eager build
+            eager = apply_lora(build_mode_model(settings, tokenizer), settings)
+            state, buffers = eager.state_dict(), meta.non_persistent_buffers(eager)
+            del eager
     # 3) allocate this rank's part and fill it
-    meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module)
-    if state is None:
+    fill = None if loader is None else functools.partial(_fill_sharded, loader=loader, rng=rng, where=name)
+    meta.materialize(
+        model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module, fill=fill
+    )
+    if state is None and fill is None:
         init_lora_weights(model)  # after the base draws, as an eager build then apply_lora draws them
     del state, buffers
     return _wrap(model, settings, info)
+
+
+def _fill_sharded(model: nn.Module, loader: Any, rng: Tensor, where: str) -> None:
+    """Each rank reads its shards; any rank's bad tensor is one UserError on every rank; then the
+    adapters, drawn from the seeded state as an eager `from_pretrained` + `apply_lora` draws them."""
+    agree_on_errors(loader.load(model), f"model.pretrained_model_name_or_path={where}")
+    torch.set_rng_state(rng)
+    init_lora_weights(model)
 
 
 def _master(model: nn.Module, settings: Settings) -> nn.Module:
