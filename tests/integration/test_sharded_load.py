@@ -44,26 +44,37 @@ def _assert_equals_files(params: dict[str, torch.Tensor], ckpt: Path) -> None:
 
 
 def _assert_seeded_adapters(params: dict[str, torch.Tensor], seed: int) -> None:
-    """A = peft's kaiming-uniform(a=sqrt(5)) drawn from the seed in module order, B = 0."""
+    """As peft injects them from the seed, module by module: nn.Linear(in, r) and nn.Linear(r, out) each
+    draw kaiming-uniform(a=sqrt(5)) at construction, then A is drawn again; B = 0."""
     import math
+
+    def kaiming(shape):
+        return torch.nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5))
 
     torch.manual_seed(seed)
     a_names = [n for n in params if "lora_A" in n]
     assert a_names
     for name in a_names:
-        expected = torch.empty(params[name].shape)
-        torch.nn.init.kaiming_uniform_(expected, a=math.sqrt(5))
-        assert torch.equal(params[name], expected), name
+        kaiming(params[name].shape), kaiming(params[name.replace("lora_A", "lora_B")].shape)
+        assert torch.equal(params[name], kaiming(params[name].shape)), name
     assert all(not params[n].any() for n in params if "lora_B" in n)
 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_one_process_reads_the_files(ckpt, lora):
-    model, settings, _ = build(ckpt, lora, strategy="ddp")
+    from dllmflow.diffusion.modes import build_mode_model
+    from dllmflow.models.lora import apply_lora
+
+    model, settings, tokenizer = build(ckpt, lora, strategy="ddp")
     params = {n: p.detach() for n, p in model.named_parameters()}
     _assert_equals_files(params, ckpt)
     if lora:
         _assert_seeded_adapters(params, settings.train.seed)
+    # what the rank-0 path loaded: the eager build (from_pretrained + apply_lora) from the same seed
+    torch.manual_seed(settings.train.seed)
+    eager = dict(apply_lora(build_mode_model(settings, tokenizer), settings).named_parameters())
+    assert eager.keys() == params.keys()
+    assert [n for n, p in eager.items() if not torch.equal(p, params[n])] == []
 
 
 def _sharded_copy(ckpt: Path, out: Path) -> Path:

@@ -196,6 +196,28 @@ def apply_seeded_init(
     construct(model, "")
 
 
+@torch.no_grad()
+def recompute_buffers(model: nn.Module, names: set[str]) -> None:
+    """Recompute the buffers `names` (non-persistent ones a `from_pretrained` skeleton left on meta, e.g.
+    rotary `inv_freq`, garbage after `to_empty`) with the owning transformers model's `_init_weights`
+    on their module alone. Only parameter-free modules are visited, so nothing is drawn or overwritten."""
+    from transformers import PreTrainedModel
+    from transformers import initialization as init
+
+    owners = {n: m for n, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    with init.guard_torch_init_functions():
+        for prefix, module in model.named_modules():
+            own = {f"{prefix}.{b}" if prefix else b for b in module._buffers}
+            if not own & names or module._parameters:
+                continue
+            owner_name = max((o for o in owners if prefix.startswith(o)), key=len)
+            owner = owners[owner_name]
+            module.__dict__.pop("_is_hf_initialized", None)
+            _on_full_tensors(
+                module, f"{prefix}.", set(), lambda m, o=owner: o._initialize_weights(m, o.is_custom_code())
+            )
+
+
 def _own_reset(module: nn.Module) -> bool:
     # Leaf modules that draw in their constructor (nn.Linear, nn.Embedding, convolutions, norms).
     return hasattr(module, "reset_parameters") and not module._modules and bool(module._parameters)

@@ -81,7 +81,10 @@ def build_parallel_model(tokenizer: Any, settings: Settings, info: DistInfo) -> 
             state, buffers = eager.state_dict(), meta.non_persistent_buffers(eager)
             del eager
     # 3) allocate this rank's part and fill it
-    fill = None if loader is None else functools.partial(_fill_sharded, loader=loader, rng=rng, where=name)
+    on_meta = {n for n, b in model.named_buffers() if b.is_meta}  # from_pretrained's rotary tables
+    fill = None
+    if loader is not None:
+        fill = functools.partial(_fill_sharded, loader=loader, rng=rng, where=name, buffers=on_meta)
     meta.materialize(
         model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module, fill=fill
     )
@@ -91,12 +94,13 @@ def build_parallel_model(tokenizer: Any, settings: Settings, info: DistInfo) -> 
     return _wrap(model, settings, info)
 
 
-def _fill_sharded(model: nn.Module, loader: Any, rng: Tensor, where: str) -> None:
-    """Each rank reads its shards; any rank's bad tensor is one UserError on every rank; then the
-    adapters, drawn from the seeded state as an eager `from_pretrained` + `apply_lora` draws them."""
+def _fill_sharded(model: nn.Module, loader: Any, rng: Tensor, where: str, buffers: set[str]) -> None:
+    """Each rank recomputes the skeleton's meta buffers and reads its shards; any rank's bad tensor is one
+    UserError on every rank; then the adapters, drawn from the seeded state as peft draws them."""
+    meta.recompute_buffers(model, buffers)
     agree_on_errors(loader.load(model), f"model.pretrained_model_name_or_path={where}")
     torch.set_rng_state(rng)
-    init_lora_weights(model)
+    init_lora_weights(model, like_peft=True)  # the adapters the rank-0 path's eager build held
 
 
 def _master(model: nn.Module, settings: Settings) -> nn.Module:
