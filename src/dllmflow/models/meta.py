@@ -198,9 +198,10 @@ def apply_seeded_init(
 
 @torch.no_grad()
 def recompute_buffers(model: nn.Module, names: set[str]) -> None:
-    """Recompute the buffers `names` (non-persistent ones a `from_pretrained` skeleton left on meta, e.g.
-    rotary `inv_freq`, garbage after `to_empty`) with the owning transformers model's `_init_weights`
-    on their module alone. Only parameter-free modules are visited, so nothing is drawn or overwritten."""
+    """Recompute the buffers `names` (ones a `from_pretrained` skeleton left on meta, e.g. rotary
+    `inv_freq`, an embedding's `embed_scale`, garbage after `to_empty`) with the owning transformers
+    model's `_init_weights` on their module alone. A module that also owns parameters gets them drawn
+    too: call this before the checkpoint fills them (and reset the RNG after, as `_fill_sharded` does)."""
     from transformers import PreTrainedModel
     from transformers import initialization as init
 
@@ -208,7 +209,7 @@ def recompute_buffers(model: nn.Module, names: set[str]) -> None:
     with init.guard_torch_init_functions():
         for prefix, module in model.named_modules():
             own = {f"{prefix}.{b}" if prefix else b for b in module._buffers}
-            if not own & names or module._parameters:
+            if not own & names:
                 continue
             owner_name = max((o for o in owners if prefix.startswith(o)), key=len)
             owner = owners[owner_name]

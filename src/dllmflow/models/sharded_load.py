@@ -19,6 +19,7 @@ a collective for one that failed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -52,24 +53,27 @@ class ShardedLoader:
     def load(self, model: nn.Module) -> list[str]:
         """Fill every target of the materialised `model` with its slice; the errors met (this rank's),
         never raises for a tensor."""
-        from safetensors import safe_open
-
         errors = list(self.errors)
         state = _unique_state(model)
-        by_file: dict[Path, list[tuple[str, Tensor]]] = {}
         for name, key in self.targets.items():
-            by_file.setdefault(self.files[key], []).append((key, state[name]))
-        for path, items in by_file.items():
-            with safe_open(path, framework="pt") as f:
-                for key, dst in items:
-                    try:
-                        _fill(dst, f.get_slice(key))
-                    except Exception as e:  # noqa: BLE001 - any read failure becomes that tensor's error
-                        errors.append(f"{key}: cannot read it ({type(e).__name__}: {e})")
-                        continue
-                    if dst.is_floating_point() and not bool(torch.isfinite(_local(dst)).all()):
-                        errors.append(f"{key}: holds non-finite values (NaN or inf)")
+            dst = state[name]
+            try:
+                finite = _fill(dst, self.files[key], key, self._offsets(self.files[key]))
+            except Exception as e:  # noqa: BLE001 - any read failure becomes that tensor's error
+                errors.append(f"{key}: cannot read it ({type(e).__name__}: {e})")
+                continue
+            if not finite:
+                errors.append(f"{key}: holds non-finite values (NaN or inf)")
         return errors
+
+    def _offsets(self, path: Path) -> tuple[int, dict]:
+        """(where the data starts, the file's header) of a safetensors file, read once."""
+        cache = self.__dict__.setdefault("_headers", {})
+        if path not in cache:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                cache[path] = (8 + length, json.loads(f.read(length)))
+        return cache[path]
 
 
 def sharded_loader(model: nn.Module, ckpt: str | os.PathLike) -> ShardedLoader | None:
@@ -134,21 +138,67 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "device_mesh") else t.data
 
 
-def _fill(dst: Tensor, source) -> None:
-    """Copy the slice of `source` (a safetensors slice of the full tensor) that `dst` holds locally."""
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+CHUNK_BYTES = 1 << 20  # bytes read per call: bounds the transients (dtype conversion, finiteness check)
+
+
+def _fill(dst: Tensor, path: Path, key: str, offsets: tuple[int, dict]) -> bool:
+    """Copy into `dst` the rows of tensor `key` that it holds locally (all of them unless it is an
+    FSDP2 `Shard(0)` DTensor); whether they are all finite. The rows are one contiguous byte range of the
+    file, read in chunks with plain reads straight into the shard (no mapping of the file, no full-tensor
+    copy, each chunk checked as it lands); anything else (another placement, a dtype torch cannot view)
+    goes through safetensors' `get_slice`."""
     local = _local(dst)
+    start = 0
     if hasattr(dst, "device_mesh"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
         if 0 in shape:  # a rank past the last row holds nothing
-            return
-        rows = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    else:
-        rows = tuple(slice(0, s) for s in dst.shape)
-    part = source[rows] if rows else source[:]
-    with torch.no_grad():
-        local.copy_(part.to(local.dtype))
+            return True
+        if list(offset[1:]) != [0] * (len(offset) - 1) or list(shape[1:]) != list(dst.shape[1:]):
+            return _fill_by_slice(local, path, key, offset, shape)
+        start = offset[0]
+    base, header = offsets
+    dtype = header[key]["dtype"]
+    if local.dim() == 0 or dtype not in TORCH_DTYPES or not local.is_contiguous():
+        return _fill_by_slice(local, path, key, [start] + [0] * (local.dim() - 1), list(local.shape))
+    src = TORCH_DTYPES[dtype]
+    row_bytes = math.prod(local.shape[1:]) * src.itemsize
+    first = base + header[key]["data_offsets"][0] + start * row_bytes
+    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    finite = True
+    with open(path, "rb", buffering=0) as f, torch.no_grad():
+        for r in range(0, local.shape[0], step):
+            rows = local[r : r + step]
+            f.seek(first + r * row_bytes)
+            if rows.dtype == src:
+                _read_exactly(f, rows.view(-1).view(torch.uint8).numpy(), path)
+            else:
+                buf = bytearray(rows.shape[0] * row_bytes)
+                _read_exactly(f, memoryview(buf), path)
+                rows.copy_(torch.frombuffer(buf, dtype=src).view(rows.shape))
+            finite = finite and (not rows.is_floating_point() or bool(torch.isfinite(rows).all()))
+    return finite
+
+
+def _read_exactly(f, buf, path: Path) -> None:
+    view, done = memoryview(buf).cast("B"), 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise OSError(f"{path}: ends before the tensor's bytes")
+        done += n
+
+
+def _fill_by_slice(local: Tensor, path: Path, key: str, offset, shape) -> bool:
+    from safetensors import safe_open
+
+    rows = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    with safe_open(path, framework="pt") as f, torch.no_grad():  # one mapping per tensor: its pages go
+        source = f.get_slice(key)
+        local.copy_((source[rows] if rows else source[:]).to(local.dtype))
+    return not local.is_floating_point() or bool(torch.isfinite(local).all())
 
 
 def _unique_state(model: nn.Module) -> dict[str, Tensor]:
