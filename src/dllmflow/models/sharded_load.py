@@ -305,9 +305,15 @@ def pretrained_dir(name: str) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name, local_files_only=True))
+        snapshot = Path(snapshot_download(name, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached / not a repo id
         return None
+    index = snapshot / SAFETENSORS_INDEX
+    if index.is_file():  # a snapshot cached in part (config only, some shards): the rank-0 path downloads
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        if not all((snapshot / f).is_file() for f in shards):
+            return None
+    return snapshot
 
 
 __all__ = ["ShardedLoader", "agree_on_errors", "agree_on_loader", "pretrained_dir", "sharded_loader"]
