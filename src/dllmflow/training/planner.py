@@ -326,6 +326,10 @@ def offline_skeletons() -> Iterator[dict[str, str]]:
     not exist: a config.json suffices), built with the same dtype / attention / config overrides.
     Configs missing locally come from the shipped ones; the dict yielded says, per model, from where."""
     import huggingface_hub.constants as hub
+
+    # transformers gives each auto class its own copy of `from_pretrained` when that class is first
+    # built: build them all now, so each is patched below and none built inside the block keeps it
+    import transformers.models.auto.modeling_auto  # noqa: F401
     from transformers import PreTrainedModel
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
@@ -344,20 +348,32 @@ def offline_skeletons() -> Iterator[dict[str, str]]:
             return cls.from_config(config, trust_remote_code=trust, **build)
         return cls._from_config(config, **build)
 
-    saved = PreTrainedModel.__dict__["from_pretrained"], _BaseAutoModelClass.__dict__["from_pretrained"]
+    # every class holding its own `from_pretrained` (the auto classes each hold a copy) is patched
+    owners = [PreTrainedModel, _BaseAutoModelClass]
+    owners += [c for c in _subclasses(_BaseAutoModelClass) if "from_pretrained" in c.__dict__]
+    saved = {c: c.__dict__["from_pretrained"] for c in owners}
     offline, env = hub.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
     hub.HF_HUB_OFFLINE, os.environ["HF_HUB_OFFLINE"] = True, "1"
-    PreTrainedModel.from_pretrained = _BaseAutoModelClass.from_pretrained = classmethod(skeleton)
+    for c in owners:
+        c.from_pretrained = classmethod(skeleton)
     try:
         with shipped_fallback() as sources:
             yield sources
     finally:
-        PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained = saved
+        for c, method in saved.items():
+            c.from_pretrained = method
         hub.HF_HUB_OFFLINE = offline
         if env is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
             os.environ["HF_HUB_OFFLINE"] = env
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
 
 
 # ---- 2) + 3) bytes per rank -------------------------------------------------------------------------
