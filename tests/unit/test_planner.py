@@ -4,6 +4,8 @@ LoRA trainable counts equal peft's, bad world sizes and hub ids without a local 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -129,7 +131,7 @@ def test_config_only_dir_counts_the_skeleton(tmp_path, capsys):
     assert any("not local" in n for n in count.notes)
 
 
-RECIPES = sorted(p.stem for p in __import__("pathlib").Path("params").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in Path("params").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -140,7 +142,7 @@ def test_plan_works_offline_for_every_recipe(recipe, tmp_path, monkeypatch):
     plan = planner.plan_memory(settings)
     assert plan.params > 0 and plan.peak > plan.weights
     pretrained = settings.model.pretrained_model_name_or_path
-    if pretrained and not __import__("pathlib").Path(pretrained).is_dir():
+    if pretrained and not Path(pretrained).is_dir():
         # the plan says where the config came from (shipped with dllmflow, here)
         assert any(n.startswith(f"config of {pretrained}: shipped ") for n in plan.notes), plan.notes
 
