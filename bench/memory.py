@@ -14,6 +14,11 @@
 3. step: peak RSS of one training step (forward, backward, AdamW) above the materialised model,
    `train.dtype` bfloat16 (FSDP2 MixedPrecisionPolicy) over float32, on the `--act-layers` model.
 
+4. pretrained load: peak RSS per rank (the larger of the two) over the fp32 bytes of the model while
+   `build_parallel_model` loads a pretrained safetensors dir (~`--load-mb` MB, written in a temp dir) at
+   2 ranks under FSDP2: each rank reading its own rows (models/sharded_load.py) and, for contrast, the
+   rank-0 path (rank 0 loads the whole model and broadcasts it). `--only-load` runs just this row.
+
 glibc is told to serve large blocks with mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the
 RSS and deltas measure what is live; peaks come from /proc/self/status VmHWM (reset via clear_refs).
 Beside each measured row it prints the memory planner's prediction (`dllmflow.training.planner`,
@@ -90,6 +95,58 @@ def build(layers: int, how: str, param_dtype=None, ac: str = "none"):
     return materialize(model, torch.device("cpu"), rng=rng)
 
 
+def write_pretrained(out: Path, target_mb: int) -> int:
+    """A Qwen3 checkpoint of about `target_mb` MB (fp32 safetensors, untied head) with a word-level
+    tokenizer of its exact vocabulary; returns its parameter count."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dllmflow.settings import load_settings
+    from dllmflow.training.planner import stand_in_tokenizer
+
+    vocab, hidden = 16000, 512
+    per_layer = 4 * hidden * hidden + 3 * hidden * 1536  # q/o 512x512, k/v 512x256 (= one 512x512), MLP
+    layers = max(1, (target_mb * 2**20 // 4 - 2 * vocab * hidden) // per_layer)
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=1536, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out)
+    stand_in_tokenizer(load_settings("params/tiny_mdlm.yaml").tokenizer, vocab).save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_worker(args) -> dict:
+    """Peak RSS of `build_parallel_model` loading `args.ckpt` (after a warm-up load of the same dir)."""
+    from dllmflow.data.tokenizer import build_tokenizer
+    from dllmflow.settings import load_settings
+    from dllmflow.training import parallelize
+    from dllmflow.training.distributed import init_distributed
+
+    if args.load_path == "rank0":  # the broadcast path: no rank reads its own shards
+        parallelize.sharded_loader = lambda model, ckpt: None
+    settings = load_settings(
+        "params/tiny_mdlm.yaml",
+        model={"tiny": None, "pretrained_model_name_or_path": args.ckpt},
+        tokenizer={"name_or_path": args.ckpt},
+        distributed={"strategy": "fsdp2"},
+    )
+    info = init_distributed(settings)
+    tokenizer = build_tokenizer(settings, [])
+    torch.manual_seed(0)
+    parallelize.build_parallel_model(tokenizer, settings, info)  # warm-up: imports, lazy loads (freed)
+    gc.collect()
+    base = rss()
+    reset_peak()
+    model = parallelize.build_parallel_model(tokenizer, settings, info)
+    out = {"load_peak": peak() - base, "params": sum(p.numel() for p in model.parameters())}
+    gathered = [None] * info.world_size
+    torch.distributed.all_gather_object(gathered, out)
+    torch.distributed.destroy_process_group()
+    return {k: max(g[k] for g in gathered) for k in out}
+
+
 def predictions(args) -> dict:
     """The planner's bytes for the rows it predicts, on the bench's own model (2 ranks, FSDP2, batch 1)."""
     from transformers import AutoModelForCausalLM
@@ -154,7 +211,7 @@ def worker(args) -> dict:
     return {k: max(g[k] for g in gathered) for k in out}
 
 
-def launch(args, how: str) -> dict:
+def launch(args, how: str, extra: tuple[str, ...] = ()) -> dict:
     """One torchrun launch of 2 ranks for one build; returns rank 0's JSON line."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,7 +220,7 @@ def launch(args, how: str) -> dict:
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(args.port),
             __file__, "--worker", "--build", how, "--layers", str(args.layers),
             "--act-layers", str(args.act_layers if how == "meta" else 0), "--seq", str(args.seq),
-            "--out", str(result),
+            "--out", str(result), *extra,
         ]  # fmt: skip
         subprocess.run(cmd, check=True, env=env)
         return json.loads(result.read_text())
@@ -178,11 +235,31 @@ def main() -> None:
     p.add_argument("--worker", action="store_true")
     p.add_argument("--build", default="meta")
     p.add_argument("--out", default=None)
+    p.add_argument("--load-mb", type=int, default=100, help="size of the pretrained checkpoint of row 4")
+    p.add_argument("--only-load", action="store_true", help="run only the pretrained-load row")
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--load-path", default="sharded")
     args = p.parse_args()
     if args.worker:
-        res = worker(args)
+        res = load_worker(args) if args.ckpt else worker(args)
         if int(os.environ["RANK"]) == 0:
             Path(args.out).write_text(json.dumps(res))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        n = write_pretrained(Path(tmp) / "ckpt", args.load_mb)
+        loads = {
+            path: launch(args, "meta", ("--ckpt", str(Path(tmp) / "ckpt"), "--load-path", path))
+            for path in ("sharded", "rank0")
+        }
+    load_rows = [
+        (f"pretrained load: {n / 1e6:.1f}M params, {4 * n / 2**20:.0f} MB fp32 safetensors", ""),
+        ("  load peak RSS per rank / fp32 model, sharded", f"{loads['sharded']['load_peak'] / (4 * n):.2f}   (goal <= 0.6)"),
+        ("  load peak RSS per rank / fp32 model, rank-0 broadcast", f"{loads['rank0']['load_peak'] / (4 * n):.2f}"),
+    ]  # fmt: skip
+    if args.only_load:
+        width = max(len(r[0]) for r in load_rows)
+        for name, value in load_rows:
+            print(f"{name:<{width}}  {value}")
         return
     eager, meta = launch(args, "eager"), launch(args, "meta")
     full = 4 * meta["params"]
@@ -211,6 +288,7 @@ def main() -> None:
         ):
             rows.append((f"  {label}", f"{meta[key] / gib:.3f} / {pred[key] / gib:.3f} = "
                                        f"{meta[key] / pred[key]:.2f}"))  # fmt: skip
+    rows += load_rows
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

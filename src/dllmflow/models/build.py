@@ -19,6 +19,7 @@ import torch
 from dllmflow.errors import UserError
 from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
 from dllmflow.models.meta import on_meta, pretrained_kwargs
+from dllmflow.models.shipped_configs import planned_from_shipped, resolve_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -37,10 +38,32 @@ def build_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> PreTr
         return model.to(dtype)
     model = _from_pretrained(settings, dtype)
     # A tokenizer that gained specials (<mask>, <pad>) needs rows for them in the embedding.
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        check_new_rows_train(model, settings, tokenizer, rows)
         model.resize_token_embeddings(len(tokenizer))
     _set_token_ids(model.config, tokenizer)
     return model
+
+
+def check_new_rows_train(model: PreTrainedModel, settings: Settings, tokenizer, rows: int) -> None:
+    """Tokens the checkpoint has no embedding row for (a <mask> added to a tokenizer that had none) get
+    new, untrained rows. Full fine-tuning trains them; LoRA freezes the embedding, so it must list the
+    input embedding in `peft.modules_to_save` (trained in full), else a UserError naming the field."""
+    peft = settings.peft
+    if peft is None or not peft.enabled:
+        return
+    embedding = model.get_input_embeddings()
+    name = next(n for n, m in model.named_modules() if m is embedding)
+    if any(entry in (name, name.rpartition(".")[2]) for entry in peft.modules_to_save):
+        return
+    new = tokenizer.convert_ids_to_tokens(list(range(rows, len(tokenizer))))
+    raise UserError(
+        f"peft.modules_to_save: the tokenizer has {len(new)} token(s) the checkpoint has no embedding row for "
+        f"({', '.join(map(repr, new[:4]))}: e.g. a mask token added because the tokenizer had none); LoRA "
+        f"would leave their new rows untrained: add {name.rpartition('.')[2]!r} to peft.modules_to_save "
+        f"(a tied lm_head stays tied), or set dllm.mask_token_id to a token the checkpoint already has"
+    )
 
 
 def build_tiny_model(
@@ -73,7 +96,7 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
     cfg = settings.model
     name = cfg.pretrained_model_name_or_path
     field = "model.pretrained_model_name_or_path"
-    if _looks_local(name) and not Path(name).expanduser().exists():
+    if _looks_local(name) and not Path(name).expanduser().exists() and not planned_from_shipped(name):
         raise UserError(f"{field}={name!r}: no such directory; point it at a model dir or a hub id")
     # under models.meta.build_on_meta: the skeleton only, no weight read
     kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, **pretrained_kwargs()}
@@ -83,18 +106,26 @@ def _from_pretrained(settings: Settings, dtype: torch.dtype) -> PreTrainedModel:
         kwargs["gguf_file"] = cfg.gguf_file
     else:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    for knob in ("dlm_paradigm", "block_size", "canvas_length"):
-        if getattr(cfg, knob) is not None:
-            kwargs[knob] = getattr(cfg, knob)
+    knobs = {
+        k: getattr(cfg, k)
+        for k in ("dlm_paradigm", "block_size", "canvas_length")
+        if getattr(cfg, k) is not None
+    }
     # Weights read (not the meta skeleton): a local dir's files are checked whole first, then the load
     # report names damaged tensors (models/integrity.py). On meta no weight is read; rank 0's eager
     # build, whose state dict fills the skeleton, is the one checked.
     check = not on_meta()
     local = not cfg.gguf_file and Path(name).expanduser().is_dir()
     header = check_checkpoint_files(name) if check and local else {}
+    # a reshaped tensor is reported by name (the check below, or models/sharded_load.py on meta)
+    kwargs["ignore_mismatched_sizes"] = True
     if check:
-        kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
+        kwargs["output_loading_info"] = True
     try:
+        if knobs:
+            # family knobs go on the config: a class whose config lacks one would get it as an init kwarg
+            gguf = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+            kwargs["config"] = resolve_config(name, trust_remote_code=cfg.trust_remote_code, **gguf, **knobs)
         loaded = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         hint = " (set model.trust_remote_code: true)" if "trust_remote_code" in str(e) else ""

@@ -21,7 +21,6 @@ Parameter names follow the published DFlash drafts (`fc`, `hidden_norm`, `layers
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dllmflow.errors import UserError
 from dllmflow.models.meta import pretrained_kwargs
+from dllmflow.models.shipped_configs import config_dict
 
 
 class DFlashDraftConfig(Qwen3Config):
@@ -235,13 +235,12 @@ AutoModel.register(DFlashDraftConfig, DFlashDraftModel, exist_ok=True)
 
 
 def read_draft_config_dict(path: str | Path) -> dict:
-    """The raw config.json of a draft dir (no class resolution, so no remote code runs)."""
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise UserError(
-            f"{cfg_file}: draft config not found; point model.pretrained_model_name_or_path at a draft dir"
-        )
-    return json.loads(cfg_file.read_text())
+    """The raw config.json of a draft (a local dir or a hub id; no class resolution, so no remote code
+    runs)."""
+    try:
+        return config_dict(str(path))
+    except UserError as e:
+        raise UserError(f"model.pretrained_model_name_or_path: draft {e}; point it at a draft dir") from None
 
 
 def draft_config_from_dict(raw: dict) -> DFlashDraftConfig:

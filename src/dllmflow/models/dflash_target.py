@@ -32,6 +32,7 @@ from dllmflow.models.dflash_draft import (
 )
 from dllmflow.models.mask_id import find_mask_id
 from dllmflow.models.meta import off_meta
+from dllmflow.models.shipped_configs import planned_from_shipped, resolve_config
 
 TINY_TARGET_PREFIX = "tiny:"
 MASK_TOKEN = "<|MASK|>"
@@ -110,7 +111,11 @@ def resolve_target_path(target_model_id: str, tokenizer) -> str:
     if target_model_id.startswith(TINY_TARGET_PREFIX):
         return str(build_tiny_target(target_model_id[len(TINY_TARGET_PREFIX) :], tokenizer))
     looks_local = target_model_id.startswith((".", "/", "~")) or Path(target_model_id).exists()
-    if looks_local and not Path(target_model_id).expanduser().is_dir():
+    if (
+        looks_local
+        and not Path(target_model_id).expanduser().is_dir()
+        and not planned_from_shipped(target_model_id)
+    ):
         raise UserError(f"dflash.target_model_id={target_model_id!r}: no such directory")
     return target_model_id
 
@@ -141,8 +146,6 @@ def build_dflash_draft(settings, tokenizer) -> nn.Module:
     """The trainable DFlash draft (the mode's model builder): a draft checkpoint
     (`model.pretrained_model_name_or_path`) or a fresh draft of ours shaped like the target with
     `dflash.num_draft_layers` layers, its mask id resolved as the strategy resolves it."""
-    from transformers import AutoConfig
-
     dcfg, mcfg = settings.dflash, settings.model
     path = resolve_target_path(dcfg.target_model_id, tokenizer)
     mask_id = resolve_mask_token_id(settings.dllm.mask_token_id, tokenizer, path)
@@ -155,7 +158,7 @@ def build_dflash_draft(settings, tokenizer) -> nn.Module:
             "dflash.block_size is 0 (read from the draft config) but there is no draft checkpoint "
             "(model.pretrained_model_name_or_path); set dflash.block_size >= 2"
         )
-    tcfg = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
+    tcfg = resolve_config(path, trust_remote_code=mcfg.trust_remote_code)
     vocab = (tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg).vocab_size
     cfg = build_draft_config(
         tcfg,

@@ -47,6 +47,7 @@ from transformers.models.diffusion_gemma.modeling_diffusion_gemma import (
 
 from dllmflow.errors import UserError
 from dllmflow.models.meta import pretrained_kwargs
+from dllmflow.models.shipped_configs import resolve_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -245,9 +246,10 @@ def _from_pretrained(settings: Settings) -> DiffusionGemmaForBlockDiffusionTrain
         "attn_implementation": cfg.attn_implementation,
         **pretrained_kwargs(),  # under models.meta.build_on_meta: the skeleton only
     }
-    if cfg.canvas_length is not None:
-        kwargs["canvas_length"] = cfg.canvas_length
     try:
+        if cfg.canvas_length is not None:
+            # on the config: from_pretrained hands a top-level knob to the generation config, which refuses it
+            kwargs["config"] = resolve_config(name, canvas_length=cfg.canvas_length)
         model = DiffusionGemmaForBlockDiffusionTraining.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         raise UserError(

@@ -138,18 +138,24 @@ def is_adapter_module(name: str) -> bool:
     return name.startswith("lora_") or name == "modules_to_save"
 
 
-def init_lora_weights(model: nn.Module) -> None:
+def init_lora_weights(model: nn.Module, like_peft: bool = False) -> None:
     """Fill adapters of a model materialised by a seeded replay that skipped them (`is_adapter_module`):
     A ~ kaiming-uniform (peft's init) drawn from the global RNG in module order on full CPU tensors,
-    B = 0 (so training starts from the base model), and each trainable copy = its original module."""
+    B = 0 (so training starts from the base model), and each trainable copy = its original module.
+    `like_peft`: draw exactly as peft's eager injection does (each adapter's two `nn.Linear`
+    constructions draw first, then A's kaiming): the adapters `apply_lora` gives a loaded pretrained model."""
     from dllmflow.models.meta import copy_full
+
+    def kaiming(shape) -> torch.Tensor:
+        full = torch.empty(shape, dtype=torch.float32)
+        return nn.init.kaiming_uniform_(full, a=math.sqrt(5))
 
     with torch.no_grad():
         for module in model.modules():
-            for a in getattr(module, "lora_A", {}).values():
-                full = torch.empty(a.weight.shape, dtype=torch.float32)
-                nn.init.kaiming_uniform_(full, a=math.sqrt(5))
-                copy_full(a.weight, full)
+            for key, a in getattr(module, "lora_A", {}).items():
+                if like_peft:
+                    kaiming(a.weight.shape), kaiming(module.lora_B[key].weight.shape)
+                copy_full(a.weight, kaiming(a.weight.shape))
             for b in getattr(module, "lora_B", {}).values():
                 b.weight.zero_()
             copies = getattr(module, "modules_to_save", None)

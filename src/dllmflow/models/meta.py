@@ -83,10 +83,12 @@ def materialize(
     state_dict: dict[str, Tensor] | None = None,
     buffers: dict[str, Tensor] | None = None,
     skip: Callable[[str], bool] | None = None,
+    fill: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Allocate the (possibly sharded) meta model on `device` and fill it: the full `state_dict`
-    (rank 0's under a process group, broadcast to the others; `buffers` = rank 0's non-persistent
-    buffers) or, when it is None, the seeded eager init replayed from the RNG state `rng`."""
+    """Allocate the (possibly sharded) meta model on `device` and fill it: `fill(model)` when given (each
+    rank reads its own shards: models/sharded_load.py), else the full `state_dict` (rank 0's under a
+    process group, broadcast to the others; `buffers` = rank 0's non-persistent buffers) or, when it is
+    None, the seeded eager init replayed from the RNG state `rng`."""
     shared = _shared_parameters(model)
     kept = {n: b.clone() for n, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
@@ -96,6 +98,9 @@ def materialize(
     for (owner, name), rest in shared.items():  # to_empty gives each module its own copy: re-tie
         for module, other in rest:
             setattr(module, other, getattr(owner, name))
+    if fill is not None:
+        fill(model)
+        return model
     if state_dict is None:
         apply_seeded_init(model, rng, skip)
         return model
@@ -189,6 +194,29 @@ def apply_seeded_init(
             _post_init_weights(module, prefix, tied, skip)
 
     construct(model, "")
+
+
+@torch.no_grad()
+def recompute_buffers(model: nn.Module, names: set[str]) -> None:
+    """Recompute the buffers `names` (ones a `from_pretrained` skeleton left on meta, e.g. rotary
+    `inv_freq`, an embedding's `embed_scale`, garbage after `to_empty`) with the owning transformers
+    model's `_init_weights` on their module alone. A module that also owns parameters gets them drawn
+    too: call this before the checkpoint fills them (and reset the RNG after, as `_fill_sharded` does)."""
+    from transformers import PreTrainedModel
+    from transformers import initialization as init
+
+    owners = {n: m for n, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    with init.guard_torch_init_functions():
+        for prefix, module in model.named_modules():
+            own = {f"{prefix}.{b}" if prefix else b for b in module._buffers}
+            if not own & names:
+                continue
+            owner_name = max((o for o in owners if prefix.startswith(o)), key=len)
+            owner = owners[owner_name]
+            module.__dict__.pop("_is_hf_initialized", None)
+            _on_full_tensors(
+                module, f"{prefix}.", set(), lambda m, o=owner: o._initialize_weights(m, o.is_custom_code())
+            )
 
 
 def _own_reset(module: nn.Module) -> bool:

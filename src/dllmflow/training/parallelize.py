@@ -7,9 +7,12 @@
 Order (torchtitan's): build on meta -> `apply_ac` -> `apply_compile` -> `apply_fsdp` (per decoder block,
 then the root; `train.dtype: bfloat16` -> `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`)
 -> materialise (`to_empty`) -> fill: a seeded random init bit-equal to the eager build (`models.meta`),
-or pretrained weights read by rank 0 and broadcast into the shards -> DDP for `distributed.strategy:
-ddp` (it replicates, so it wraps the materialised model). No rank holds the whole fp32 model it does not
-need; only rank 0 reads a pretrained checkpoint in full, and a GGUF file (no meta loader) is read eagerly.
+or pretrained weights -> DDP for `distributed.strategy: ddp` (it replicates, so it wraps the materialised
+model). Pretrained safetensors (a local dir or the HF cache) are read by every rank, each only the rows
+its shards hold (`models.sharded_load`; peak ~0.5x the fp32 model per rank at 2 ranks, bench/memory.py),
+adapters drawn as peft draws them. The rank-0 path (rank 0 loads the whole model and broadcasts it)
+stays for what that cannot read: a vocabulary resized past the checkpoint's rows, a class whose keys
+transformers converts, a hub id not in the cache (downloaded there); a GGUF file is read eagerly.
 
 Mixed precision (`train.dtype`, float32 by default): FSDP2 casts parameters to bf16 for compute and
 reduces gradients in fp32; DDP and a single process use autocast (CPU autocast supports bf16). The sharded
@@ -41,6 +44,7 @@ from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.errors import UserError
 from dllmflow.models import meta
 from dllmflow.models.lora import apply_lora, init_lora_weights, is_adapter_module
+from dllmflow.models.sharded_load import agree_on_errors, agree_on_loader, pretrained_dir, sharded_loader
 from dllmflow.training.distributed import DistInfo, apply_ddp, decoder_blocks
 
 if TYPE_CHECKING:
@@ -62,24 +66,49 @@ def build_parallel_model(tokenizer: Any, settings: Settings, info: DistInfo) -> 
     if settings.model.gguf_file:  # transformers has no meta loader for GGUF: the eager build, as before
         eager = apply_lora(_master(build_mode_model(settings, tokenizer), settings).to(info.device), settings)
         return _wrap(_transform(eager, settings, info), settings, info)
-    # 1) pretrained: rank 0 reads the checkpoint (seeded, so resized embedding rows match the eager build)
-    state = buffers = None
-    if settings.model.pretrained_model_name_or_path is not None:
-        state, buffers = {}, {}
-        if info.is_main:
-            eager = apply_lora(build_mode_model(settings, tokenizer), settings)
-            state, buffers = eager.state_dict(), meta.non_persistent_buffers(eager)
-            del eager
-    # 2) the skeleton, transforms and shards, no storage yet
+    # 1) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
         model = apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings)  # pre-shard
     model = _transform(model, settings, info)
+    # 2) pretrained: every rank reads its own shards from the safetensors (the same decision on every
+    #    rank: it reads only file headers), else rank 0 reads the whole checkpoint and broadcasts it
+    name = settings.model.pretrained_model_name_or_path
+    local = pretrained_dir(name) if name is not None else None
+    loader, error = None, None
+    try:
+        loader = sharded_loader(model, local) if local is not None else None
+    except UserError as e:  # a damaged file header: raised on every rank, not only where it was read
+        error = e
+    loader = agree_on_loader(loader, error)  # collective: one path for all ranks
+    state = buffers = None
+    if name is not None and loader is None:
+        state, buffers = {}, {}
+        if info.is_main:
+            torch.set_rng_state(rng)  # seeded, so resized embedding rows and adapters match the eager build
+            eager = apply_lora(build_mode_model(settings, tokenizer), settings)
+            state, buffers = eager.state_dict(), meta.non_persistent_buffers(eager)
+            del eager
     # 3) allocate this rank's part and fill it
-    meta.materialize(model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module)
-    if state is None:
+    on_meta = {n for n, b in model.named_buffers() if b.is_meta}  # from_pretrained's rotary tables
+    fill = None
+    if loader is not None:
+        fill = functools.partial(_fill_sharded, loader=loader, rng=rng, where=name, buffers=on_meta)
+    meta.materialize(
+        model, info.device, rng=rng, state_dict=state, buffers=buffers, skip=is_adapter_module, fill=fill
+    )
+    if state is None and fill is None:
         init_lora_weights(model)  # after the base draws, as an eager build then apply_lora draws them
     del state, buffers
     return _wrap(model, settings, info)
+
+
+def _fill_sharded(model: nn.Module, loader: Any, rng: Tensor, where: str, buffers: set[str]) -> None:
+    """Each rank recomputes the skeleton's meta buffers and reads its shards; any rank's bad tensor is one
+    UserError on every rank; then the adapters, drawn from the seeded state as peft draws them."""
+    meta.recompute_buffers(model, buffers)
+    agree_on_errors(loader.load(model), f"model.pretrained_model_name_or_path={where}")
+    torch.set_rng_state(rng)
+    init_lora_weights(model, like_peft=True)  # the adapters the rank-0 path's eager build held
 
 
 def _master(model: nn.Module, settings: Settings) -> nn.Module:

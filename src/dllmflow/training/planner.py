@@ -164,14 +164,15 @@ def count_model(settings) -> ModelCount:
     from dllmflow.models import meta
     from dllmflow.models.lora import apply_lora
 
-    with tempfile.TemporaryDirectory() as tmp, offline_skeletons():
+    with tempfile.TemporaryDirectory() as tmp, offline_skeletons() as sources:
         settings = _tiny_target_in(settings, tmp)
         tokenizer, note = planning_tokenizer(settings)
         strategy = build_strategy(settings)
         with meta.build_on_meta():
             model = apply_lora(build_mode_model(settings, tokenizer), settings)
         frozen = _frozen_target(settings, strategy, tokenizer)
-    return count_built(model, notes=(note,) if note else (), **frozen)
+    notes = ((note,) if note else ()) + tuple(f"config of {n}: {where}" for n, where in sources.items())
+    return count_built(model, notes=notes, **frozen)
 
 
 def count_built(model, **frozen: Any) -> ModelCount:
@@ -198,10 +199,12 @@ def _numel(params) -> int:
 def model_shape(model, num_blocks: int) -> ModelShape:
     cfg = model.config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    # the config's own (majority-layer) values: per-layer configs (DiffusionGemma's global layers) refuse getattr
+    own = cfg.to_dict()
     h = cfg.hidden_size
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or h // heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    heads = own.get("num_attention_heads") or cfg.num_attention_heads
+    head_dim = own.get("head_dim") or h // heads
+    kv = own.get("num_key_value_heads") or heads
     vocab = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return ModelShape(
         hidden=h,
@@ -264,6 +267,14 @@ def planning_tokenizer(settings) -> tuple[Any, str | None]:
             raise UserError(f"{name}: no tokenizer files")  # transformers would build an empty one
         return build_tokenizer(settings, []), None
     except UserError:
+        from dllmflow.models.shipped_configs import shipped_dir
+
+        if settings.model.pretrained_model_name_or_path is None and shipped_dir(name) is None:
+            # a tokenizer saved by a later stage (a bootstrapped tiny target) and a random model:
+            # the BPE it will be bootstrapped from has tokenizer.train_vocab_size tokens
+            size = settings.tokenizer.train_vocab_size
+            note = f"tokenizer {name!r} not built yet: {size} tokens assumed"
+            return stand_in_tokenizer(settings.tokenizer, size), note
         config = local_config(
             settings.model.pretrained_model_name_or_path or name, settings.model.trust_remote_code
         )
@@ -295,11 +306,12 @@ def stand_in_tokenizer(tcfg, size: int):
 
 
 def local_config(name: str, trust_remote_code: bool = False, **kwargs: Any):
-    """`AutoConfig` from a local dir or the HF cache; a clear UserError when there is none."""
-    from transformers import AutoConfig
+    """`AutoConfig` from a local dir, the HF cache or (inside `offline_skeletons`) the config shipped
+    with dllmflow (models/shipped_configs.py); a clear UserError when there is none."""
+    from dllmflow.models.shipped_configs import resolve_config
 
     try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+        return resolve_config(name, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
         raise UserError(
             f"{name!r}: no local config.json (the planner never downloads): fetch it first "
@@ -309,12 +321,19 @@ def local_config(name: str, trust_remote_code: bool = False, **kwargs: Any):
 
 
 @contextlib.contextmanager
-def offline_skeletons() -> Iterator[None]:
+def offline_skeletons() -> Iterator[dict[str, str]]:
     """No network, and every `from_pretrained` returns the skeleton of the local config (weights need
-    not exist: a config.json suffices), built with the same dtype / attention / config overrides."""
+    not exist: a config.json suffices), built with the same dtype / attention / config overrides.
+    Configs missing locally come from the shipped ones; the dict yielded says, per model, from where."""
     import huggingface_hub.constants as hub
+
+    # transformers gives each auto class its own copy of `from_pretrained` when that class is first
+    # built: build them all now, so each is patched below and none built inside the block keeps it
+    import transformers.models.auto.modeling_auto  # noqa: F401
     from transformers import PreTrainedModel
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    from dllmflow.models.shipped_configs import shipped_fallback
 
     def skeleton(cls, name, *args, **kwargs):
         config = kwargs.pop("config", None)
@@ -329,19 +348,32 @@ def offline_skeletons() -> Iterator[None]:
             return cls.from_config(config, trust_remote_code=trust, **build)
         return cls._from_config(config, **build)
 
-    saved = PreTrainedModel.__dict__["from_pretrained"], _BaseAutoModelClass.__dict__["from_pretrained"]
+    # every class holding its own `from_pretrained` (the auto classes each hold a copy) is patched
+    owners = [PreTrainedModel, _BaseAutoModelClass]
+    owners += [c for c in _subclasses(_BaseAutoModelClass) if "from_pretrained" in c.__dict__]
+    saved = {c: c.__dict__["from_pretrained"] for c in owners}
     offline, env = hub.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
     hub.HF_HUB_OFFLINE, os.environ["HF_HUB_OFFLINE"] = True, "1"
-    PreTrainedModel.from_pretrained = _BaseAutoModelClass.from_pretrained = classmethod(skeleton)
+    for c in owners:
+        c.from_pretrained = classmethod(skeleton)
     try:
-        yield
+        with shipped_fallback() as sources:
+            yield sources
     finally:
-        PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained = saved
+        for c, method in saved.items():
+            c.from_pretrained = method
         hub.HF_HUB_OFFLINE = offline
         if env is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
             os.environ["HF_HUB_OFFLINE"] = env
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
 
 
 # ---- 2) + 3) bytes per rank -------------------------------------------------------------------------
