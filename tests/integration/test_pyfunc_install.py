@@ -31,7 +31,8 @@ from dllmflow.settings import load_settings
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
 MODEL = "installs-itself"
-pytestmark = pytest.mark.slow
+# Out of the default run (pyproject addopts): `pytest -m env_build tests/integration/test_pyfunc_install.py`.
+pytestmark = [pytest.mark.slow, pytest.mark.env_build]
 
 # Nothing of this project, nor of the developer's settings, reaches the consumer.
 _DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "DLLMFLOW_", "DLLM_", "MLFLOW_")
