@@ -39,12 +39,21 @@ def prepared_dataset(settings: Settings, content_hash: str | None = None) -> Any
 
 
 def log_dataset_input(client: Any, run_id: str, dataset: Any, context: str = "training") -> None:
-    """`dataset` as an input of the run (MLflow skips one it already holds)."""
+    """`dataset` as an input of the run (MLflow skips one it already holds). Runs registering at once
+    all insert the experiment's one row for this dataset; the losers of that race (an integrity error,
+    which MLflow does not retry) find the row on a second try."""
     from mlflow.entities import DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
-    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags)])
+    for attempt in range(3):
+        try:
+            client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags)])
+            return
+        except MlflowException:
+            if attempt == 2:
+                raise
 
 
 def _source(prepared: str) -> Any:
