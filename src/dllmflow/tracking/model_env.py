@@ -109,6 +109,12 @@ def build_wheel(root: Path, workdir: Path) -> Path:
         if (root / name).is_file():
             shutil.copy2(root / name, stage / name)
     out = workdir / f"{PROJECT}-{_tree_hash(stage)[:12]}"
+    if out.name in _BUILT:  # the same sources built earlier in this process: the same wheel
+        name, data = _BUILT[out.name]
+        out.mkdir(parents=True)
+        (out / name).write_bytes(data)
+        shutil.rmtree(stage)
+        return out
     # Without build isolation when the running env has setuptools: nothing is downloaded.
     isolation = ["--no-build-isolation"] if _has_setuptools() else []
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(out), str(stage)]
@@ -119,7 +125,12 @@ def build_wheel(root: Path, workdir: Path) -> Path:
             "check that pip and setuptools>=77 are installed"
         )
     shutil.rmtree(stage)
+    wheel = next(out.glob(f"{PROJECT}-*.whl"))
+    _BUILT[out.name] = (wheel.name, wheel.read_bytes())
     return out
+
+
+_BUILT: dict[str, tuple[str, bytes]] = {}  # dir name (source hash) -> (wheel name, bytes), this process
 
 
 def _tree_hash(directory: Path) -> str:
