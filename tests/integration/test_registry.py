@@ -89,6 +89,7 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     client = MlflowClient(uri)
     run = client.get_run(run1)
     assert run.data.tags["data_content_hash"] == "abc" and run.data.params["dllm.mode"] == "mdlm"
+    assert [i.dataset.digest for i in run.inputs.dataset_inputs] == ["abc"]  # the lineage's data hash
     assert [m.value for m in client.get_metric_history(run1, "train/loss")] == [4.0, 3.0, 2.0]
     assert run.data.metrics["eval/llada/exact_match_flexible"] == 0.5
     # Same Metaflow pathspec -> the same MLflow run (a resumed flow does not fork the record).

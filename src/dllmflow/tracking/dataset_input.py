@@ -22,15 +22,16 @@ DIGEST_CHARS = 32  # MLflow's datasets.digest column is VARCHAR(36)
 
 
 def prepared_dataset(settings: Settings, content_hash: str | None = None) -> Any | None:
-    """The prepared data of `settings` as an `mlflow.data` MetaDataset, digest from the manifest in
-    `dataset.prepared_dir` (else `content_hash`, the flow's lineage); None when neither is known."""
+    """The prepared data of `settings` as an `mlflow.data` MetaDataset. Its digest: `content_hash` (the
+    flow's lineage, recorded when it prepared the data the model trained on), else the manifest now in
+    `dataset.prepared_dir`; None when neither is known."""
     from mlflow.data.meta_dataset import MetaDataset
 
     from dllmflow.data.prepare import read_manifest
 
     prepared = settings.dataset.prepared_dir
-    manifest = read_manifest(prepared) if "://" not in prepared else None
-    content_hash = (manifest or {}).get("content_hash") or content_hash
+    if not content_hash and "://" not in prepared:
+        content_hash = (read_manifest(prepared) or {}).get("content_hash")
     if not content_hash:
         return None
     data = settings.dataset

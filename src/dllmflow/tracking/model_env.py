@@ -10,9 +10,9 @@ project:
   `artifacts/dllmflow-<source hash>/`; `requirements.txt` names it by that relative path (MLflow runs
   pip from a copy of the model directory). The source hash is in the path because MLflow names a
   restored environment after its requirements' text: the same path for other code would reuse an env
-  holding the old code. `requirements.lock` travels as `constraints.txt` (`-c`), so every dependency,
-  transitive ones included, installs at the version CI tested; the runtime packages the pyfunc imports
-  are also listed by name with their locked versions.
+  holding the old code. `constraints.txt` (`-c`) holds the `requirements.lock` pins of every package
+  that dllmflow and the runtime packages pull in (`dependency_closure`), so each installs at the
+  version CI tested; the runtime packages the pyfunc imports are also listed by name, locked versions.
 * Installed without its source (a wheel from an index): `dllmflow==<version>` plus the running
   environment's versions of those runtime packages.
 
