@@ -1,9 +1,11 @@
 """Concurrent use: registrations racing on a fresh SQLite MLflow store all land with distinct versions
-(the store is created/migrated once, under a file lock: `tracking.mlflow_run.connect`), and two flow
+(the store is created/migrated once, under a file lock: `tracking.mlflow_run.connect`) and each with
+the one dataset input they all log (`tracking.dataset_input`), and two flow
 runs of one recipe never share a run dir (`runs.flow_run_dir` is keyed by the Metaflow run id)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from dllmflow.runs import flow_run_dir
 
 NAME = "conc-test"
 NUM_PROCS = 3
+DATA_HASH = "0123456789abcdef" * 4
 
 
 def test_two_flow_runs_of_one_recipe_get_distinct_run_dirs(tmp_path):
@@ -40,6 +43,9 @@ def run_dir(tmp_path_factory) -> Path:
     settings = load_settings(model={"tiny": {}})
     settings.write_json(run / "consolidated" / "settings.json")
     settings.write_json(run / "settings.json")
+    # Prepared data's manifest: each registration logs the same dataset input (one row, raced for).
+    (run / "prepared").mkdir()
+    (run / "prepared" / "manifest.json").write_text(json.dumps({"content_hash": DATA_HASH}))
     return run
 
 
@@ -49,7 +55,11 @@ def _register(uri: str, run_dir: str, queue) -> None:
         from dllmflow.settings import load_settings
         from dllmflow.tracking import mlflow_run, registry
 
-        s = load_settings(model={"tiny": {}}, registry={"tracking_uri": uri, "model_name": NAME})
+        s = load_settings(
+            model={"tiny": {}},
+            registry={"tracking_uri": uri, "model_name": NAME},
+            dataset={"prepared_dir": str(Path(run_dir) / "prepared")},
+        )
         run_id = mlflow_run.log_run(s, run_dir)
         version = registry.register_model(
             s, run_id, Path(run_dir) / "consolidated", sampler="llada", sampler_settings={"steps": 2}
@@ -75,5 +85,9 @@ def test_concurrent_registrations_on_a_fresh_sqlite_store_all_land(tmp_path, run
     assert not errors, errors
     run_ids, versions = {r[1] for r in results}, sorted(r[2] for r in results)
     assert len(run_ids) == NUM_PROCS and versions == list(range(1, NUM_PROCS + 1))
-    registered = MlflowClient(tracking_uri=uri, registry_uri=uri).search_model_versions(f"name='{NAME}'")
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    registered = client.search_model_versions(f"name='{NAME}'")
     assert sorted(int(v.version) for v in registered) == versions
+    for run_id in run_ids:  # each run names the one dataset as its input
+        inputs = client.get_run(run_id).inputs.dataset_inputs
+        assert [i.dataset.digest for i in inputs] == [DATA_HASH[:32]]

@@ -89,6 +89,7 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     client = MlflowClient(uri)
     run = client.get_run(run1)
     assert run.data.tags["data_content_hash"] == "abc" and run.data.params["dllm.mode"] == "mdlm"
+    assert [i.dataset.digest for i in run.inputs.dataset_inputs] == ["abc"]  # the lineage's data hash
     assert [m.value for m in client.get_metric_history(run1, "train/loss")] == [4.0, 3.0, 2.0]
     assert run.data.metrics["eval/llada/exact_match_flexible"] == 0.5
     # Same Metaflow pathspec -> the same MLflow run (a resumed flow does not fork the record).
@@ -193,3 +194,65 @@ def test_real_mlflow_server(tmp_path, consolidated):
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
+
+
+def test_registered_model_carries_its_own_environment_and_links_its_logged_model(tmp_path, consolidated):
+    """What `--env-manager virtualenv` installs (tests/integration/test_pyfunc_install.py builds it):
+    this project's wheel logged with the model, the lock's pins as constraints, no partial code_paths;
+    and MLflow 3's links: the version from its LoggedModel, which holds the run's eval metrics, named
+    with the prepared dataset that is the run's input."""
+    import mlflow
+    import yaml
+    from mlflow import MlflowClient
+
+    from dllmflow.data.prepare import read_manifest
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    prepared = str(consolidated.parents[1] / "prepared")
+    s = load_settings(
+        ROOT / "params" / "tiny_mdlm.yaml",
+        registry={"tracking_uri": uri, "model_name": "reg-test"},
+        dataset={"prepared_dir": prepared, "limit": 24},
+    )
+    run = mlflow_run.log_run(s, consolidated.parent, evals=_evals(0.5), lineage={"metaflow_run": "E/1"})
+    v = registry.register_model(s, run, consolidated, sampler="llada", sampler_settings={"steps": 8})
+
+    model_dir = Path(mlflow.artifacts.download_artifacts(v.source, dst_path=str(tmp_path / "model")))
+    reqs = (model_dir / "requirements.txt").read_text().splitlines()
+    wheels = [r.removeprefix("./") for r in reqs if r.endswith(".whl")]  # a path relative to the model
+    assert len(wheels) == 1 and wheels[0].startswith("artifacts/dllmflow-"), reqs
+    wheel = model_dir / wheels[0]
+    assert wheel.is_file() and wheel.name == "dllmflow-0.1.0-py3-none-any.whl"
+    import zipfile
+
+    packaged = zipfile.ZipFile(wheel).namelist()
+    ours = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "dllmflow").rglob("*.py")}
+    assert ours <= set(packaged), sorted(ours - set(packaged))[:5]  # the whole package, not a part
+    assert not (model_dir / "code").exists()  # no code_paths: the wheel is the code
+    assert "-c constraints.txt" in reqs
+    lock = dict(
+        line.split("==", 1) for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line
+    )
+    constraints = dict(line.split("==", 1) for line in (model_dir / "constraints.txt").read_text().split())
+    assert constraints["torch"] == lock["torch"] and constraints["mlflow"] == lock["mlflow"]
+    assert all(lock[name] == version for name, version in constraints.items())
+    assert "pytest" not in constraints and "ruff" not in constraints  # dev tools are not installed
+    assert f"torch=={lock['torch']}" in reqs and f"transformers=={lock['transformers']}" in reqs
+    env = yaml.safe_load((model_dir / "python_env.yaml").read_text())
+    assert env["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert env["dependencies"] == ["-r requirements.txt"]
+
+    client = MlflowClient(uri)
+    model_id = v.source.removeprefix("models:/")
+    logged = client.get_logged_model(model_id)
+    assert logged.source_run_id == run == v.run_id
+    assert {"name": "reg-test", "version": int(v.version)} in json.loads(logged.tags["mlflow.modelVersions"])
+    digest = read_manifest(prepared)["content_hash"][:32]
+    metrics = {m.key: m for m in logged.metrics}
+    assert metrics["eval/llada/exact_match_flexible"].value == 0.5
+    assert metrics["eval/llada/exact_match_flexible"].dataset_digest == digest
+    assert (metrics["train/loss"].step, metrics["train/loss"].value) == (3, 2.0)  # the final training loss
+    inputs = client.get_run(run).inputs.dataset_inputs
+    assert [(i.dataset.digest, {t.key: t.value for t in i.tags}["mlflow.data.context"]) for i in inputs] == [
+        (digest, "training")
+    ]

@@ -23,6 +23,7 @@ from typing import Any
 from dllmflow.errors import UserError
 from dllmflow.runs import RunLayout, read_metrics
 from dllmflow.settings import Settings
+from dllmflow.tracking.dataset_input import log_dataset_input, prepared_dataset
 from dllmflow.training.live import (
     MAX_BATCH_METRICS,
     create_run,
@@ -123,6 +124,9 @@ def log_run(
         run_id = open_run(settings, lineage=lineage, run_name=run_name)
     client = MlflowClient()
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in _run_tags(settings, lineage).items()])
+    dataset = prepared_dataset(settings, lineage.get("data_content_hash"))
+    if dataset is not None:  # MLflow 3: the run's input; the eval metrics name it too (log_eval)
+        log_dataset_input(client, run_id, dataset)
     backfill_train_metrics(client, run_id, run_dir)
     settings_json = RunLayout(run_dir).settings_json
     if settings_json.is_file():
@@ -137,13 +141,17 @@ def log_run(
 
 
 def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, Any]) -> None:
-    """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics and the JSON result."""
+    """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics (step 0; registration
+    links them to the logged model and the dataset), the JSON result, and the prepared data as the
+    run's dataset input when it is readable here."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
     connect(settings)
     client = MlflowClient()
     now = int(time.time() * 1000)
+    if (dataset := prepared_dataset(settings)) is not None:
+        log_dataset_input(client, run_id, dataset)
     metrics = [
         Metric(f"eval/{sampler}/{k}", float(v), now, 0)
         for k, v in result.get("metrics", {}).items()

@@ -26,7 +26,9 @@ from typing import Any
 
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings
+from dllmflow.tracking.dataset_input import log_dataset_input, prepared_dataset
 from dllmflow.tracking.mlflow_run import connect
+from dllmflow.tracking.model_env import build_model_env
 from dllmflow.tracking.pyfunc_runtime import SPECULATIVE, build_signature
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -82,27 +84,60 @@ def register_model(
     with tempfile.TemporaryDirectory() as tmp:
         gen_path = Path(tmp) / "generation.json"
         gen_path.write_text(json.dumps(generation, indent=2))
+        env = build_model_env(tmp)  # the model installs dllmflow itself: no code_paths (tracking.model_env)
         with mlflow.start_run(run_id=run_id):
             # What `mlflow.pyfunc.log_model` does, without MLflow's serving check (see _PYFUNC_FLAVOR).
+            # `step`: the training step that made the model; MLflow links the run's metrics at that
+            # step (the final training loss) to it. The eval metrics (step 0) are linked below, with
+            # their dataset, which the link MLflow makes would drop.
             info = Model.log(
+                step=_final_step(client, run_id, settings),
                 artifact_path=None,  # deprecated in favour of `name`, still a required argument
                 name="model",
                 flavor=_PYFUNC_FLAVOR,
                 flavor_name="pyfunc.ModelFromCode",  # what pyfunc.log_model records for a code model
                 validate_serving_input=False,
                 python_model=str(Path(__file__).with_name("pyfunc.py")),
-                artifacts={**artifacts, "generation": str(gen_path)},
-                code_paths=[str(Path(__file__).parent)],
+                artifacts={**artifacts, "generation": str(gen_path), **env.artifacts},
                 signature=build_signature(sampler, sampler_settings),
                 input_example=["What is 2 + 3?"],
-                pip_requirements=_pip_requirements(),
+                pip_requirements=env.pip_requirements,
             )
+    _link_eval_metrics(client, run_id, info.model_id, settings)
     tags = {"run_id": run_id, "sampler": sampler}
     if setting is not None:
         tags["setting"] = json.dumps(setting, sort_keys=True)
-    version = mlflow.register_model(info.model_uri, name, tags=tags)
+    # From the LoggedModel (models:/<model_id>): the version links to it, its metrics and its run.
+    version = mlflow.register_model(f"models:/{info.model_id}", name, tags=tags)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
     return client.get_model_version(name, version.version)
+
+
+def _final_step(client: Any, run_id: str, settings: Settings) -> int:
+    """The last training step the run recorded (else the recipe's), never 0 where the evals are."""
+    history = client.get_metric_history(run_id, "train/loss")
+    return max((m.step for m in history), default=0) or max(int(settings.train.max_steps), 1)
+
+
+def _link_eval_metrics(client: Any, run_id: str, model_id: str, settings: Settings) -> None:
+    """The run's `eval/...` metrics, linked to the logged model and (MLflow 3) to the prepared dataset
+    they were measured on, which also becomes the run's input. Same values and timestamps: the run's
+    own history gains nothing."""
+    from mlflow.entities import Metric
+
+    run = client.get_run(run_id)
+    dataset = prepared_dataset(settings, run.data.tags.get("data_content_hash"))
+    on = {}
+    if dataset is not None:
+        log_dataset_input(client, run_id, dataset)
+        on = {"dataset_name": dataset.name, "dataset_digest": dataset.digest}
+    metrics = [
+        Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id, **on)
+        for key in run.data.metrics
+        if key.startswith("eval/")
+        for m in client.get_metric_history(run_id, key)
+    ]
+    client.log_batch(run_id, metrics=metrics)
 
 
 def _save_pyfunc(path: str, mlflow_model: Any, validate_serving_input: bool = True, **kwargs: Any) -> None:
@@ -138,18 +173,6 @@ def _version_of_run(client: Any, name: str, run_id: str) -> Any | None:
     except MlflowException:
         return None
     return min(versions, key=lambda v: int(v.version)) if versions else None
-
-
-def _pip_requirements() -> list[str]:
-    from importlib.metadata import version
-
-    pins = []
-    for pkg in ("torch", "transformers", "safetensors", "tokenizers", "mlflow", "pydantic-settings"):
-        try:
-            pins.append(f"{pkg}=={version(pkg).split('+')[0]}")
-        except Exception:
-            continue
-    return pins
 
 
 # ---- the gate ------------------------------------------------------------------------------------------
