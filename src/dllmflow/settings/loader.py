@@ -136,11 +136,6 @@ class Settings(BaseSettings):
                 "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
             )
         self.dataset.check_packing(self.dllm)
-        if self.eval.untrained_baseline and self.model.tiny is None:
-            raise ValueError(
-                "eval.untrained_baseline: only for a tiny random model (model.tiny); a pretrained model's "
-                "baseline is the base model: dllmflow evaluate --checkpoint <base>"
-            )
         gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         world = self.launch.nnodes * self.launch.nproc_per_node
         if gbs % (lbs * world):

@@ -137,7 +137,9 @@ def log_run(
 
 
 def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, Any]) -> None:
-    """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics and the JSON result."""
+    """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics (the model before training,
+    `eval.untrained_baseline`, as `eval/<sampler>/before/<metric>`; the AR base, `eval.ar_baseline`, is
+    the evaluation `ar`) and the JSON result."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
@@ -147,6 +149,11 @@ def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, An
     metrics = [
         Metric(f"eval/{sampler}/{k}", float(v), now, 0)
         for k, v in result.get("metrics", {}).items()
+        if is_number(v)
+    ]
+    metrics += [
+        Metric(f"eval/{sampler}/before/{k}", float(v), now, 0)
+        for k, v in result.get("baseline", {}).get("metrics", {}).items()
         if is_number(v)
     ]
     client.log_batch(run_id, metrics=metrics)
