@@ -84,6 +84,13 @@ def calibrate(recipe: str, overrides: dict, run_dir: Path) -> float:
     return train_figures(run_dir / "calibration")["s_per_step"]
 
 
+def _children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def row(label: str, metrics: dict) -> dict:
     return {"model": label, **{k: metrics.get(k) for k in ("exact_match_flexible", "exact_match_strict",
                                                           "tokens_per_s", "nfe", "num_examples")}}  # fmt: skip
@@ -130,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"calibration: {s_step:.1f} s/step -> {steps} steps in {args.minutes:g} min", flush=True)
         s = load_settings(args.recipe, **overrides, train={"max_steps": steps, "warmup_steps": min(
             s.train.warmup_steps, max(1, steps // 10))}, checkpoint={"every_steps": steps})  # fmt: skip
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _children_cpu_s()
         finetune.train(s, str(train_dir))
         out["train_wall_s"] = time.perf_counter() - t0  # torchx launch + model load + steps + export
+        # CPU seconds of the training processes (waited-for descendants): on a shared machine, CPU / 2
+        # bounds what 2 quiet cores would take (wall >= CPU / cores)
+        out["train_cpu_s"] = _children_cpu_s() - cpu0
     out["train"] = train_figures(train_dir)
 
     rows = []
@@ -159,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(ratio {t['peak_rss_gib'] / out['plan']['peak_gib']:.2f})"
         )
         if "train_wall_s" in out:
-            print(f"training wall time {out['train_wall_s'] / 60:.1f} min (launch, load, steps, export)")
+            print(f"training wall time {out['train_wall_s'] / 60:.1f} min (launch, load, steps, export); "
+                  f"CPU {out['train_cpu_s'] / 60:.1f} min = {out['train_cpu_s'] / t['steps']:.1f} CPU s/step: "
+                  f"on 2 quiet cores >= {out['train_cpu_s'] / 2 / t['steps']:.1f} s/step")  # fmt: skip
     gap = rows[2]["exact_match_flexible"] - rows[0]["exact_match_flexible"]
     print(f"goal fine-tuned EM >= AR EM: {'met' if gap >= 0 else 'NOT met'} ({gap:+.3f})")
     if args.output:

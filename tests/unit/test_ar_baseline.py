@@ -35,16 +35,19 @@ def test_arithmetic_rows_answer_right_at_a_fixed_width():
     assert rows == arithmetic_rows(num_rows=400, seed=3) and rows != arithmetic_rows(num_rows=400, seed=4)
     questions = [r["messages"][0]["content"] for r in rows]
     assert len(set(questions)) == 400 and {"+", "-"} == {q.split()[3] for q in questions}
+    assert (
+        {len(q.split()[2]) for q in questions} == {len(q.split()[4].rstrip("?")) for q in questions} == {1, 2}
+    )
     for r in rows:
         a, op, b = r["messages"][0]["content"].removeprefix("What is ").rstrip("?").split()
-        assert 10 <= int(a) <= 999 and 10 <= int(b) <= 999
+        assert 0 <= int(a) <= 99 and 0 <= int(b) <= 99
         expected = int(a) + int(b) if op == "+" else int(a) - int(b)
         assert expected >= 0 and gold_answer(r["messages"][1]["content"]) == str(expected)
-        assert len(r["messages"][1]["content"]) == len("#### 0405")  # max_digits + 1 digits, zero-padded
+        assert len(r["messages"][1]["content"]) == len("#### 045")  # max_digits + 1 digits, zero-padded
     with pytest.raises(ValueError, match="distinct"):
         arithmetic_rows(num_rows=101, min_digits=1, max_digits=1, ops="+")  # only 10 x 10 problems
     src = load_chat_rows("embedded:arithmetic")
-    assert src.files == ["embedded:arithmetic"] and len(src.rows) == 8000 and src.rows[:400] != rows
+    assert src.files == ["embedded:arithmetic"] and len(src.rows) == 4000 and src.rows[:400] != rows
 
 
 # ---- greedy decoding ------------------------------------------------------------------------------
