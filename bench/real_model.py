@@ -6,7 +6,7 @@ does not collect bench/).
     python bench/real_model.py --recipe params/smollm2_mdlm.yaml --max-steps 40 --eval-limit 32
     python bench/real_model.py --recipe params/smollm2_idlm.yaml --skip-train --run-dir runs/bench_real/x
 
-Steps: `prepare` (the recipe's prepared dir, DVC stage when it has one); training through torchx as
+Steps: `prepare` (the recipe's prepared dir; reused when unchanged); training through torchx as
 `dllmflow train` runs it, capped at `--minutes` of training: without `--max-steps`, a 3-step
 calibration run measures s/step first and max_steps becomes min(the recipe's, what fits); then the
 `ar` evaluation (evaluation/ar_baseline.py: the base causal LM, greedy), the converted model before
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-limit", type=int, help="held-out problems (default: the recipe's eval.limit)")
     p.add_argument("--run-dir", help="default runs/bench_real_model/<recipe name>")
     p.add_argument("--skip-train", action="store_true", help="evaluate the run dir's existing export")
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="evaluate the AR base and the converted model in a second process while training runs (less "
+        "wall time; the training's s/step then shares the CPU with it: its CPU s/step is still comparable)",
+    )
+    p.add_argument("--baselines-only", action="store_true", help="evaluate only AR and converted; --output")
+    p.add_argument("--baselines", help="JSON of a --baselines-only run of the same recipe and eval limit")
     p.add_argument("--output", help="write the table and training figures as JSON")
     return p.parse_args(argv)
 
@@ -105,6 +114,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from dllmflow import runs
+    from dllmflow.data.prepare import prepare
     from dllmflow.evaluation.accuracy import evaluate
     from dllmflow.evaluation.ar_baseline import evaluate_ar
     from dllmflow.settings import load_settings
@@ -123,10 +133,49 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.table(), flush=True)
 
     t0 = time.perf_counter()
-    data = finetune.prepare_data(s)
+    manifest = prepare(s)  # reused when its input fingerprint is unchanged (no DVC: a bench needs none)
     out["prepare_s"] = time.perf_counter() - t0
-    print(f"prepared {data['prepared_dir']} ({data['rows']}) in {out['prepare_s']:.0f} s", flush=True)
+    print(
+        f"prepared {s.dataset.prepared_dir} ({manifest['content_hash']}) in {out['prepare_s']:.0f} s",
+        flush=True,
+    )
+    base = s
 
+    def baselines() -> tuple[dict, dict]:
+        if args.baselines or pending is not None:
+            if pending is not None and pending.wait() != 0:
+                raise SystemExit(f"the baselines process failed (exit {pending.returncode})")
+            got = json.loads(Path(args.baselines or baselines_file).read_text())
+            if (got["recipe"], got["eval_limit"]) != (args.recipe, base.eval.limit):
+                raise SystemExit(f"{args.baselines}: measured for {got['recipe']}, limit {got['eval_limit']}")
+            return got["ar"], got["before"]
+        ar = evaluate_ar(base, limit=base.eval.limit)
+        with_before = load_settings(
+            args.recipe, eval={**overrides.get("eval", {}), "untrained_baseline": True}
+        )
+        return ar, finetune.untrained_baseline(with_before, sampler)
+
+    pending, baselines_file = None, run_dir / "baselines.json"
+    if args.baselines_only:
+        ar, before = baselines()
+        Path(args.output or baselines_file).write_text(
+            json.dumps({**out, "ar": ar, "before": before}, default=str)
+        )
+        print(f"AR {ar['metrics']}\nbefore {before['metrics']}")
+        return 0
+    if args.overlap:  # a second process: torch threads of two evaluations in one process would contend
+        cmd = [
+            sys.executable,
+            __file__,
+            "--recipe",
+            args.recipe,
+            "--baselines-only",
+            "--output",
+            str(baselines_file),
+        ]
+        cmd += ["--eval-limit", str(base.eval.limit)]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        pending = subprocess.Popen(cmd, stdout=open(run_dir / "baselines.log", "w"), stderr=subprocess.STDOUT)
     train_dir = run_dir / "train"
     if not args.skip_train:
         steps = args.max_steps
@@ -145,11 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         out["train_cpu_s"] = _children_cpu_s() - cpu0
     out["train"] = train_figures(train_dir)
 
-    rows = []
-    ar = evaluate_ar(s, limit=s.eval.limit)
-    rows.append(row("AR base (greedy)", ar["metrics"]))
-    with_before = load_settings(args.recipe, eval={**overrides.get("eval", {}), "untrained_baseline": True})
-    before = finetune.untrained_baseline(with_before, sampler)
+    ar, before = baselines()
+    out["overlapped"] = pending is not None
+    rows = [row("AR base (greedy)", ar["metrics"])]
     rows.append(row(f"converted, before fine-tuning ({sampler})", before["metrics"]))
     after = evaluate(runs.find_consolidated(str(train_dir)), settings=s, sampler=sampler, limit=s.eval.limit)
     rows.append(row(f"fine-tuned, {out['train'].get('steps')} steps ({sampler})", after["metrics"]))
