@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     sampler = finetune.eval_samplers(s)[0]
     out: dict = {"recipe": args.recipe, "sampler": sampler, "eval_limit": s.eval.limit}
 
+    # Imported before the planner runs: `offline_skeletons` patches `from_pretrained` while it plans, and an
+    # auto class first imported inside it copies the patched method for good (planner.py, reported).
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
     plan = plan_memory(s)
     out["plan"] = {"peak_gib": plan.peak / 2**30, "params": plan.params, "trainable": plan.trainable}
     print(plan.table(), flush=True)

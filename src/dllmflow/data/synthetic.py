@@ -3,7 +3,7 @@
 
     rows = addition_rows()                              # [{"id", "messages": [user, assistant]}, ...]
     rows = addition_rows(num_rows=500, seed=1, min_digits=1, max_digits=2)
-    rows = arithmetic_rows()                            # 2-3 digit + and -, e.g. "What is 412 - 87?"
+    rows = arithmetic_rows()                            # 1-2 digit + and -, e.g. "What is 47 - 8?"
     # in a recipe:  dataset: {path_or_dataset_id: "embedded:addition", seq_length: 32}
 
 A row asks "What is 47 + 38?" and answers "#### 085": GSM8K's answer line, so evaluation's strict
