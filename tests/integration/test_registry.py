@@ -76,8 +76,15 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     s = _settings(tmp_path, uri, gate={"tolerance": 0.05})
     run_dir = consolidated.parent
 
+    # with eval.untrained_baseline and eval.ar_baseline: the model before training, the AR base (`ar`)
+    evals = _evals(0.5)
+    evals["llada"]["baseline"] = {"metrics": {"exact_match_flexible": 0.125}, "model": "untrained"}
+    evals["ar"] = {
+        "metrics": {"exact_match_flexible": 0.25, "tokens_per_s": 9.0},
+        "protocol": {"sampler": "ar"},
+    }
     run1 = mlflow_run.log_run(
-        s, run_dir, evals=_evals(0.5), lineage={"metaflow_run": "F/1", "data_content_hash": "abc"}
+        s, run_dir, evals=evals, lineage={"metaflow_run": "F/1", "data_content_hash": "abc"}
     )
     v1 = registry.register_model(s, run1, consolidated, sampler="llada", sampler_settings={"steps": 8})
     assert (
@@ -92,6 +99,8 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     assert [i.dataset.digest for i in run.inputs.dataset_inputs] == ["abc"]  # the lineage's data hash
     assert [m.value for m in client.get_metric_history(run1, "train/loss")] == [4.0, 3.0, 2.0]
     assert run.data.metrics["eval/llada/exact_match_flexible"] == 0.5
+    assert run.data.metrics["eval/llada/before/exact_match_flexible"] == 0.125
+    assert run.data.metrics["eval/ar/exact_match_flexible"] == 0.25
     # Same Metaflow pathspec -> the same MLflow run (a resumed flow does not fork the record).
     assert mlflow_run.log_run(s, run_dir, evals={}, lineage={"metaflow_run": "F/1"}) == run1
 

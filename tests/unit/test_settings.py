@@ -230,12 +230,14 @@ def test_coerce_validates_dicts_once_and_with_run_dir_records_where_a_run_writes
     assert moved.run_dir == "elsewhere" and moved.resolved_run_dir == Path("elsewhere")
 
 
-def test_untrained_baseline_needs_a_tiny_model():
-    # A pretrained recipe (no model.tiny) asking for the untrained baseline is refused by name.
-    with pytest.raises(SettingsError, match="eval.untrained_baseline"):
-        load_settings(ROOT / "params" / "smollm2_idlm_lora.yaml", eval={"untrained_baseline": True})
-    # The demo recipe turns it on for its tiny model.
+def test_untrained_baseline_is_on_in_the_demo_and_the_a2d_recipes():
+    # The demo recipe turns it on for its tiny model; a pretrained recipe measures the converted model
+    # before fine-tuning the same way (and the AR base beside it: tests/unit/test_ar_baseline.py).
     assert load_settings(ROOT / "params" / "tiny_addition.yaml").eval.untrained_baseline is True
+    assert load_settings(ROOT / "params" / "tiny_addition.yaml").eval.ar_baseline is False
+    assert load_settings(ROOT / "params" / "smollm2_idlm_lora.yaml").eval.untrained_baseline is True
+    with pytest.raises(SettingsError, match="eval.ar_baseline"):
+        load_settings(eval={"ar_baseline": "sometimes"})
 
 
 def test_gpu_recipes_train_in_bfloat16():

@@ -25,11 +25,11 @@ from dllmflow.settings.sections import DatasetConfig
 
 from .formats import ROLES, TOO_DEEP, RowSpec, check_messages, loads_row  # noqa: F401 - re-exported
 from .gsm8k import EMBEDDED_PREFIX, GSM8K_SHA256, load_gsm8k_rows, sha256_file
-from .synthetic import ADDITION_SHA256, addition_rows
+from .synthetic import SYNTHETIC
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 # `embedded:<name>` -> (loader() -> rows, sha256 that identifies those rows)
-EMBEDDED = {"gsm8k": (load_gsm8k_rows, GSM8K_SHA256), "addition": (addition_rows, ADDITION_SHA256)}
+EMBEDDED = {"gsm8k": (load_gsm8k_rows, GSM8K_SHA256), **SYNTHETIC}
 NOT_UTF8 = "malformed: line is not UTF-8 text"
 MAX_ROW_BYTES = DatasetConfig.model_fields["max_row_bytes"].default  # `dataset.max_row_bytes`
 

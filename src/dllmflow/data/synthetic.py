@@ -1,7 +1,9 @@
-"""Bundled synthetic tasks a tiny model learns on CPU in minutes: the embedded default of the demo.
+"""Bundled synthetic tasks a model learns on CPU in minutes: `embedded:addition` (the demo's) and
+`embedded:arithmetic` (the real-model A2D recipes').
 
     rows = addition_rows()                              # [{"id", "messages": [user, assistant]}, ...]
     rows = addition_rows(num_rows=500, seed=1, min_digits=1, max_digits=2)
+    rows = arithmetic_rows()                            # 1-2 digit + and -, e.g. "What is 47 - 8?"
     # in a recipe:  dataset: {path_or_dataset_id: "embedded:addition", seq_length: 32}
 
 A row asks "What is 47 + 38?" and answers "#### 085": GSM8K's answer line, so evaluation's strict
@@ -60,3 +62,67 @@ def addition_rows(
             }
         )
     return rows
+
+
+# The A2D recipes' task (params/smollm2_*.yaml), sized so that the AR base model is neither perfect nor
+# hopeless on it, which makes "the converted model matches its AR base" a measurable claim. Measured,
+# SmolLM2-135M-Instruct greedy with its chat template, 64 problems, flexible exact match (the last number):
+# 1-2 digit + and - 0.11 with 16 new tokens, 0.19 with 32 (it often explains before answering); 2 digit +
+# 0.125, 3 digit + 0.0, 2 digit + and - 0.03 (32 new tokens). Same answer line as `addition`.
+ARITHMETIC_VERSION = 1  # bump when arithmetic_rows() changes what it generates
+ARITHMETIC_DEFAULTS = {"num_rows": 4000, "seed": 0, "min_digits": 1, "max_digits": 2, "ops": "+-"}
+ARITHMETIC_SHA256 = hashlib.sha256(
+    json.dumps({"arithmetic": ARITHMETIC_VERSION, **ARITHMETIC_DEFAULTS}, sort_keys=True).encode()
+).hexdigest()
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b}
+
+
+def arithmetic_rows(
+    num_rows: int = ARITHMETIC_DEFAULTS["num_rows"],
+    seed: int = ARITHMETIC_DEFAULTS["seed"],
+    min_digits: int = ARITHMETIC_DEFAULTS["min_digits"],
+    max_digits: int = ARITHMETIC_DEFAULTS["max_digits"],
+    ops: str = ARITHMETIC_DEFAULTS["ops"],
+) -> list[dict]:
+    """`num_rows` distinct problems `a op b` (op drawn from `ops`, each operand min_digits..max_digits
+    digits, drawn digit count first so short operands are as common as long ones); a subtraction puts
+    the larger operand first, so every answer is >= 0 and written zero-padded to max_digits + 1 digits."""
+    if not ops or any(op not in _OPS for op in ops):
+        raise ValueError(f"ops must be drawn from {''.join(_OPS)!r}, got {ops!r}")
+    rng = random.Random(seed)
+    seen: set[tuple[int, str, int]] = set()
+    rows = []
+    width = max_digits + 1
+    for _ in range(50 * num_rows):  # bounded: too many rows for the operand range ends with an error
+        if len(rows) == num_rows:
+            return rows
+        op = rng.choice(ops)
+        a, b = (_operand(rng, min_digits, max_digits) for _ in range(2))
+        if op == "-" and a < b:
+            a, b = b, a
+        if (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
+        rows.append(
+            {
+                "id": f"arithmetic-{len(rows):05d}",
+                "messages": [
+                    {"role": "user", "content": f"What is {a} {op} {b}?"},
+                    {"role": "assistant", "content": f"#### {_OPS[op](a, b):0{width}d}"},
+                ],
+            }
+        )
+    if len(rows) == num_rows:
+        return rows
+    raise ValueError(
+        f"could not draw {num_rows} distinct problems with {min_digits}-{max_digits} digit operands"
+    )
+
+
+def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    digits = rng.randint(min_digits, max_digits)
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
+
+
+# `embedded:<name>` of the synthetic tasks -> (rows(), sha256 that identifies them); data/chat.py lists them.
+SYNTHETIC = {"addition": (addition_rows, ADDITION_SHA256), "arithmetic": (arithmetic_rows, ARITHMETIC_SHA256)}

@@ -29,7 +29,7 @@ from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
     EvalRunner,
     build_eval_runner,
-    eval_chats,
+    eval_prompts,
     gold_answer,
     gsm8k_extract_flexible,
     gsm8k_extract_strict,
@@ -70,7 +70,6 @@ def evaluate_loaded(
 ) -> dict[str, Any]:
     """`evaluate` with the checkpoint already loaded (`build_eval_runner`; a sweep rebuilds only the
     sampler per point with `loaded.with_overrides`)."""
-    from dllmflow.data.dataset import PreparedDataset
     from dllmflow.models.limits import check_generation_fits
 
     # 1) what to run
@@ -82,15 +81,8 @@ def evaluate_loaded(
     batch_size = eval_cfg.batch_size if eval_cfg is not None else 8
 
     # 2) prompts, shortest first so a batch pads little
-    rows = PreparedDataset(prepared_dir, split).rows(limit)
-    if not rows:
-        raise UserError(f"{prepared_dir}: split {split!r} has no rows to evaluate")
-    chats = eval_chats(prepared_dir, rows, n_shot)
-    prompts = [
-        list(loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
-        for chat in chats
-    ]
-    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
+    asked = eval_prompts(loaded.tokenizer, prepared_dir, split, limit, n_shot)
+    rows, chats, prompts, order = asked.rows, asked.chats, asked.prompts, asked.order
     check_generation_fits(loaded.model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
 
     # 3) generate in batches, 4) score

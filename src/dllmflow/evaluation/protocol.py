@@ -251,3 +251,32 @@ def eval_chats(prepared_dir: Path, rows: list[dict], n_shot: int) -> list[list[d
     """The chat each row is asked as: n-shot exemplars from the train split, then its question."""
     shots = _exemplars(prepared_dir, n_shot)
     return [prompt_messages(r["messages"], shots) for r in rows]
+
+
+@dataclass
+class EvalPrompts:
+    """The held-out rows of one evaluation and the prompt ids each is asked with."""
+
+    rows: list[dict]
+    chats: list[list[dict]]
+    prompts: list[list[int]]  # chat template + generation prompt, token ids
+    order: list[int]  # row indices, shortest prompt first (a batch pads little)
+
+
+def eval_prompts(
+    tokenizer: Any, prepared_dir: Path, split: str, limit: int | None, n_shot: int
+) -> EvalPrompts:
+    """The first `limit` rows of `split` of the prepared data as prompts of `tokenizer`'s chat template:
+    what every evaluator asks (the dLLM samplers, the AR baseline), so their scores compare."""
+    from dllmflow.data.dataset import PreparedDataset
+
+    rows = PreparedDataset(prepared_dir, split).rows(limit)
+    if not rows:
+        raise UserError(f"{prepared_dir}: split {split!r} has no rows to evaluate")
+    chats = eval_chats(prepared_dir, rows, n_shot)
+    prompts = [
+        list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+        for chat in chats
+    ]
+    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
+    return EvalPrompts(rows, chats, prompts, order)

@@ -152,11 +152,6 @@ class Settings(BaseSettings):
             )
         self.dataset.check_packing(self.dllm)
         check_rl_mode(self.rl, self.dllm, self.launch.nnodes * self.launch.nproc_per_node)
-        if self.eval.untrained_baseline and self.model.tiny is None:
-            raise ValueError(
-                "eval.untrained_baseline: only for a tiny random model (model.tiny); a pretrained model's "
-                "baseline is the base model: dllmflow evaluate --checkpoint <base>"
-            )
         gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         world = self.launch.nnodes * self.launch.nproc_per_node
         if gbs % (lbs * world) and self.rl is None:  # GRPO's batch is rl.prompts_per_step x G

@@ -99,8 +99,14 @@ class EvalConfig(Section):
     seed: int = 0
     untrained_baseline: bool = Field(
         False,
-        description="Tiny random models only: also evaluate the same-seed untrained model (each sampler, "
-        "same examples), shown as 'EM untrained' in the results table and card. Doubles evaluate's time.",
+        description="Also evaluate the model as built before training (each sampler, same examples): a tiny "
+        "model's same-seed untrained twin, a pretrained one converted but not fine-tuned. Shown as 'EM "
+        "before' in the results table and card. Doubles evaluate's time.",
+    )
+    ar_baseline: bool = Field(
+        False,
+        description="Also evaluate the AR base model (`model`, before conversion) decoding greedily on the "
+        "same examples with the same answer parser: the flow's `ar` evaluation (evaluation/ar_baseline.py).",
     )
     sweep: SweepGrid | None = Field(
         None,

@@ -142,8 +142,9 @@ def log_run(
 
 def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, Any]) -> None:
     """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics (step 0; registration
-    links them to the logged model and the dataset), the JSON result, and the prepared data as the
-    run's dataset input when it is readable here."""
+    links them to the logged model and the dataset; the model before training, `eval.untrained_baseline`,
+    as `eval/<sampler>/before/<metric>`; the AR base, `eval.ar_baseline`, is the evaluation `ar`), the
+    JSON result, and the prepared data as the run's dataset input when it is readable here."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
@@ -155,6 +156,11 @@ def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, An
     metrics = [
         Metric(f"eval/{sampler}/{k}", float(v), now, 0)
         for k, v in result.get("metrics", {}).items()
+        if is_number(v)
+    ]
+    metrics += [
+        Metric(f"eval/{sampler}/before/{k}", float(v), now, 0)
+        for k, v in result.get("baseline", {}).get("metrics", {}).items()
         if is_number(v)
     ]
     client.log_batch(run_id, metrics=metrics)

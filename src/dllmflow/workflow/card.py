@@ -143,6 +143,36 @@ def eval_rows(evals: dict[str, dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def before_after_rows(evals: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows): per sampler, the AR base model's greedy exact match (`eval.ar_baseline`, the `ar`
+    evaluation) beside the model's before training (`eval.untrained_baseline`) and after. No rows when
+    neither baseline was measured."""
+    from dllmflow.workflow.finetune import AR_EVALUATION
+
+    ar = evals.get(AR_EVALUATION)
+    samplers = {n: r for n, r in evals.items() if n != AR_EVALUATION}
+    if ar is None and not any(r.get("baseline") for r in samplers.values()):
+        return [], []
+    before = next((r["baseline"].get("model") for r in samplers.values() if r.get("baseline")), None)
+    headers = ["sampler", *(["exact match AR base (greedy)"] if ar else []),
+               f"before: {before or 'not measured'}", "after fine-tuning"]  # fmt: skip
+    ar_em = [_fmt(ar.get("metrics", {}).get("exact_match_flexible"))] if ar else []
+    rows = [
+        [name, *ar_em, _fmt(r.get("baseline", {}).get("metrics", {}).get("exact_match_flexible")),
+         _fmt(r.get("metrics", {}).get("exact_match_flexible"))]
+        for name, r in samplers.items()
+    ]  # fmt: skip
+    return headers, rows
+
+
+def before_after_parts(evals: dict[str, dict[str, Any]], markdown: Any, table: Any) -> list[Any]:
+    headers, rows = before_after_rows(evals)
+    if not rows:
+        return []
+    return [markdown("## AR base, before and after fine-tuning (exact match, same examples)"),
+            table(rows, headers=headers)]  # fmt: skip
+
+
 def sample_row(sampler: str, prediction: dict[str, Any]) -> list[str]:
     """[sampler, prompt, generation, reference] of one prediction as `evaluation.accuracy.evaluate`
     writes it (`prompt` = the question, `answer` = the gold number; an eval JSON from before `prompt`
@@ -194,20 +224,7 @@ def build_card_components(
             VegaChart(swept),
             Table(rows, headers=["sampler", "setting", "exact match", "tokens/s", "NFE", "Pareto", ""]),
         ]
-    learned = [
-        [
-            name,
-            _fmt(r["baseline"]["metrics"].get("exact_match_flexible")),
-            _fmt(r["metrics"].get("exact_match_flexible")),
-        ]
-        for name, r in evals.items()
-        if r.get("baseline")
-    ]
-    if learned:  # a tiny model's untrained twin (same seed, same examples): what training added
-        parts += [
-            Markdown("## Untrained vs trained"),
-            Table(learned, headers=["sampler", "exact match untrained (same seed)", "exact match trained"]),
-        ]
+    parts += before_after_parts(evals, Markdown, Table)
     samples = [
         sample_row(name, p) for name, result in evals.items() for p in result.get("predictions", [])[:3]
     ]

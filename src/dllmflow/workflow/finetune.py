@@ -213,12 +213,14 @@ def eval_samplers(settings: SettingsLike) -> list[str]:
     s = _checked(Settings.coerce(settings), full=True)
     spec = MODES[s.dllm.mode]
     extra = list(spec.extra_evaluations)
+    # eval.ar_baseline: the AR base model greedy, one more evaluation beside the samplers
+    ar = [AR_EVALUATION] if s.eval.ar_baseline else []
     if s.eval.samplers:
         unknown = [n for n in s.eval.samplers if n not in SAMPLERS and n not in extra]
         if unknown:
             raise UserError(f"eval.samplers: unknown sampler(s) {unknown}; choose from {sorted(SAMPLERS)}")
-        return list(s.eval.samplers)
-    return [n for n in spec.samplers if _sampler_available(SAMPLERS, n)] + extra
+        return list(s.eval.samplers) + ar
+    return [n for n in spec.samplers if _sampler_available(SAMPLERS, n)] + extra + ar
 
 
 def _sampler_available(registry, name: str) -> bool:
@@ -235,12 +237,11 @@ def evaluate_sampler(
     from dllmflow.evaluation.accuracy import evaluate
 
     s = Settings.coerce(settings)
-    checkpoint = runs.find_consolidated(run_dir)
-    if sampler == "acceptance":
-        from dllmflow.evaluation.acceptance import evaluate_dflash
-
-        result = evaluate_dflash(checkpoint, settings=s, limit=s.eval.limit)
+    other = OTHER_EVALUATIONS.get(sampler)
+    if other is not None:
+        result = other(s, run_dir)
     else:
+        checkpoint = runs.find_consolidated(run_dir)
         setting = None
         if s.eval.sweep is not None:  # the model is registered (and gated) at the chosen point
             from dllmflow.evaluation.accuracy import run_sweep
@@ -265,6 +266,25 @@ def evaluate_sampler(
     return result
 
 
+def _evaluate_acceptance(s: Settings, run_dir: str) -> dict[str, Any]:
+    """DFlash: the exported draft's acceptance length against its frozen target."""
+    from dllmflow.evaluation.acceptance import evaluate_dflash
+
+    return evaluate_dflash(runs.find_consolidated(run_dir), settings=s, limit=s.eval.limit)
+
+
+def _evaluate_ar(s: Settings, run_dir: str) -> dict[str, Any]:
+    """`eval.ar_baseline`: the AR base model (not the run's checkpoint) decoding greedily."""
+    from dllmflow.evaluation.ar_baseline import evaluate_ar
+
+    return evaluate_ar(s, limit=s.eval.limit)
+
+
+AR_EVALUATION = "ar"  # = dllmflow.evaluation.ar_baseline.AR_EVALUATION (not imported here: it pulls in torch)
+# Evaluations that are not a sampler decoding the run's checkpoint: name -> (settings, run dir) -> result
+OTHER_EVALUATIONS = {"acceptance": _evaluate_acceptance, AR_EVALUATION: _evaluate_ar}
+
+
 def sweep_metric(settings: Settings) -> str:
     """The exact match a sweep maximises: the gate's metric when it is one, else flexible."""
     metric = settings.registry.gate.metric
@@ -276,9 +296,9 @@ def untrained_baseline(
 ) -> dict[str, Any] | None:
     """The same evaluation (sampler, examples, settings) of the model as it was before training: built
     fresh from `train.seed` as the trainer builds it, exported to a temp dir. What the results table shows
-    as "untrained", so a reader sees what training added. Only with `eval.untrained_baseline` (on in the
-    demo recipe, params/tiny_addition.yaml) and for a tiny random model: it is a second evaluation of
-    every sampler; a pretrained model's baseline is the base model (`dllmflow evaluate --checkpoint <base>`).
+    as "EM before", so a reader sees what training added: a tiny model's untrained twin, a pretrained
+    model converted to the mode but not fine-tuned. Only with `eval.untrained_baseline` (on in the demo
+    recipe, params/tiny_addition.yaml, and the SmolLM2 A2D recipes): a second evaluation of every sampler.
     `setting`: the sweep point the trained model was chosen at, so both are measured alike."""
     import tempfile
 
@@ -290,9 +310,14 @@ def untrained_baseline(
     from dllmflow.evaluation.accuracy import evaluate
 
     s = Settings.coerce(settings)
-    if not s.eval.untrained_baseline or s.model.tiny is None:
+    if not s.eval.untrained_baseline:
         return None
-    print(f"untrained baseline (train.seed {s.train.seed}), sampler {sampler}:", flush=True)
+    label = (
+        f"untrained (train.seed {s.train.seed})"
+        if s.model.tiny is not None
+        else f"{s.model.pretrained_model_name_or_path} converted to {s.dllm.mode}, before fine-tuning"
+    )
+    print(f"baseline {label}, sampler {sampler}:", flush=True)
     tokenizer = load_tokenizer(s.dataset.prepared_dir)
     torch.manual_seed(s.train.seed)  # as the trainer seeds before its build
     strategy = build_strategy(s)
@@ -301,7 +326,7 @@ def untrained_baseline(
         strategy.export(model, model.state_dict(), tokenizer, Path(tmp))
         s.write_json(Path(tmp) / "settings.json")
         result = evaluate(tmp, settings=s, sampler=sampler, limit=s.eval.limit, overrides=setting)
-    return {"metrics": result["metrics"], "model": f"untrained (train.seed {s.train.seed})"}
+    return {"metrics": result["metrics"], "model": label}
 
 
 # ---- register --------------------------------------------------------------------------------------------
@@ -383,10 +408,11 @@ RESULT_COLUMNS = (("EM", "exact_match_flexible"), ("tok/s", "tokens_per_s"), ("N
 
 
 def results_table(evals: dict[str, dict[str, Any]]) -> str:
-    """Per sampler: exact match (flexible) of the untrained model (same seed, same examples, when
-    measured) and of the trained one, tokens/s, NFE per example; DFlash's acceptance shows tau; with
-    `eval.sweep`, the setting each sampler was chosen at. Plain text (no colour codes), for a terminal
-    and a CI log alike."""
+    """Per sampler: exact match (flexible) of the model before training (same seed, same examples, when
+    measured: `eval.untrained_baseline`) and after, tokens/s, NFE per example; DFlash's acceptance shows
+    tau; with `eval.sweep`, the setting each sampler was chosen at. With `eval.ar_baseline`, an "EM AR"
+    column holds the AR base model's greedy exact match on every row, and its own `ar` row its speed.
+    Plain text (no colour codes), for a terminal and a CI log alike."""
     from rich.console import Console
     from rich.table import Table
 
@@ -394,24 +420,28 @@ def results_table(evals: dict[str, dict[str, Any]]) -> str:
 
     table = Table(title="Evaluation (held-out examples)", title_justify="left")
     swept = any(r.get("sweep") for r in evals.values())  # the setting column: the sweep's chosen point
-    for header in ("sampler", *(("setting",) if swept else ()), "examples", "EM untrained", "EM trained",
-                   "tok/s", "NFE", "tau"):  # fmt: skip
+    ar = evals.get(AR_EVALUATION)  # the AR base model's row: its EM goes beside every sampler's
+    ar_em = ar.get("metrics", {}).get("exact_match_flexible") if ar is not None else None
+    for header in ("sampler", *(("setting",) if swept else ()), "examples", *(("EM AR",) if ar else ()),
+                   "EM before", "EM after", "tok/s", "NFE", "tau"):  # fmt: skip
         table.add_column(header, justify="left" if header in ("sampler", "setting") else "right")
     for name, result in evals.items():
         m = result.get("metrics", {})
         base = result.get("baseline", {}).get("metrics", {})
         setting = chosen_setting(result)
+        is_ar = name == AR_EVALUATION
         table.add_row(
             name,
             *((setting_label(setting) if setting is not None else "-",) if swept else ()),
             _cell(m.get("num_examples")),
+            *((_cell(ar_em),) if ar else ()),
             _cell(base.get("exact_match_flexible")),
-            _cell(m.get("exact_match_flexible")),
+            _cell(None if is_ar else m.get("exact_match_flexible")),
             _cell(m.get("tokens_per_s"), "{:,.0f}"),
             _cell(m.get("nfe"), "{:.1f}"),
             _cell(m.get("tau"), "{:.2f}"),
         )
-    console = Console(file=io.StringIO(), width=100, force_terminal=False, color_system=None)
+    console = Console(file=io.StringIO(), width=110, force_terminal=False, color_system=None)
     console.print(table)
     return console.file.getvalue().rstrip()
 

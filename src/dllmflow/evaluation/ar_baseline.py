@@ -1,0 +1,129 @@
+"""The AR baseline (`eval.ar_baseline`): the causal LM a dLLM was converted from, decoding greedily on
+the same held-out prompts, scored by the same answer parser as every dLLM sampler.
+
+    from dllmflow.evaluation.ar_baseline import evaluate_ar
+    result = evaluate_ar(settings)               # {"metrics", "protocol", "predictions", "model"}
+    # in a recipe:  eval: {ar_baseline: true}     -> the flow's `ar` evaluation row (results table, card, MLflow)
+
+The base is `models.build.build_model(settings, tokenizer)` seeded with `train.seed`, as the trainer
+builds it before any conversion: for a pretrained recipe the checkpoint at
+`model.pretrained_model_name_or_path`, for a tiny random one the untrained base. It decodes causally
+(no bidirectional mask) with a KV cache, greedy, `eval.max_new_tokens` at most, stopping at the
+tokenizer's stop ids. The prompts (chat template + generation prompt of the prepared tokenizer), the
+examples (`eval.limit` of the held-out split), the batch size and the metrics (exact match, tokens/s,
+NFE = forwards per example) are those of `dllmflow evaluate` (protocol.py, accuracy.py).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dllmflow.diffusion.samplers.base import GenerationResult, stop_token_ids, trim_at_stop
+
+AR_EVALUATION = "ar"  # its name among the flow's evaluations (beside the samplers)
+
+
+class GreedyRunner:
+    """Greedy cached decoding of a causal LM, batched with left padding; the `generate` interface of a
+    dLLM sampler (`GenerationResult`: generated ids cut at the first stop id, forwards, seconds)."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int):
+        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+        self.stop_ids = stop_token_ids(tokenizer)
+        fill = getattr(tokenizer, "pad_token_id", None)
+        self.fill_id = int(fill if fill is not None else tokenizer.eos_token_id)
+
+    def generate(self, prompt_ids: list[list[int]]) -> GenerationResult:
+        from transformers import GenerationConfig
+
+        device = next(self.model.parameters()).device
+        width = max(map(len, prompt_ids))
+        ids = torch.full((len(prompt_ids), width), self.fill_id, dtype=torch.long)  # [B, P]
+        mask = torch.zeros_like(ids)  # [B, P]
+        for i, p in enumerate(prompt_ids):  # left padding: every row's next token is at column P
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        config = GenerationConfig(
+            max_new_tokens=self.max_new_tokens, do_sample=False, use_cache=True,
+            pad_token_id=self.fill_id, eos_token_id=sorted(self.stop_ids) or None,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+            )  # [B, P + n]
+        elapsed = time.perf_counter() - t0
+        new = out[:, width:].tolist()
+        forwards = len(new[0]) if new else 0  # one forward per generated position, every row in each
+        seqs = [trim_at_stop(s, self.stop_ids) for s in new]
+        return GenerationResult(seqs, forwards, sum(map(len, seqs)), elapsed, [forwards] * len(seqs))
+
+
+def build_ar_base(settings: Any, tokenizer: Any, device: str | None = None) -> Any:
+    """The causal LM the trainer converts (`build_model`, seeded with `train.seed`), in eval mode on
+    `device` (None = cuda if available; bf16 there, fp32 on CPU as `dllmflow evaluate` loads)."""
+    from dllmflow.models.build import build_model
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(settings.train.seed)  # a tiny base is drawn from the RNG, as the trainer draws it
+    model = build_model(settings, tokenizer)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def ar_model_name(settings: Any) -> str:
+    if settings.model.tiny is not None:
+        return f"AR base: untrained tiny (train.seed {settings.train.seed})"
+    return f"AR base: {settings.model.pretrained_model_name_or_path}"
+
+
+def evaluate_ar(
+    settings: Any,
+    *,
+    split: str | None = None,
+    limit: int | None = None,
+    prepared_dir: str | Path | None = None,
+    model: Any = None,
+) -> dict[str, Any]:
+    """Greedy exact match and speed of the AR base on `split` (default eval.split) of the prepared data.
+    limit: None = eval.limit. model: an already built base (else `build_ar_base`). -> {"metrics",
+    "protocol", "predictions", "model"}, the shape of `evaluate`'s result."""
+    from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.evaluation.accuracy import generate_in_batches, score_metrics, score_predictions
+    from dllmflow.evaluation.protocol import eval_prompts, template_hash
+
+    ev = settings.eval
+    split = split or ev.split
+    limit = limit if limit is not None else ev.limit
+    prepared_dir = Path(prepared_dir or settings.dataset.prepared_dir)
+    tokenizer = load_tokenizer(str(prepared_dir))
+    model = model if model is not None else build_ar_base(settings, tokenizer)
+    asked = eval_prompts(tokenizer, prepared_dir, split, limit, ev.n_shot)
+    runner = GreedyRunner(model, tokenizer, ev.max_new_tokens)
+    outputs, elapsed, row_nfe = generate_in_batches(
+        runner, asked.prompts, asked.order, ev.batch_size, f"evaluate {AR_EVALUATION} (greedy)"
+    )
+    predictions = score_predictions(asked.rows, asked.chats, outputs, tokenizer)
+    protocol = {
+        "sampler": AR_EVALUATION,
+        "decoding": "greedy, causal, KV cache",
+        "sampler_settings": {"max_new_tokens": ev.max_new_tokens},
+        "max_new_tokens": ev.max_new_tokens,
+        "n_shot": ev.n_shot,
+        "chat_template_sha256": template_hash(tokenizer),
+        "limit": limit,
+        "split": split,
+        "batch_size": ev.batch_size,
+        "base_model": settings.model.pretrained_model_name_or_path,
+        "prepared_dir": str(prepared_dir),
+    }
+    return {
+        "metrics": score_metrics(predictions, elapsed, row_nfe),
+        "protocol": protocol,
+        "predictions": predictions,
+        "model": ar_model_name(settings),
+    }
