@@ -72,3 +72,28 @@ def test_lora_with_the_embedding_trains_the_mask_row(checkpoint):
     model(input_ids=ids).logits.sum().backward()
     grads = [p.grad for n, p in model.named_parameters() if n in trained]
     assert any(g is not None and g[tok.mask_token_id].abs().sum() > 0 for g in grads)
+
+
+def _tokenizer(checkpoint, mask_token_id):
+    from dllmflow.data.tokenizer import build_tokenizer
+
+    settings = load_settings(
+        "params/tiny_mdlm.yaml",
+        model={"tiny": None, "pretrained_model_name_or_path": str(checkpoint)},
+        tokenizer={"name_or_path": str(checkpoint)},
+        dllm={"mode": "mdlm", "mask_token_id": mask_token_id},
+    )
+    return build_tokenizer(settings, [])
+
+
+def test_mask_id_at_the_next_free_id_adds_the_token_there(checkpoint):
+    # Qwen3's I-DLM recipe names 151669 = len(tokenizer): the mask is added and takes exactly that id.
+    tok = _tokenizer(checkpoint, VOCAB)
+    assert tok.mask_token_id == VOCAB and len(tok) == VOCAB + 1
+
+
+def test_mask_id_past_the_next_free_id_is_refused_naming_the_field(checkpoint):
+    with pytest.raises(
+        UserError, match=rf"dllm.mask_token_id={VOCAB + 1} is outside .* {VOCAB} \(the next free"
+    ):
+        _tokenizer(checkpoint, VOCAB + 1)

@@ -110,9 +110,14 @@ def _ensure_special_tokens(tok, settings) -> None:
     `dllm.mask_token_id` names an existing one), an eos, and a pad (eos when missing)."""
     tcfg, mask_id = settings.tokenizer, settings.dllm.mask_token_id
     if mask_id is not None:
+        if mask_id == len(tok) and tok.mask_token_id is None:
+            # The next free id (Qwen3's 151669, the I-DLM recipe's mask): the model's embedding already
+            # has that row (padded vocab), so adding the token claims it without a resize.
+            tok.add_special_tokens({"mask_token": tcfg.mask_token})
         if not 0 <= mask_id < len(tok):
             raise UserError(
-                f"dllm.mask_token_id={mask_id} is outside the tokenizer vocabulary (size {len(tok)})"
+                f"dllm.mask_token_id={mask_id} is outside the tokenizer vocabulary (size {len(tok)}); "
+                f"name an existing token's id, or {len(tok)} (the next free one) to add tokenizer.mask_token"
             )
         if tok.mask_token_id is None:
             tok.mask_token = tok.convert_ids_to_tokens(mask_id)

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from dllmflow.diffusion.samplers.base import GenerationResult, stop_token_ids, trim_at_stop
-
-AR_EVALUATION = "ar"  # its name among the flow's evaluations (beside the samplers)
+from dllmflow.settings.pipeline import AR_EVALUATION
 
 
 class GreedyRunner:

@@ -80,6 +80,9 @@ class SweepGrid(Section):
         return self
 
 
+AR_EVALUATION = "ar"  # the flow's evaluation of the AR base model (`eval.ar_baseline`), beside the samplers
+
+
 class EvalConfig(Section):
     samplers: list[str] | None = Field(None, description="None = every sampler that fits the mode.")
     split: str = "eval"

@@ -14,6 +14,7 @@ from typing import Any
 
 from dllmflow.runs import read_metrics
 from dllmflow.settings import Settings
+from dllmflow.settings.pipeline import AR_EVALUATION
 
 EVAL_COLUMNS = ("exact_match_strict", "exact_match_flexible", "tokens_per_s", "nfe", "tokens_per_forward")
 
@@ -147,8 +148,6 @@ def before_after_rows(evals: dict[str, dict[str, Any]]) -> tuple[list[str], list
     """(headers, rows): per sampler, the AR base model's greedy exact match (`eval.ar_baseline`, the `ar`
     evaluation) beside the model's before training (`eval.untrained_baseline`) and after. No rows when
     neither baseline was measured."""
-    from dllmflow.workflow.finetune import AR_EVALUATION
-
     ar = evals.get(AR_EVALUATION)
     samplers = {n: r for n, r in evals.items() if n != AR_EVALUATION}
     if ar is None and not any(r.get("baseline") for r in samplers.values()):

@@ -27,6 +27,7 @@ from dllmflow import runs
 from dllmflow.common.files import atomic_write_json
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings, load_settings_text
+from dllmflow.settings.pipeline import AR_EVALUATION
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,6 @@ def _evaluate_ar(s: Settings, run_dir: str) -> dict[str, Any]:
     return evaluate_ar(s, limit=s.eval.limit)
 
 
-AR_EVALUATION = "ar"  # = dllmflow.evaluation.ar_baseline.AR_EVALUATION (not imported here: it pulls in torch)
 # Evaluations that are not a sampler decoding the run's checkpoint: name -> (settings, run dir) -> result
 OTHER_EVALUATIONS = {"acceptance": _evaluate_acceptance, AR_EVALUATION: _evaluate_ar}
 
