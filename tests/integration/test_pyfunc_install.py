@@ -31,8 +31,8 @@ from dllmflow.settings import load_settings
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
 MODEL = "installs-itself"
-# Out of the default run (pyproject addopts): `pytest -m env_build tests/integration/test_pyfunc_install.py`.
-pytestmark = [pytest.mark.slow, pytest.mark.env_build]
+# In the default run (CI too): 2-5 min on 2 cores, the env build (pip installing torch and mlflow) dominating.
+pytestmark = pytest.mark.slow
 
 # Nothing of this project, nor of the developer's settings, reaches the consumer.
 _DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "DLLMFLOW_", "DLLM_", "MLFLOW_")
