@@ -17,6 +17,22 @@ clipped loss with a k3 KL to the frozen start, --inner updates per batch on fres
 after warmup) for the same wall time as 3), 5) held-out EM of both. Prints one JSON line per phase and a
 summary; not a test (times depend on the machine's load: the 2 cores here are shared, so they are
 pessimistic).
+
+Measured 2026-12-02 (2 CPU cores shared with other jobs, load 4-9; held-out EM = llada greedy, flexible,
+512 eval rows; start = step 600 of the recipe's own 1,200-step run, EM 0.334; G 8 x 8 prompts, T 1.0,
+kl_beta 0.01, full fine-tuning). Brief runs with their own cosine schedule stay near 0 (150 steps: 0.010,
+300 steps: 0.006): the task has a sharp transition (recipe run, 256 rows: step 500 0.023, 600 0.328,
+700 0.723, 800 0.855), so a start in [0.2, 0.6] is a mid-run checkpoint.
+    coupled eps 1e-3, lr 3e-4, 5 min (60 steps):   0.334 -> 0.508 (+0.174); SFT-only 5 min: 0.621
+    coupled eps 1e-3, lr 1e-3:                     reward 0.19 -> 0.05, KL 1.07 at 3 min: stopped
+    coupled eps 1e-3, lr 3e-4, T 0.7, 5 min:       0.334 -> 0.430 (+0.096)
+    one_step, lr 3e-4, 5 min (112 steps):          0.334 -> 0.492 (+0.158)
+    coupled eps 1e-3, lr 3e-4, 10 min (704 steps): 0.334 -> 0.000: KL spikes 6-12 (grad norm 52) from the
+                                                   1/t weights, then every group all-zero; SFT-only
+                                                   10 min (machine quiet, 14,318 steps): 1.000
+  then, the machine quiet, two runs side by side (1 thread each), 5 min:
+    one_step, lr 3e-4 (885 steps):                 0.334 -> 0.631 (+0.297), max step KL 17
+    coupled eps 0.2, lr 3e-4 (700 steps):          0.334 -> 0.496 (+0.162), max step KL 342 (grad norm 1126)
 """
 
 from __future__ import annotations
@@ -179,6 +195,8 @@ def grpo(model, tokenizer, settings, args, budget_s: float) -> dict:
         keep = adv != 0  # rows of all-equal groups carry only the KL term: skip them (cheaper)
         if not keep.any():
             history.append({"step": step, "reward": scored.values.mean().item(), "skipped": True})
+            if step % 10 == 0:  # a collapsed policy (every group all 0) shows up here
+                log("rl_step", elapsed_s=round(time.perf_counter() - t0, 1), **history[-1])
             step += 1
             continue
         p_ids, p_mask, c_ids, c_mask, a = p_ids[keep], p_mask[keep], c_ids[keep], c_mask[keep], adv[keep]
