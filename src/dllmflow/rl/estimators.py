@@ -46,6 +46,12 @@ class Draws:
     def prompt_len(self) -> int:
         return self.noisy_ids.shape[-1] - self.targets.shape[-1]
 
+    def select(self, rows: Tensor | slice) -> Draws:
+        """The draws of some rows (a micro-batch), unchanged: scoring them equals scoring all and slicing."""
+        return Draws(
+            self.noisy_ids[:, rows], self.attention_mask[rows], self.targets[rows], self.weights[:, rows]
+        )
+
 
 class Estimator:
     """Base: `draw` makes the noise (model-free, deterministic given the generator), `token_logp` scores it."""
