@@ -20,7 +20,6 @@ openai client: `extra_body={"dllmflow": {...}}`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -34,7 +33,7 @@ from dllmflow.inference.requests import (
     RequestLimits,
     read_body,
 )
-from dllmflow.inference.serve import ChatServer, _error, _error_body, _sse
+from dllmflow.inference.serve import ChatServer, _error, _error_body, _sse, starlette_app
 
 
 def _usage(res: dict[str, Any]) -> dict[str, Any]:
@@ -234,28 +233,8 @@ def build_dllm_app(
 ):
     """The Starlette app; `engine` is loaded before the app starts, so `/health` means ready. A turn is
     one block of one batch (the causal server's `--chunk-tokens` has no meaning here)."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
-
     limits = RequestLimits(max_tokens_cap, max_body_bytes, max_messages)
     scheduler = Scheduler(engine, max_batch_size, 1)
     server = DllmServer(engine, served_model_name, scheduler, limits, request_timeout_s, api_key)
     scheduler.incoming = lambda: server.preparing
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        worker = asyncio.create_task(scheduler.run())
-        yield
-        worker.cancel()
-        server.prep_pool.shutdown(wait=False, cancel_futures=True)
-
-    routes = [
-        Route("/health", server.health, methods=["GET"]),
-        Route("/stats", server.guarded(server.get_stats), methods=["GET"]),
-        Route("/v1/models", server.guarded(server.models), methods=["GET"]),
-        Route("/v1/chat/completions", server.guarded(server.chat_completions), methods=["POST"]),
-        Route("/v1/completions", server.guarded(server.completions), methods=["POST"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.chat_server = server
-    return app
+    return starlette_app(server, scheduler, completions=True)

@@ -281,12 +281,17 @@ def build_app(
     max_messages: int = DEFAULT_MAX_MESSAGES,
 ):
     """The Starlette app; `engine` is loaded before the app starts, so `/health` means ready."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
-
     limits = RequestLimits(max_tokens_cap, max_body_bytes, max_messages)
     scheduler = Scheduler(engine, max_batch_size, chunk_tokens)
     server = ChatServer(engine, served_model_name, scheduler, limits, request_timeout_s, api_key)
+    return starlette_app(server, scheduler, completions=False)
+
+
+def starlette_app(server: ChatServer, scheduler: Scheduler, *, completions: bool):
+    """The routes every server has (health, stats, models, chat; text completions when `completions`),
+    with the scheduler's worker running for the app's lifetime."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -301,6 +306,8 @@ def build_app(
         Route("/v1/models", server.guarded(server.models), methods=["GET"]),
         Route("/v1/chat/completions", server.guarded(server.chat_completions), methods=["POST"]),
     ]
+    if completions:
+        routes.append(Route("/v1/completions", server.guarded(server.completions), methods=["POST"]))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.chat_server = server  # tests and wrappers reach the engine and scheduler through it
     return app

@@ -53,9 +53,7 @@ from dllmflow.training.trainer import (
     Trainer,
     TrainerHook,
     TrainResult,
-    build_optimizer,
     check_finite,
-    lr_factor,
 )
 
 
@@ -96,29 +94,15 @@ class GRPOTrainer(Trainer):
 
     def build(self) -> None:
         from dllmflow.data.tokenizer import load_tokenizer
-        from dllmflow.diffusion.strategies import build_strategy
         from dllmflow.rl.estimators import build_estimator
         from dllmflow.rl.rewards import build_rewards
-        from dllmflow.training.checkpointer import Checkpointer
-        from dllmflow.training.metrics import MetricsLog
-        from dllmflow.training.parallelize import build_parallel_model, compute_context
 
-        s, t, rl, info = self.settings, self.settings.train, self.settings.rl, self.info
+        s, rl = self.settings, self.settings.rl
         self.tokenizer = load_tokenizer(s.dataset.prepared_dir)
         self.dataset = PromptSet(s.dataset.prepared_dir, "train", self.tokenizer, limit=rl.prompt_limit)
-        torch.manual_seed(t.seed)
-        self.strategy = build_strategy(s)
-        self.model = build_parallel_model(self.tokenizer, s, info)  # the starting weights (+ fresh LoRA)
-        self.strategy.setup(self.model, self.tokenizer, info.device)
+        self.build_model()  # the starting weights (+ fresh LoRA), optimizer, checkpointer, as SFT builds them
         self.mask_id = int(self.strategy.mask_token_id)
         self.reference = self._build_reference()
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, s)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: lr_factor(n, s))
-        self.checkpointer = Checkpointer.from_settings(s, self.layout, info)
-        self.metrics = MetricsLog(self.layout.metrics_jsonl, enabled=info.is_main)
-        self.autocast = compute_context(s, info)
         self.estimator = build_estimator(rl.estimator.name, **rl.estimator.params)
         self.rewards = build_rewards(rl.rewards, rl.reward_weights, import_user=self.import_user)
         self.sampler = build_rollout_sampler(unwrap(self.model), self.tokenizer, s, self.mask_id)

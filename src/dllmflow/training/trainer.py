@@ -174,7 +174,6 @@ class Trainer:
         from dllmflow.data.dataset import PreparedDataset
         from dllmflow.data.pack import build_collator
         from dllmflow.data.tokenizer import load_tokenizer
-        from dllmflow.diffusion.strategies import build_strategy
         from dllmflow.training.data import GlobalBatches
 
         s, t, info = self.settings, self.settings.train, self.info
@@ -191,7 +190,15 @@ class Trainer:
             info.world_size,
             t.seed,
         )
-        torch.manual_seed(t.seed)
+        self.build_model()
+
+    def build_model(self) -> None:
+        """Strategy, model, optimizer, scheduler, checkpointer, metrics, after `self.tokenizer` (seeded
+        first: identical init on every rank)."""
+        from dllmflow.diffusion.strategies import build_strategy
+
+        s, info = self.settings, self.info
+        torch.manual_seed(s.train.seed)
         self.strategy = build_strategy(s)
         # meta build -> LoRA adapters -> activation checkpointing / compile / FSDP2 -> materialise ->
         # init or load (-> DDP)
