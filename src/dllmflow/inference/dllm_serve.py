@@ -33,7 +33,7 @@ from dllmflow.inference.requests import (
     RequestLimits,
     read_body,
 )
-from dllmflow.inference.serve import ChatServer, _error, _error_body, _sse, starlette_app
+from dllmflow.inference.serve import ChatServer, _error, _sse, starlette_app
 
 
 def _usage(res: dict[str, Any]) -> dict[str, Any]:
@@ -51,6 +51,7 @@ class DllmServer(ChatServer):
 
     engine: DllmEngine
     preparing = 0  # requests being read and validated (not yet submitted)
+    usage = staticmethod(_usage)  # with NFE and tokens per forward under `dllmflow`
 
     async def wait_answer(self, req: DllmRequest) -> tuple[str, Any]:
         """Wait for "done" or "error" of a submitted request (streamed "tokens" events are skipped)."""
@@ -178,42 +179,24 @@ class DllmServer(ChatServer):
     ):
         """Server-sent events: (chat: the role first) the text of each block as it is committed, the
         finish reason, usage if asked, then `[DONE]`. Errors after the 200 go out as an `error` event."""
-        loop = asyncio.get_running_loop()
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str, finish_reason: str | None = None, role: bool = False) -> str:
             choice = self._choice(chat, text, finish_reason, delta=True, role=role)
             return _sse({**head, "object": obj, "choices": [choice]})
 
+        def text_of(kind: str, payload: Any) -> str:  # a block may end inside a multi-byte character
+            return payload["text"] if kind == "done" else self.engine.partial_text(payload)
+
         self._enter()
-        sent = ""  # the text streamed so far; every delta extends it
         try:
             if chat:
                 yield chunk("", role=True)
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(req.events.get(), deadline - loop.time())
-                except TimeoutError:
-                    self.stats["timed_out"] += 1
-                    yield _sse(_error_body(504, self.timeout_message, "timeout", None))
-                    return
-                if kind == "error":
-                    message = f"generation failed: {type(payload).__name__}: {payload}"
-                    yield _sse(_error_body(500, message, "server_error", None))
-                    return
-                text = payload["text"] if kind == "done" else self.engine.partial_text(payload)
-                # A block may end inside a multi-byte character (decoded as U+FFFD): wait for the rest.
-                if text.startswith(sent) and (kind == "done" or not text.endswith("\ufffd")):
-                    if delta := text[len(sent) :]:
-                        yield chunk(delta)
-                    sent = text
-                if kind == "done":
-                    yield chunk("", payload["finish_reason"])
-                    if include_usage:
-                        yield _sse({**head, "object": obj, "choices": [], "usage": _usage(payload)})
-                    yield "data: [DONE]\n\n"
-                    self.stats["completed"] += 1
-                    return
+            usage_head = {**head, "object": obj} if include_usage else None
+            async for event in self.stream_deltas(
+                req, deadline, text_of, chunk, lambda fr: chunk("", fr), usage_head
+            ):
+                yield event
         finally:  # also on a client disconnect (the request was submitted before the response started):
             # the scheduler drops the row at its next turn
             req.cancelled = True

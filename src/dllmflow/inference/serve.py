@@ -219,53 +219,65 @@ class ChatServer:
     async def stream(self, req: ChatRequest, deadline: float, head: dict[str, Any], include_usage: bool):
         """Server-sent `chat.completion.chunk` events: the role, text deltas as turns finish, the finish
         reason, usage if asked, then `[DONE]`. Errors after the 200 go out as an `error` event."""
-        loop = asyncio.get_running_loop()
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
             return _sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
 
+        def text_of(kind: str, payload: Any) -> str:
+            return (
+                self.engine.text(req)
+                if kind == "done"
+                else self.engine.tokenizer.decode(payload, skip_special_tokens=True)
+            )
+
         self._enter()
-        sent = ""  # the text streamed so far; every delta extends it
         try:
             yield chunk({"role": "assistant", "content": ""})
             self.scheduler.submit(req)
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(req.events.get(), deadline - loop.time())
-                except TimeoutError:
-                    self.stats["timed_out"] += 1
-                    yield _sse(_error_body(504, self.timeout_message, "timeout", None))
-                    return
-                if kind == "error":
-                    message = f"generation failed: {type(payload).__name__}: {payload}"
-                    yield _sse(_error_body(500, message, "server_error", None))
-                    return
-                if kind == "done":
-                    text = self.engine.text(req)
-                else:
-                    text = self.engine.tokenizer.decode(payload, skip_special_tokens=True)
-                # A token may end inside a multi-byte character (decoded as U+FFFD): wait for the rest.
-                if text.startswith(sent) and (kind == "done" or not text.endswith("\ufffd")):
-                    if delta := text[len(sent) :]:
-                        yield chunk({"content": delta})
-                    sent = text
-                if kind == "done":
-                    yield chunk({}, payload["finish_reason"])
-                    if include_usage:
-                        usage = {
-                            **head,
-                            "object": "chat.completion.chunk",
-                            "choices": [],
-                            "usage": _usage(payload),
-                        }
-                        yield _sse(usage)
-                    yield "data: [DONE]\n\n"
-                    self.stats["completed"] += 1
-                    return
+            deltas = self.stream_deltas(req, deadline, text_of, lambda d: chunk({"content": d}),
+                                        lambda fr: chunk({}, fr),
+                                        {**head, "object": "chat.completion.chunk"} if include_usage else None)  # fmt: skip
+            async for event in deltas:
+                yield event
         finally:  # also on a client disconnect: the scheduler drops the row at its next turn
             req.cancelled = True
             self.stats["in_flight"] -= 1
+
+    @staticmethod
+    def usage(res: dict[str, Any]) -> dict[str, Any]:
+        return _usage(res)
+
+    async def stream_deltas(self, req, deadline: float, text_of, delta_chunk, final_chunk, usage_head):
+        """The events every stream shares, from the request's queue: a text delta whenever the text so far
+        (`text_of(kind, payload)`: a finished turn or block) grows, a 504 / 500 `error` event, then the
+        finish reason (`final_chunk`), usage (on `usage_head`, when asked) and `[DONE]`."""
+        loop = asyncio.get_running_loop()
+        sent = ""  # the text streamed so far; every delta extends it
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(req.events.get(), deadline - loop.time())
+            except TimeoutError:
+                self.stats["timed_out"] += 1
+                yield _sse(_error_body(504, self.timeout_message, "timeout", None))
+                return
+            if kind == "error":
+                message = f"generation failed: {type(payload).__name__}: {payload}"
+                yield _sse(_error_body(500, message, "server_error", None))
+                return
+            text = text_of(kind, payload)
+            # A turn may end inside a multi-byte character (decoded as U+FFFD): wait for the rest.
+            if text.startswith(sent) and (kind == "done" or not text.endswith("\ufffd")):
+                if delta := text[len(sent) :]:
+                    yield delta_chunk(delta)
+                sent = text
+            if kind == "done":
+                yield final_chunk(payload["finish_reason"])
+                if usage_head is not None:
+                    yield _sse({**usage_head, "choices": [], "usage": self.usage(payload)})
+                yield "data: [DONE]\n\n"
+                self.stats["completed"] += 1
+                return
 
 
 def build_app(
