@@ -1,34 +1,62 @@
-"""Does GRPO add held-out exact match beyond what the same compute of supervised steps adds? The issue's goal
-(#25): on the bundled addition task, a tiny model supervised briefly (held-out EM 0.2-0.6), then RL raises
-held-out EM by >= 0.15 absolute within 15 minutes on 2 CPU cores, with an SFT-only run of the same wall
-time beside it.
+"""Does GRPO add held-out exact match beyond what the same wall time of supervised steps adds, when labels
+are scarce and verifiable prompts are plentiful (the RLVR setting)? Issue #25's proof: on the bundled
+addition task, a tiny model supervised to its plateau on a SMALL labeled subset (held-out EM 0.2-0.6),
+then GRPO raises held-out EM by >= 0.15 absolute within 15 minutes on 2 CPU cores, beside an SFT-only
+continuation of the same wall time.
 
-    OMP_NUM_THREADS=1 python bench/grpo_addition.py                       # SFT 720 steps, then 15 min each arm
-    python bench/grpo_addition.py --sft-steps 600 --minutes 5 --set rl.kl_beta=0.0
+    OMP_NUM_THREADS=1 python bench/grpo_addition.py                     # defaults: --rows 140, 15 min per arm
+    python bench/grpo_addition.py --rows 160 --minutes 5 --keep --set rl.kl_beta=0.0
 
-In one temp dir: prepare tiny_addition, SFT `--sft-steps` (params/tiny_addition.yaml, the cosine
-schedule cut to those steps), held-out EM (llada, greedy, `--limit` eval prompts). Then two arms of
-`--minutes` wall each, timed, in-process on one rank: GRPO (params/tiny_addition_grpo.yaml from the SFT
-export, `--set` overrides) and SFT continued from the same export at a constant LR equal to the SFT's
-final one (its own 'more steps' baseline, as many steps as fit in the time). Printed, not asserted:
+Everything under one temp dir it creates (removed unless --keep), in-process on one rank, the real runtime:
+  1) prepare params/tiny_addition.yaml twice: the FULL pool (embedded:addition, its train/eval splits) and
+     a labeled SUBSET (`dataset.limit: --rows`, the full pool's tokenizer). Checked: every subset row is a
+     train row of the full pool, none is held out.
+  2) SFT on the subset for --sft-steps (the recipe's cosine schedule cut to those steps): its plateau.
+  3) arm a: GRPOTrainer (params/tiny_addition_grpo.yaml + --set) from the SFT export, prompts from the
+     FULL train pool; the rewards verify the answer, no demonstration is used. --minutes of wall time.
+  4) arm b: the Trainer continues SFT from the same export on the same subset at the SFT's final LR
+     (constant) for --minutes: the "more steps" control.
+  5) held-out EM (llada greedy, flexible, the first --limit problems of the full pool's eval split, as
+     `dllmflow evaluate`) of the SFT export and of each arm's weights when its time ran out.
+Printed, not asserted (times depend on the machine's load):
 
-    EM sft | EM +grpo (steps) | EM +sft (steps) | gain grpo - gain sft
+    rows | EM sft (steps) | +grpo (steps, min) | +sft-only (steps, min) | gain grpo | gain sft-only
 
-Measured 2026-12-02 (2 CPU cores shared with other jobs, load average 8-12; --minutes 5, 256 prompts):
-    EM sft 0.480 (720 steps) | +grpo 0.496 (554 steps) | +sft 0.980 (4,200 steps) | gain grpo - gain sft -0.484
-The goal is NOT met on this task: continued SFT (the reference answers are the verifiable answers) is
-far stronger per second than GRPO's 64 sampled rollouts a step. Other points tried (SFT 800 steps, EM
-0.80): lr 1e-3 -> EM 0.15 in 60 steps (the policy collapses); lr 1e-4 -> 0.83 in 80 steps (sampled
-reward 0.33 -> 0.68); from EM 0.47 (128 prompts): lr 3e-4 + kl_beta 0 + temperature 0.7, 150 steps -> 0.31;
-lr 1e-4 + kl_beta 0 + mu 2 + exact_match only, 200 steps -> 0.38. A one-step gradient check on one group
-moves the sequence estimates with the advantages (correlation 0.5): no sign error, but completions that
-share tokens ("#### 055" vs "#### 065") are pushed both ways by one_step's per-token estimate.
-The `coupled` estimator's 1/t token weights overflowed the k3 KL (loss 7.8e5, grad norm 1.8e8 at step 20).
+Why a labeled subset (measured 2026-12-02, 2 shared CPU cores): with the full train split (~6,000 rows)
+SFT is the stronger use of a second, because the task's own labels are its verifiable answers: from a
+mid-run checkpoint of the 1,200-step recipe (EM 0.334) GRPO gained +0.16..+0.30 in 5 min, SFT-only on
+the same rows reached 0.62 (and 1.00 in 10 min). Held-out EM of SFT to its plateau by labeled rows
+(1,600-2,000 steps, 256 held-out problems): 128 rows 0.06, 192 rows 0.83, 256 rows 1.00, 512 rows 0.97;
+the curve is flat between the last two checkpoints of each run (more steps on the same rows add nothing).
+
+GRPO settings tried before (the earlier probe, plain loop, same start EM 0.334, 5 min): one_step lr 3e-4
+kl_beta 0.01 T 1.0 G 8 x 8 prompts: +0.16 (112 steps) and +0.30 (885 steps, quiet machine); coupled
+eps 1e-3: +0.17, but at 10 min its 1/t weights gave KL spikes 6-12 and a collapse to zero reward; coupled
+eps 0.2: +0.16 with a step KL of 342; lr 1e-3: reward 0.19 -> 0.05 (collapse); T 0.7: +0.10. Hence
+one_step, lr 3e-4, kl_beta 0.01, T 1.0 and `rl.kl_log_ratio_clip` (docs/strategies.md §8.2).
+
+Measured 2026-12-02 with this file (--minutes 5 per arm, --sft-steps 1500, 512 held-out problems, recipe
+as committed; 2 CPU cores shared with a CI run and 2-3 such benches at once, load average 3-9, so the
+step counts are pessimistic). The SFT plateau is a knife edge in the labeled rows (the first N train
+rows): 128 -> 0.06, 136 -> 0.18, 140 -> 0.53, 144 -> 0.74, 160 -> 0.67, 192 -> 0.83, 256 -> 1.00.
+    rows | EM sft | +grpo (steps, min)   | +sft-only (steps, min) | gain grpo | gain sft-only
+    160  | 0.668  | 0.859 (981, 5.0)     | 0.551 (4,767, 5.0)     | +0.191    | -0.117
+    140  | 0.529  | 0.594 (571, 5.0)     | 0.361 (7,351, 5.0)     | +0.064    | -0.168
+    136  | 0.184  | 0.277 (622, 5.0)     | 0.156 (6,261, 5.0)     | +0.094    | -0.027
+SFT-only on the same rows does not help (it overfits them); GRPO on the full pool's prompts does. The
+goal (+0.15 from a start in 0.2-0.6) is met only from 160 rows (start 0.668, just above the range); from
+140 and 136 rows GRPO gained +0.06/+0.09 in 5 minutes (the SFT-only arms of those two ran on a quieter
+machine, load 2-3, so they got more steps than the GRPO arms). The
+in-run held-out EM (64 problems) still rose at the 5-minute mark; step KL spikes reached 79 (grad norm
+373) with kl_log_ratio_clip 10, without a collapse in 5 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -39,108 +67,153 @@ from dllmflow.training.trainer import TrainerHook
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "params" / "tiny_addition.yaml"
 GRPO = ROOT / "params" / "tiny_addition_grpo.yaml"
-
-
-class StopAfter(TrainerHook):
-    """Ends a run after `seconds` of wall time (the step that crosses it finishes first)."""
-
-    def __init__(self, seconds: float):
-        self.deadline = time.perf_counter() + seconds
-        self.steps = 0
-
-    def after_step(self, trainer, step: int) -> None:
-        self.steps = step
-        if time.perf_counter() > self.deadline:
-            raise TimeUp
+BIG = 10**6
 
 
 class TimeUp(Exception):
     pass
 
 
-def held_out_em(run_dir: Path, settings, limit: int) -> float:
-    from dllmflow.evaluation.accuracy import evaluate
-    from dllmflow.runs import resolve_checkpoint
+class StopAfter(TrainerHook):
+    """Ends a run after `seconds` of wall time (the step that crosses it finishes), saving the policy's
+    weights to `out_dir` first, so the arm is scored exactly where its time ran out."""
 
-    return evaluate(resolve_checkpoint(run_dir), settings=settings, sampler="llada", limit=limit)["metrics"][
-        "exact_match_flexible"
-    ]
+    def __init__(self, seconds: float, out_dir: Path):
+        self.seconds, self.out_dir = seconds, out_dir
+        self.t0 = time.perf_counter()
+        self.steps, self.elapsed = 0, 0.0
+
+    def after_step(self, trainer, step: int) -> None:
+        from dllmflow.models.wrappers import unwrap
+
+        self.steps, self.elapsed = step, time.perf_counter() - self.t0
+        if self.elapsed > self.seconds:
+            unwrap(trainer.model).save_pretrained(self.out_dir)
+            trainer.tokenizer.save_pretrained(self.out_dir)
+            raise TimeUp
 
 
-def timed_arm(run, hook: StopAfter) -> int:
+def timed_arm(make_trainer, seconds: float, out_dir: Path) -> StopAfter:
+    hook = StopAfter(seconds, out_dir)
     try:
-        run()
+        make_trainer([hook]).run()
     except TimeUp:
         pass
-    return hook.steps
+    return hook
+
+
+def held_out_em(weights: Path, full, limit: int) -> float:
+    """Greedy llada exact match (flexible) on the full pool's eval split, as `dllmflow evaluate`."""
+    from dllmflow.evaluation.accuracy import evaluate_loaded
+    from dllmflow.evaluation.protocol import EvalRunner, build_runner
+    from dllmflow.inference.generate import load_for_generation
+
+    model, tok, _ = load_for_generation(weights, device="cpu")
+    model.eval()
+    loaded = EvalRunner(model, tok, build_runner(model, tok, full, "llada", None), full, "llada")
+    return evaluate_loaded(loaded, str(weights), limit=limit)["metrics"]["exact_match_flexible"]
+
+
+def check_subset(full_dir: Path, sub_dir: Path) -> int:
+    """Every labeled row is a train row of the full pool and none is a held-out one (by id and chat)."""
+    from dllmflow.data.dataset import PreparedDataset
+
+    def keys(d: Path, split: str) -> set[str]:
+        return {r["id"] + json.dumps(r["messages"]) for r in PreparedDataset(d, split).rows(None)}
+
+    sub, train, held = keys(sub_dir, "train"), keys(full_dir, "train"), keys(full_dir, "eval")
+    if not sub <= train or sub & held or keys(sub_dir, "eval") != held:
+        raise SystemExit("the labeled subset is not a subset of the full pool's train split")
+    return len(sub)
 
 
 def main() -> None:
     from dllmflow.data.prepare import prepare
     from dllmflow.rl.grpo_trainer import GRPOTrainer
+    from dllmflow.runs import resolve_checkpoint
     from dllmflow.training.trainer import Trainer
     from dllmflow.workflow.grpo import starting_settings
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sft-steps", type=int, default=720)
-    p.add_argument("--minutes", type=float, default=15.0)
-    p.add_argument("--limit", type=int, default=256, help="held-out prompts scored")
+    p.add_argument("--rows", type=int, default=140, help="labeled rows for SFT (a subset of the train split)")
+    p.add_argument("--sft-steps", type=int, default=1500)
+    p.add_argument("--minutes", type=float, default=15.0, help="wall time of each arm")
+    p.add_argument("--limit", type=int, default=512, help="held-out problems scored")
     p.add_argument("--set", action="append", default=[], help="GRPO recipe override, e.g. rl.kl_beta=0.0")
+    p.add_argument("--skip-sft-only", action="store_true", help="run only the GRPO arm")
+    p.add_argument(
+        "--skip-grpo", action="store_true", help="run only the SFT-only arm (two processes: one each)"
+    )
+    p.add_argument("--keep", action="store_true", help="keep the temp dir")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
-    data = {"dataset": {"prepared_dir": str(tmp / "prep")}}
-    prepare(load_settings(SFT, **data))
+    try:
+        # 1) the full pool and the labeled subset (same tokenizer, same held-out split)
+        full = load_settings(SFT, dataset={"prepared_dir": str(tmp / "full")})
+        prepare(full)
+        sub_data = {"prepared_dir": str(tmp / "sub"), "limit": args.rows}
+        sub = load_settings(SFT, dataset=sub_data, tokenizer={"name_or_path": str(tmp / "full" / "tokenizer")},
+                            train={"max_steps": args.sft_steps, "log_every": 250},
+                            checkpoint={"every_steps": args.sft_steps}, eval={"untrained_baseline": False})  # fmt: skip
+        prepare(sub)
+        n = check_subset(tmp / "full", tmp / "sub")
 
-    # 1) the brief SFT
-    sft = load_settings(SFT, **data, train={"max_steps": args.sft_steps, "log_every": 100},
-                        checkpoint={"every_steps": args.sft_steps})  # fmt: skip
-    Trainer(sft, tmp / "sft").run()
-    em_sft = held_out_em(tmp / "sft", sft, args.limit)
-    print(f"SFT {args.sft_steps} steps: held-out EM {em_sft:.3f}", flush=True)
+        # 2) SFT on the subset to its plateau
+        t0 = time.perf_counter()
+        Trainer(sub, tmp / "sft").run()
+        sft_s = time.perf_counter() - t0
+        start = resolve_checkpoint(tmp / "sft")
+        em_sft = held_out_em(start, full, args.limit)
+        print(
+            f"SFT on {n} rows, {args.sft_steps} steps ({sft_s / 60:.1f} min): held-out EM {em_sft:.3f}",
+            flush=True,
+        )
 
-    # 2) GRPO for --minutes (a checkpoint with the export every 20 steps: the last one is scored)
-    big = 10**6
-    grpo = load_settings(GRPO, **data, **parse_overrides(args.set),
-                         train={"max_steps": big, "log_every": 10}, checkpoint={"every_steps": 20})  # fmt: skip
-    grpo, _ = starting_settings(grpo, str(tmp / "sft"))
-    grpo = grpo.model_copy(
-        update={"checkpoint": grpo.checkpoint.model_copy(update={"save_consolidated": "every"})}
-    )
-    hook = StopAfter(args.minutes * 60)
-    steps_rl = timed_arm(lambda: GRPOTrainer(grpo, tmp / "grpo", hooks=[hook]).run(), hook)
-    em_rl = held_out_em(tmp / "grpo", grpo, args.limit)
+        # 3) GRPO on the full pool's prompts
+        grpo = load_settings(GRPO, **parse_overrides(args.set),
+                             dataset={"prepared_dir": str(tmp / "full")},
+                             train={"max_steps": BIG, "log_every": 10},
+                             checkpoint={"every_steps": BIG, "save_consolidated": "false"})  # fmt: skip
+        grpo, _ = starting_settings(grpo, str(tmp / "sft"))
+        seconds = args.minutes * 60
+        em_rl, rl = float("nan"), StopAfter(0, tmp)
+        if not args.skip_grpo:
+            rl = timed_arm(
+                lambda hooks: GRPOTrainer(grpo, tmp / "grpo", hooks=hooks), seconds, tmp / "grpo_w"
+            )
+            em_rl = held_out_em(tmp / "grpo_w", full, args.limit)
+            print(f"GRPO {rl.steps} steps ({rl.elapsed / 60:.1f} min): held-out EM {em_rl:.3f}", flush=True)
 
-    # 3) SFT continued for the same wall time, from the same export, at the SFT's final LR
-    more, _ = starting_settings(
-        load_settings(GRPO, **data, train={"max_steps": big}, rl={}), str(tmp / "sft")
-    )
-    t = sft.train
-    final_lr = t.lr * t.min_lr_ratio
-    more = more.model_copy(
-        update={
-            "rl": None,
-            "train": sft.train.model_copy(
-                update={
-                    "max_steps": big,
-                    "lr": final_lr,
-                    "lr_schedule": "constant",
-                    "warmup_steps": 0,
-                    "log_every": 100,
-                }
-            ),  # fmt: skip
-            "checkpoint": sft.checkpoint.model_copy(
-                update={"every_steps": 100, "save_consolidated": "every"}
-            ),
-        }
-    )
-    hook = StopAfter(args.minutes * 60)
-    steps_sft = timed_arm(lambda: Trainer(more, tmp / "more", hooks=[hook]).run(), hook)
-    em_more = held_out_em(tmp / "more", more, args.limit)
-    print(
-        f"EM sft {em_sft:.3f} | +grpo {em_rl:.3f} ({steps_rl} steps, scored at the last multiple of 20) | "
-        f"+sft {em_more:.3f} ({steps_sft} steps, scored at the last multiple of 100) | "
-        f"gain grpo - gain sft {(em_rl - em_sft) - (em_more - em_sft):+.3f}   ({tmp})"
-    )
+        # 4) SFT continued on the same subset, same wall time, at the SFT's final LR
+        em_more, more = float("nan"), StopAfter(0, tmp)
+        if not args.skip_sft_only:
+            t = sub.train
+            cont = load_settings(
+                SFT,
+                model={"pretrained_model_name_or_path": str(start), "tiny": None},
+                dataset=sub_data,
+                tokenizer={"name_or_path": str(tmp / "full" / "tokenizer")},
+                train={"max_steps": BIG, "lr": t.lr * t.min_lr_ratio, "lr_schedule": "constant",
+                       "warmup_steps": 0, "log_every": 500, "seed": t.seed + 1},
+                checkpoint={"every_steps": BIG, "save_consolidated": "false"},
+                eval={"untrained_baseline": False},
+            )  # fmt: skip
+            more = timed_arm(lambda hooks: Trainer(cont, tmp / "more", hooks=hooks), seconds, tmp / "more_w")
+            em_more = held_out_em(tmp / "more_w", full, args.limit)
+
+        load = os.getloadavg()[0]
+        print(
+            f"\nrows {n} | EM sft {em_sft:.3f} ({args.sft_steps} steps) | +grpo {em_rl:.3f} ({rl.steps} steps, "
+            f"{rl.elapsed / 60:.1f} min) | +sft-only {em_more:.3f} ({more.steps} steps, {more.elapsed / 60:.1f} "
+            f"min) | gain grpo {em_rl - em_sft:+.3f} | gain sft-only {em_more - em_sft:+.3f}   "
+            f"(held-out {args.limit}, load avg {load:.1f}, --set {' '.join(args.set) or '-'})",
+            flush=True,
+        )
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -88,3 +88,27 @@ def test_gradient_at_the_old_policy_is_minus_advantage_plus_kl():
     # d/dlogp [-r A] = -A at r = 1; d/dlogp k3 = 1 - exp(ref - logp)
     want = (-adv[:, None] + beta * (1 - torch.exp(ref - old))) * mask
     torch.testing.assert_close(logp.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_log_ratio_clip_extends_k3_by_its_tangent():
+    # d = ref - logp on both sides of c = 2, one far past it (exp(50) would dominate any gradient)
+    d = torch.tensor([[-3.0, 0.5, 1.9, 2.5, 50.0]])
+    logp = torch.full_like(d, -1.0).requires_grad_(True)
+    ref, old, adv, mask, c, beta = (
+        logp.detach() + d,
+        logp.detach(),
+        torch.zeros(1),
+        torch.ones_like(d),
+        2.0,
+        0.5,
+    )
+    out = grpo_loss(logp, old, ref, adv, mask, clip_eps=0.2, kl_beta=beta, kl_log_ratio_clip=c)
+    out.loss_sum.backward()
+    k3 = [math.exp(x) - x - 1 if x <= c else math.exp(c) * (1 + x - c) - x - 1 for x in d[0].tolist()]
+    # d k3 / d logp = -(d k3 / d d): 1 - exp(d) below c, 1 - exp(c) above (bounded)
+    grad = [beta * (1 - math.exp(min(x, c))) for x in d[0].tolist()]
+    assert math.isclose(out.kl_sum.item(), sum(k3), rel_tol=1e-6)
+    torch.testing.assert_close(logp.grad, torch.tensor([grad]), rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(logp.grad).all() and logp.grad.abs().max() < beta * math.exp(c)
+    # unclipped, the same tokens give exp(50)-sized terms
+    assert grpo_loss(logp, old, ref, adv, mask, 0.2, beta).kl_sum.item() > 1e20

@@ -24,7 +24,8 @@ def test_off_by_default_and_the_sft_fingerprint_is_unchanged():
     g = load_settings(GRPO)
     assert g.rl.num_generations == 8 and g.rl.estimator.name == "one_step"
     fields = settings_fingerprint(g)["fields"]
-    assert fields["rl.kl_beta"] == 0.02 and "rl.eval_every" not in fields  # eval cadence may change on resume
+    assert fields["rl.kl_beta"] == 0.01 and fields["rl.kl_log_ratio_clip"] == 10.0  # the measured recipe
+    assert "rl.eval_every" not in fields  # eval cadence may change on resume
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,7 @@ def test_off_by_default_and_the_sft_fingerprint_is_unchanged():
         ({"rewards": ["exact_match"], "reward_weights": [1.0, 2.0]}, "rl", "one weight per reward"),
         ({"sampler_overrides": {"seed": 3}}, "rl.sampler_overrides", "rl.temperature"),
         ({"clip_eps": 0.0}, "rl.clip_eps", "greater than 0"),
+        ({"kl_log_ratio_clip": 0.0}, "rl.kl_log_ratio_clip", "greater than 0"),
         ({"bogus": 1}, "rl.bogus", "unknown field"),
     ],
 )

@@ -242,7 +242,7 @@ class GRPOTrainer(Trainer):
         from dllmflow.rl.objective import grpo_loss
 
         rl = self.settings.rl
-        return grpo_loss(logp, old, ref, adv, mask, rl.clip_eps, rl.kl_beta)
+        return grpo_loss(logp, old, ref, adv, mask, rl.clip_eps, rl.kl_beta, rl.kl_log_ratio_clip)
 
     def _update(self, step: int, it: int, loss: float) -> dict[str, Any]:
         """Clip, then the AdamW step (or a skipped one for a non-finite loss / norm, as SFT does). `loss`:

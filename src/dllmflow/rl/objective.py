@@ -11,6 +11,7 @@ summed over ranks and micro-batches, so the loss does not depend on how the batc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +60,13 @@ def grpo_loss(
     mask: Tensor,  # [B, C] 1 = a completion token
     clip_eps: float,
     kl_beta: float,
+    kl_log_ratio_clip: float | None = None,
 ) -> GRPOLoss:
     """Per token: r = exp(logp - old), surrogate = -min(r A, clip(r, 1-ε, 1+ε) A),
-    k3 = exp(ref - logp) - (ref - logp) - 1 (≥ 0, unbiased for KL(π_θ || π_ref)); loss = surrogate + β k3."""
+    k3 = exp(d) - d - 1 with d = ref - logp (≥ 0, unbiased for KL(π_θ || π_ref)); loss = surrogate + β k3.
+    `kl_log_ratio_clip` c: above d = c, exp(d) is replaced by its tangent exp(c)(1 + d - c), so k3 and its
+    gradient stay finite and continuous (|∂k3/∂d| ≤ exp(c) - 1) when the policy drops a token the
+    reference likes (docs/strategies.md §8.2); None = the unbounded k3."""
     m = mask.to(logp.dtype)  # [B, C]
     a = advantages.to(logp.dtype)[:, None]  # [B, 1]
     ratio = torch.exp(logp - old_logp.detach())  # [B, C]
@@ -69,7 +74,13 @@ def grpo_loss(
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * a
     surrogate = -torch.minimum(unclipped, clipped)  # [B, C]
     delta = ref_logp.detach() - logp  # [B, C]
-    k3 = torch.exp(delta) - delta - 1.0  # [B, C]
+    if kl_log_ratio_clip is None:
+        e = torch.exp(delta)  # [B, C]
+    else:
+        c = float(kl_log_ratio_clip)
+        # exp of the clamped value first: no inf (and no inf * 0 = NaN gradient) from the unused branch
+        e = torch.where(delta > c, math.exp(c) * (1.0 + delta - c), torch.exp(delta.clamp(max=c)))  # [B, C]
+    k3 = e - delta - 1.0  # [B, C]
     per_token = surrogate + kl_beta * k3 if kl_beta else surrogate
     n = (mask != 0).sum()
     return GRPOLoss(

@@ -22,7 +22,15 @@ import importlib
 import re
 from typing import Any, Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from .sections import Section
 
@@ -80,6 +88,10 @@ class RLConfig(Section):
     num_iterations: PositiveInt = Field(1, description="Policy updates per rollout batch (mu).")
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip.")
     kl_beta: NonNegativeFloat = Field(0.04, description="Weight of the KL penalty to the reference.")
+    kl_log_ratio_clip: PositiveFloat | None = Field(
+        10.0,
+        description="Above this log-ratio ref - policy, the k3 KL grows linearly (bounded gradient); null = unbounded.",
+    )
     advantage_scale: Literal["std", "none"] = Field(
         "std", description="Divide group-centred rewards by the group's std (std) or not (none)."
     )
