@@ -43,12 +43,14 @@ rows): 128 -> 0.06, 136 -> 0.18, 140 -> 0.53, 144 -> 0.74, 160 -> 0.67, 192 -> 0
     160  | 0.668  | 0.859 (981, 5.0)     | 0.551 (4,767, 5.0)     | +0.191    | -0.117
     140  | 0.529  | 0.594 (571, 5.0)     | 0.361 (7,351, 5.0)     | +0.064    | -0.168
     136  | 0.184  | 0.277 (622, 5.0)     | 0.156 (6,261, 5.0)     | +0.094    | -0.027
+    140  | 0.529  | 0.639 (3,216, 12.0)  | 0.217 (22,901, 12.0)   | +0.109    | -0.312   (two processes, load 1-2)
 SFT-only on the same rows does not help (it overfits them); GRPO on the full pool's prompts does. The
 goal (+0.15 from a start in 0.2-0.6) is met only from 160 rows (start 0.668, just above the range); from
 140 and 136 rows GRPO gained +0.06/+0.09 in 5 minutes (the SFT-only arms of those two ran on a quieter
 machine, load 2-3, so they got more steps than the GRPO arms). The
 in-run held-out EM (64 problems) still rose at the 5-minute mark; step KL spikes reached 79 (grad norm
-373) with kl_log_ratio_clip 10, without a collapse in 5 minutes.
+373) in 5 minutes and 314 in 12 (kl_log_ratio_clip 10 bounds each token's gradient at ~2.2e4 beta, too
+loose to remove them; the 1.0 grad-norm clip kept the run from collapsing).
 """
 
 from __future__ import annotations
