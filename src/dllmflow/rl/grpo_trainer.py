@@ -137,7 +137,6 @@ class GRPOTrainer(Trainer):
     # ---- one GRPO step --------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict[str, Any]:
-        from dllmflow.rl.objective import group_advantages
         from dllmflow.rl.rewards import score
 
         s, rl, info = self.settings, self.settings.rl, self.info
@@ -151,9 +150,8 @@ class GRPOTrainer(Trainer):
         self.model.train()
 
         # 3) rewards; a failure on any rank skips the step on every rank
-        scored = [
-            score(self.rewards, [pr.question] * G, g.texts, [pr.answer] * G) for pr, g in zip(prompts, groups)
-        ]
+        scored = [score(self.rewards, [pr.question] * G, g.texts, [pr.answer] * G)
+                  for pr, g in zip(prompts, groups)]  # fmt: skip
         failures = [f for b in scored for f in b.failures]
         rollout = self._reduce(
             {
@@ -181,26 +179,7 @@ class GRPOTrainer(Trainer):
             return self._skip_reward_step(step, failures, record)
 
         # 4) advantages, 5) draws scored by old policy and reference (no grad)
-        device = info.device
-        batches, adv_stats = [], {"adv_abs": 0.0, "adv_n": 0.0, "adv_group_mean_max": 0.0}
-        for pr, pos, g, b in zip(prompts, positions, groups, scored):
-            adv = group_advantages(b.values, G, scale=rl.advantage_scale).to(device)  # [G]
-            adv_stats["adv_abs"] += float(adv.abs().sum())
-            adv_stats["adv_n"] += G
-            adv_stats["adv_group_mean_max"] = max(adv_stats["adv_group_mean_max"], abs(float(adv.mean())))
-            gen = torch.Generator().manual_seed(draw_seed(s.train.seed, pos))
-            prompt_ids = torch.tensor([pr.ids] * G, dtype=torch.long)  # [G, P]: one prompt, no padding
-            draws = self.estimator.draw(prompt_ids, g.completion_ids, g.completion_mask, self.mask_id, gen)
-            draws = _to(draws, device)
-            with torch.no_grad(), self.autocast:
-                ref = self.estimator.token_logp(self.reference, draws)  # [G, C]
-                old = self.estimator.token_logp(unwrap(self.model), draws) if rl.num_iterations > 1 else None
-            batches.append((draws, adv, ref, old, g.completion_mask.to(device)))
-        h_sum = h_n = 0.0
-        with self.autocast:
-            for draws, *_ in batches:
-                h, n = masked_entropy(unwrap(self.model), draws)
-                h_sum, h_n = h_sum + h, h_n + n
+        batches, adv_stats, h_sum, h_n = self._prepare_updates(prompts, positions, groups, scored)
 
         # 6) mu policy updates over the same rollouts
         total_tokens = max(rollout["tokens"], 1.0)
@@ -237,6 +216,36 @@ class GRPOTrainer(Trainer):
         if rl.eval_every and (step + 1) % rl.eval_every == 0:
             record["heldout_em"] = self.heldout_accuracy()
         return record
+
+    def _prepare_updates(self, prompts, positions, groups, scored):
+        """Per group: advantages [G], the estimator's draws, the reference's (and with mu > 1 the old
+        policy's) token log-probs, without grad; and the policy's masked entropy. -> (batches, advantage
+        stats, entropy sum, entropy count)."""
+        from dllmflow.rl.objective import group_advantages
+
+        s, rl, info = self.settings, self.settings.rl, self.info
+        G = rl.num_generations
+        device = info.device
+        batches, adv_stats = [], {"adv_abs": 0.0, "adv_n": 0.0, "adv_group_mean_max": 0.0}
+        for pr, pos, g, b in zip(prompts, positions, groups, scored):
+            adv = group_advantages(b.values, G, scale=rl.advantage_scale).to(device)  # [G]
+            adv_stats["adv_abs"] += float(adv.abs().sum())
+            adv_stats["adv_n"] += G
+            adv_stats["adv_group_mean_max"] = max(adv_stats["adv_group_mean_max"], abs(float(adv.mean())))
+            gen = torch.Generator().manual_seed(draw_seed(s.train.seed, pos))
+            prompt_ids = torch.tensor([pr.ids] * G, dtype=torch.long)  # [G, P]: one prompt, no padding
+            draws = self.estimator.draw(prompt_ids, g.completion_ids, g.completion_mask, self.mask_id, gen)
+            draws = _to(draws, device)
+            with torch.no_grad(), self.autocast:
+                ref = self.estimator.token_logp(self.reference, draws)  # [G, C]
+                old = self.estimator.token_logp(unwrap(self.model), draws) if rl.num_iterations > 1 else None
+            batches.append((draws, adv, ref, old, g.completion_mask.to(device)))
+        h_sum = h_n = 0.0
+        with self.autocast:
+            for draws, *_ in batches:
+                h, n = masked_entropy(unwrap(self.model), draws)
+                h_sum, h_n = h_sum + h, h_n + n
+        return batches, adv_stats, h_sum, h_n
 
     def _loss(self, logp, old, ref, adv, mask):
         from dllmflow.rl.objective import grpo_loss
