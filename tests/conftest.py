@@ -49,6 +49,16 @@ def _restore_environ():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_module_environ():
+    """The same for a module's own fixtures (registering a model calls `mlflow.set_registry_uri`, which
+    exports MLFLOW_REGISTRY_URI): nothing leaks into the next module a pytest-xdist worker runs."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 # `make test` runs `pytest -n 2 --dist loadscope --no-loadscope-reorder` (pytest-xdist): most slow tests
 # are one busy process (a flow step, a server, a generation), so two run side by side on 2 cores. The
 # work unit is a whole module (its module-scoped fixtures, e.g. prepared data or a trained checkpoint,

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "prod-hybrid"
 pytestmark = pytest.mark.slow
 
-_CLIENT_DROP = ("AWS_", "MLFLOW_S3_", "METAFLOW_S3_", "DLLMFLOW_", "DLLM_")
+_CLIENT_DROP = ("AWS_", "MLFLOW_S3_", "MLFLOW_REGISTRY_URI", "METAFLOW_S3_", "DLLMFLOW_", "DLLM_")
 
 
 def _consumer_env(tracking_uri: str) -> dict[str, str]:
