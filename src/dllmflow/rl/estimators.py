@@ -22,6 +22,7 @@ Draws never touch the global RNG: only the `generator` given (the caller seeds i
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -53,7 +54,7 @@ class Draws:
         )
 
 
-class Estimator:
+class Estimator(abc.ABC):
     """Base: `draw` makes the noise (model-free, deterministic given the generator), `token_logp` scores it."""
 
     name: ClassVar[str]
@@ -79,6 +80,7 @@ class Estimator:
             weights=weights * comp.to(torch.float32),  # padding is never scored
         )
 
+    @abc.abstractmethod
     def _noise(
         self,
         prompt: Tensor,
@@ -88,8 +90,7 @@ class Estimator:
         mask_id: int,
         gen: torch.Generator,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """-> (noisy prompt [K, B, P], noisy completion [K, B, C], weights [K, B, C])."""
-        raise NotImplementedError
+        """-> (noisy prompt [K, B, P], noisy completion [K, B, C], weights [K, B, C]); each estimator's own."""
 
     def token_logp(self, model: nn.Module, draws: Draws) -> Tensor:
         """Σ_k weights[k] · log p_θ(target | noisy copy k) per completion token: [B, C], differentiable.
