@@ -21,7 +21,7 @@ NOTES = {
     "README.md": "this file",
     "docs/contracts.md": "interfaces the modules agree on",
     "docs/strategies.md": "the math of every mode and sampler, the shared conventions, the papers (cited as docs/strategies.md §X)",
-    "bench/gpu.sh": "GPU check (one short script for a lent H200): mdlm ~0.5B bf16 FSDP2 + AC, tok/s and MFU, and LoRA",
+    "bench/gpu.sh": "GPU check (one short script for a lent H200): SmolLM2 A2D full + LoRA, bf16 FSDP2 + AC, MFU, memory vs plan, sampler tok/s",
     "docs/adding_a_mode.md": "adding a seventh dllm.mode: config, strategy, ModeSpec, samplers, tests",
     "docs/data_formats.md": "bring your own data: formats, field mapping, weighted mixtures, held-out split",
     "docs/lm_eval.md": "lm-evaluation-harness: the dllmflow model, the Monte-Carlo ELBO estimator, the local GSM8K task",
