@@ -6,6 +6,7 @@ continuation of the same wall time.
 
     OMP_NUM_THREADS=1 python bench/grpo_addition.py                     # defaults: --rows 140, 15 min per arm
     python bench/grpo_addition.py --rows 160 --minutes 5 --keep --set rl.kl_beta=0.0
+    python bench/grpo_addition.py --reuse /tmp/bench-grpo-XXXX --skip-sft-only --minutes 5   # same SFT start
 
 Everything under one temp dir it creates (removed unless --keep), in-process on one rank, the real runtime:
   1) prepare params/tiny_addition.yaml twice: the FULL pool (embedded:addition, its train/eval splits) and
@@ -147,22 +148,32 @@ def main() -> None:
         "--skip-grpo", action="store_true", help="run only the SFT-only arm (two processes: one each)"
     )
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    p.add_argument(
+        "--reuse", type=Path, help="a kept dir of an earlier run (--keep): its data and SFT run, not redone"
+    )
     args = p.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
+    tmp = args.reuse or Path(tempfile.mkdtemp(prefix="bench-grpo-"))
+    # a reused dir's earlier outputs of the arms this process runs (the other arm may run beside it)
+    arms = ([] if args.skip_grpo else ["grpo", "grpo_w"]) + ([] if args.skip_sft_only else ["more", "more_w"])
+    for arm in arms:
+        shutil.rmtree(tmp / arm, ignore_errors=True)
     try:
         # 1) the full pool and the labeled subset (same tokenizer, same held-out split)
         full = load_settings(SFT, dataset={"prepared_dir": str(tmp / "full")})
-        prepare(full)
+        if not args.reuse:
+            prepare(full)
         sub_data = {"prepared_dir": str(tmp / "sub"), "limit": args.rows}
         sub = load_settings(SFT, dataset=sub_data, tokenizer={"name_or_path": str(tmp / "full" / "tokenizer")},
                             train={"max_steps": args.sft_steps, "log_every": 250},
                             checkpoint={"every_steps": args.sft_steps}, eval={"untrained_baseline": False})  # fmt: skip
-        prepare(sub)
+        if not args.reuse:
+            prepare(sub)
         n = check_subset(tmp / "full", tmp / "sub")
 
         # 2) SFT on the subset to its plateau
         t0 = time.perf_counter()
-        Trainer(sub, tmp / "sft").run()
+        if not args.reuse:
+            Trainer(sub, tmp / "sft").run()
         sft_s = time.perf_counter() - t0
         start = resolve_checkpoint(tmp / "sft")
         em_sft = held_out_em(start, full, args.limit)
@@ -212,7 +223,7 @@ def main() -> None:
             flush=True,
         )
     finally:
-        if args.keep:
+        if args.keep or args.reuse:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
