@@ -153,10 +153,8 @@ def main() -> None:
     )
     args = p.parse_args()
     tmp = args.reuse or Path(tempfile.mkdtemp(prefix="bench-grpo-"))
-    # a reused dir's earlier outputs of the arms this process runs (the other arm may run beside it)
-    arms = ([] if args.skip_grpo else ["grpo", "grpo_w"]) + ([] if args.skip_sft_only else ["more", "more_w"])
-    for arm in arms:
-        shutil.rmtree(tmp / arm, ignore_errors=True)
+    # this process's arms, in a dir of their own: other processes may run arms from the same start
+    arms = Path(tempfile.mkdtemp(prefix="arms-", dir=tmp))
     try:
         # 1) the full pool and the labeled subset (same tokenizer, same held-out split)
         full = load_settings(SFT, dataset={"prepared_dir": str(tmp / "full")})
@@ -192,9 +190,9 @@ def main() -> None:
         em_rl, rl = float("nan"), StopAfter(0, tmp)
         if not args.skip_grpo:
             rl = timed_arm(
-                lambda hooks: GRPOTrainer(grpo, tmp / "grpo", hooks=hooks), seconds, tmp / "grpo_w"
+                lambda hooks: GRPOTrainer(grpo, arms / "grpo", hooks=hooks), seconds, arms / "grpo_w"
             )
-            em_rl = held_out_em(tmp / "grpo_w", full, args.limit)
+            em_rl = held_out_em(arms / "grpo_w", full, args.limit)
             print(f"GRPO {rl.steps} steps ({rl.elapsed / 60:.1f} min): held-out EM {em_rl:.3f}", flush=True)
 
         # 4) SFT continued on the same subset, same wall time, at the SFT's final LR
@@ -211,8 +209,10 @@ def main() -> None:
                 checkpoint={"every_steps": BIG, "save_consolidated": "false"},
                 eval={"untrained_baseline": False},
             )  # fmt: skip
-            more = timed_arm(lambda hooks: Trainer(cont, tmp / "more", hooks=hooks), seconds, tmp / "more_w")
-            em_more = held_out_em(tmp / "more_w", full, args.limit)
+            more = timed_arm(
+                lambda hooks: Trainer(cont, arms / "more", hooks=hooks), seconds, arms / "more_w"
+            )
+            em_more = held_out_em(arms / "more_w", full, args.limit)
 
         load = os.getloadavg()[0]
         print(

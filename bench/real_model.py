@@ -57,7 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "wall time; the training's s/step then shares the CPU with it: its CPU s/step is still comparable)",
     )
     p.add_argument("--baselines-only", action="store_true", help="evaluate only AR and converted; --output")
-    p.add_argument("--baselines", help="JSON of a --baselines-only run of the same recipe and eval limit")
+    p.add_argument(
+        "--baselines",
+        help="JSON of a --baselines-only run (or --output) of a recipe with the same model, data and eval",
+    )
     p.add_argument("--output", help="write the table and training figures as JSON")
     return p.parse_args(argv)
 
@@ -100,6 +103,13 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def baseline_key(s) -> str:
+    """What the AR and converted-model evaluations depend on: equal for a recipe and its LoRA variant (the
+    adapters start as the identity), so one --baselines-only run serves both."""
+    d = s.model_dump(mode="json")
+    return json.dumps({k: d[k] for k in ("model", "tokenizer", "dataset", "dllm", "eval")}, sort_keys=True)
+
+
 def row(label: str, metrics: dict) -> dict:
     return {"model": label, **{k: metrics.get(k) for k in ("exact_match_flexible", "exact_match_strict",
                                                           "tokens_per_s", "nfe", "num_examples")}}  # fmt: skip
@@ -126,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     s = load_settings(args.recipe, **overrides)
     run_dir = Path(args.run_dir or ROOT / "runs" / "bench_real_model" / s.name)
     sampler = finetune.eval_samplers(s)[0]
-    out: dict = {"recipe": args.recipe, "sampler": sampler, "eval_limit": s.eval.limit}
+    out: dict = {
+        "recipe": args.recipe,
+        "sampler": sampler,
+        "eval_limit": s.eval.limit,
+        "key": baseline_key(s),
+    }
 
     # Imported before the planner runs: `offline_skeletons` patches `from_pretrained` while it plans, and an
     # auto class first imported inside it copies the patched method for good (planner.py, reported).
@@ -150,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             if pending is not None and pending.wait() != 0:
                 raise SystemExit(f"the baselines process failed (exit {pending.returncode})")
             got = json.loads(Path(args.baselines or baselines_file).read_text())
-            if (got["recipe"], got["eval_limit"]) != (args.recipe, base.eval.limit):
-                raise SystemExit(f"{args.baselines}: measured for {got['recipe']}, limit {got['eval_limit']}")
+            if got.get("key") != baseline_key(base):
+                raise SystemExit(
+                    f"{args.baselines}: measured for {got['recipe']} (limit {got['eval_limit']}), whose model, "
+                    "tokenizer, data, mode or eval settings differ from this recipe's"
+                )
             return got["ar"], got["before"]
         ar = evaluate_ar(base, limit=base.eval.limit)
         with_before = load_settings(
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     after = evaluate(runs.find_consolidated(str(train_dir)), settings=s, sampler=sampler, limit=s.eval.limit)
     rows.append(row(f"fine-tuned, {out['train'].get('steps')} steps ({sampler})", after["metrics"]))
     out["rows"] = rows
+    out["ar"], out["before"] = ar, before  # so this output can be a LoRA variant's --baselines
     out["samples"] = {name: [p["prediction"] for p in r["predictions"][:4]]
                       for name, r in (("ar", ar), ("fine-tuned", after))}  # fmt: skip
 

@@ -196,7 +196,13 @@ def check_sampler(mode: str | None, sampler: str) -> None:
 
 _S = "dllmflow.diffusion.strategies"
 for _spec in (
-    ModeSpec("mdlm", MDLMConfig, f"{_S}.mdlm:MDLMStrategy", samplers=("llada", "llada2")),
+    ModeSpec(
+        "mdlm",
+        MDLMConfig,
+        f"{_S}.mdlm:MDLMStrategy",
+        samplers=("llada", "llada2"),
+        model_builder="dllmflow.models.logit_shift:build_mdlm_model",  # dllm.logit_shift
+    ),
     ModeSpec("scdd", SCDDConfig, f"{_S}.scdd:SCDDStrategy", samplers=("scdd", "llada")),
     ModeSpec(
         "hybrid",

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .logit_shift import is_logit_shifted, shift_logits
 from .wrappers import unwrap
 
 # `config.model_type` of families whose attention is already bidirectional (HF remote code).
@@ -79,11 +80,28 @@ def model_logits(model: nn.Module, logits_to_keep: int = 0, **inputs) -> Tensor:
     A model whose forward takes HF's `logits_to_keep` runs its LM head on those n positions alone (the
     head is a large share of a step at a real vocabulary, and [B, L, V] the largest tensor); any other
     (remote code) is sliced after its full forward."""
-    if not logits_to_keep:
+    if is_logit_shifted(model):
+        return _shifted_logits(model, logits_to_keep, inputs)
+    return _raw_logits(model, logits_to_keep, inputs)
+
+
+def _shifted_logits(model: nn.Module, logits_to_keep: int, inputs: dict) -> Tensor:
+    """`model_logits` of a `dllm.logit_shift` model (models/logit_shift.py): the last n positions need
+    n + 1 raw logits, the first of them read by the position after it."""
+    length = inputs["input_ids"].shape[1] if "input_ids" in inputs else None
+    if not logits_to_keep or (length is not None and logits_to_keep >= length):
+        logits = shift_logits(_raw_logits(model, 0, inputs))  # [B, L, V]
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
+    return shift_logits(_raw_logits(model, logits_to_keep + 1, inputs))[:, 1:]  # [B, n, V]
+
+
+def _raw_logits(model: nn.Module, keep: int, inputs: dict) -> Tensor:
+    """`model(**inputs).logits`, the last `keep` positions only when keep > 0."""
+    if not keep:
         return model(**inputs).logits
     if takes_logits_to_keep(unwrap(model).forward):
-        inputs["logits_to_keep"] = logits_to_keep
-    return model(**inputs).logits[:, -logits_to_keep:]
+        inputs = {**inputs, "logits_to_keep": keep}
+    return model(**inputs).logits[:, -keep:]
 
 
 def takes_logits_to_keep(forward: Callable) -> bool:

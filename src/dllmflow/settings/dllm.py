@@ -91,6 +91,11 @@ class MDLMConfig(DLLMBaseConfig):
     mode: Literal["mdlm"] = "mdlm"
     packing_refusal: ClassVar[str | None] = None
     rl_refusal: ClassVar[str | None] = None
+    logit_shift: bool = Field(
+        False,
+        description="Dream-style A2D: position i's logit is read from position i-1, the alignment of the "
+        "causal LM it starts from (models/logit_shift.py); recorded in the export's config.json.",
+    )
 
 
 @register_mode_config

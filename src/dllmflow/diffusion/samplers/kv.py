@@ -21,6 +21,7 @@ from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.errors import UserError
+from dllmflow.models.logit_shift import refuse_shifted
 
 from .loop import (
     BlockConfig,
@@ -69,6 +70,7 @@ def fast_dllm_canvas(sampler: Any, prompt_ids: list[list[int]], gen_length: int,
     """The left-padded canvas of an approximate (Fast-dLLM) cache, once the sampler may use one: its own
     model (not a custom forward) that takes a KV cache, and a canvas within the model's positions."""
     what = f"cache {cache!r}"
+    refuse_shifted(sampler.model, f"sampler {sampler.name} with {what}")
     if sampler._forward != sampler.model_forward:
         raise UserError(
             f"sampler {sampler.name} with {what} needs the model itself, not a forward; use cache 'none'"

@@ -38,6 +38,7 @@ from pydantic import Field, NonNegativeFloat, PositiveInt
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
+from dllmflow.models.logit_shift import refuse_shifted
 
 from .base import Sampler, SamplerConfig, native_generate
 from .kv import BlockCausalCache, check_cache_fits
@@ -199,6 +200,7 @@ class LLaDA2Sampler(Sampler):
 
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
+        refuse_shifted(model, "sampler llada2 (block-causal forwards)")
         # A canvas forward handed in cannot take a cache; the cache is exact, so its tokens are the same.
         self.cached = self.config.use_kv_cache and forward is None
 

@@ -1,0 +1,123 @@
+"""`dllm.logit_shift` (models/logit_shift.py): an mdlm model converted from a causal LM reads position i's
+logit from position i-1. Checked against the raw HF forward shifted by hand, the MDLM loss against the
+reference formula on those hand-shifted logits, the flag's round trip through an export, and the decoding
+paths that cannot honour it refusing clearly."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_mdlm import _batch, _tiny_qwen3, ref_mdlm_sum
+from transformers import AutoModelForCausalLM
+
+from dllmflow.diffusion.modes import build_mode_model
+from dllmflow.diffusion.samplers import SAMPLERS
+from dllmflow.diffusion.samplers.base import build_sampler_config
+from dllmflow.diffusion.strategies import build_strategy
+from dllmflow.errors import UserError
+from dllmflow.models.attention import bidirectional_mask, forward_bidirectional
+from dllmflow.models.logit_shift import SHIFT_ATTR, apply_logit_shift, is_logit_shifted
+from dllmflow.settings import load_settings
+from dllmflow.settings.loader import SettingsError
+
+
+def _raw_bidirectional(model, ids, attn):
+    """The model's own logits under the same bidirectional mask, no shift: model(...).logits directly."""
+    mask = bidirectional_mask(attn, torch.float32, batch=ids.shape[0], length=ids.shape[1], device=ids.device)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, L, V]
+
+
+def test_shifted_logits_are_the_previous_positions():
+    model = apply_logit_shift(_tiny_qwen3())
+    batch = _batch()
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    raw = _raw_bidirectional(model, ids, attn)
+    with torch.no_grad():
+        got = forward_bidirectional(model, ids, attn)
+        last3 = forward_bidirectional(model, ids, attn, logits_to_keep=3)
+        whole = forward_bidirectional(model, ids, attn, logits_to_keep=ids.shape[1])
+    L = ids.shape[1]
+    for i in range(1, L):
+        torch.testing.assert_close(got[:, i], raw[:, i - 1])
+    torch.testing.assert_close(got[:, 0], raw[:, 0])
+    assert not torch.allclose(got[:, 1:], raw[:, 1:])  # the shift is not a no-op
+    torch.testing.assert_close(last3, raw[:, L - 4 : L - 1])
+    torch.testing.assert_close(whole, got)
+
+
+def test_unflagged_model_is_unchanged():
+    model = _tiny_qwen3()
+    batch = _batch()
+    raw = _raw_bidirectional(model, batch["input_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            forward_bidirectional(model, batch["input_ids"], batch["attention_mask"]), raw
+        )
+    assert not is_logit_shifted(model)
+
+
+def test_mdlm_loss_reads_the_previous_position():
+    settings = load_settings(dllm={"mode": "mdlm", "mask_token_id": 47, "logit_shift": True})
+    strategy = build_strategy(settings)
+    model = apply_logit_shift(_tiny_qwen3())
+    strategy.setup(model, SimpleNamespace(mask_token_id=47), torch.device("cpu"))
+    batch = _batch()
+    batch.update(strategy.corrupt(batch, seeds=[1, 2, 3, 4]))
+    got = strategy.loss(model, batch).sums["diffusion"].item()
+    raw = _raw_bidirectional(model, batch["noisy_input_ids"], batch["attention_mask"])
+    shifted = torch.cat([raw[:, :1], raw[:, :-1]], dim=1)  # position i scored with raw[i - 1]
+    want = ref_mdlm_sum(shifted, batch["input_ids"], batch["noise_mask"], batch["loss_mask"], batch["p_mask"])
+    unshifted = ref_mdlm_sum(
+        raw, batch["input_ids"], batch["noise_mask"], batch["loss_mask"], batch["p_mask"]
+    )
+    assert math.isclose(got, want, rel_tol=1e-5)
+    assert not math.isclose(got, unshifted, rel_tol=1e-3)
+
+
+def test_builder_flags_the_model_and_the_export_keeps_it(tmp_path):
+    tok = SimpleNamespace()
+    tiny = {"architecture": "qwen3", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64}  # fmt: skip
+
+    class Tok(list):
+        pad_token_id, eos_token_id, bos_token_id, mask_token_id = 0, 1, None, 2
+
+    tok = Tok(range(40))
+    shifted = build_mode_model(
+        load_settings(model={"tiny": tiny}, dllm={"mode": "mdlm", "logit_shift": True}), tok
+    )
+    plain = build_mode_model(load_settings(model={"tiny": tiny}, dllm={"mode": "mdlm"}), tok)
+    assert is_logit_shifted(shifted) and not is_logit_shifted(plain)
+    shifted.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())[SHIFT_ATTR] is True
+    assert is_logit_shifted(AutoModelForCausalLM.from_pretrained(tmp_path))
+
+
+def test_only_mdlm_takes_the_field():
+    with pytest.raises(SettingsError, match="dllm.logit_shift: unknown field"):
+        load_settings(dllm={"mode": "idlm", "mask_token_id": 3, "logit_shift": True})
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_approximate_caches_refuse_a_shifted_model(cache):
+    model = apply_logit_shift(_tiny_qwen3())
+    tok = SimpleNamespace(mask_token_id=47, eos_token_id=None, pad_token_id=0)
+    config = build_sampler_config("llada", {"max_new_tokens": 4, "steps": 4, "block_size": 4, "cache": cache})
+    sampler = SAMPLERS["llada"](model, tok, config, mask_id=47)
+    with pytest.raises(UserError, match="logit_shift"):
+        sampler.generate([[5, 6, 7]])
+    plain = SAMPLERS["llada"](model, tok, build_sampler_config("llada", {"max_new_tokens": 4, "steps": 4,
+                                                                          "block_size": 4}), mask_id=47)  # fmt: skip
+    assert len(plain.generate([[5, 6, 7]]).sequences) == 1
+
+
+def test_llada2_refuses_a_shifted_model():
+    tok = SimpleNamespace(mask_token_id=47, eos_token_id=None, pad_token_id=0)
+    config = build_sampler_config("llada2", {"max_new_tokens": 4, "steps": 4, "block_size": 4})
+    with pytest.raises(UserError, match="llada2.*logit_shift"):
+        SAMPLERS["llada2"](apply_logit_shift(_tiny_qwen3()), tok, config, mask_id=47)
