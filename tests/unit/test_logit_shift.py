@@ -1,7 +1,7 @@
 """`dllm.logit_shift` (models/logit_shift.py): an mdlm model converted from a causal LM reads position i's
 logit from position i-1. Checked against the raw HF forward shifted by hand, the MDLM loss against the
-reference formula on those hand-shifted logits, the flag's round trip through an export, and the decoding
-paths that cannot honour it refusing clearly."""
+reference formula on those hand-shifted logits, the flag's round trip through an export, Fast-dLLM's caches reading the
+position before each block, and llada2 (block-causal spans) refusing a shifted model clearly."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.samplers.base import build_sampler_config
+from dllmflow.diffusion.samplers.kv import FastDLLMCache
+from dllmflow.diffusion.samplers.loop import build_left_padded_canvas
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.errors import UserError
 from dllmflow.models.attention import bidirectional_mask, forward_bidirectional
@@ -104,16 +106,34 @@ def test_only_mdlm_takes_the_field():
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_approximate_caches_refuse_a_shifted_model(cache):
-    model = apply_logit_shift(_tiny_qwen3())
+def test_fast_dllm_cache_reads_the_position_before_the_block(cache):
+    """With the canvas unchanged since the refresh, the cached keys are the ones a full forward computes,
+    so a cached call must give exactly the shifted full-forward logits of the block, whose first comes
+    from the position before it (a span starting at the block would miss it)."""
+    model = apply_logit_shift(_tiny_qwen3()).eval()
+    canvas = build_left_padded_canvas([[5, 6, 7, 8, 9]], 8, 47, 0, torch.device("cpu"))
+    with torch.no_grad():
+        want = forward_bidirectional(model, canvas.x)  # [1, 13, V], shifted
+        source = FastDLLMCache(model, canvas, cache)
+        for lo, hi in ((5, 9), (9, 13)):
+            torch.testing.assert_close(source(lo, hi), want[:, lo:hi])  # the refresh
+            torch.testing.assert_close(source(lo, hi), want[:, lo:hi], rtol=1e-5, atol=1e-5)  # cached
+    assert source.calls == 4
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_one_step_blocks_decode_as_without_a_cache(cache):
+    """One step per block: every cached call is a refresh, so the tokens equal the uncached ones."""
+    model = apply_logit_shift(_tiny_qwen3()).eval()
     tok = SimpleNamespace(mask_token_id=47, eos_token_id=None, pad_token_id=0)
-    config = build_sampler_config("llada", {"max_new_tokens": 4, "steps": 4, "block_size": 4, "cache": cache})
-    sampler = SAMPLERS["llada"](model, tok, config, mask_id=47)
-    with pytest.raises(UserError, match="logit_shift"):
-        sampler.generate([[5, 6, 7]])
-    plain = SAMPLERS["llada"](model, tok, build_sampler_config("llada", {"max_new_tokens": 4, "steps": 4,
-                                                                          "block_size": 4}), mask_id=47)  # fmt: skip
-    assert len(plain.generate([[5, 6, 7]]).sequences) == 1
+
+    def run(c):
+        over = {"max_new_tokens": 8, "steps": 2, "block_size": 4, "cache": c}
+        return SAMPLERS["llada"](model, tok, build_sampler_config("llada", over), mask_id=47).generate(
+            [[5, 6, 7], [9, 10, 11, 12, 13]]
+        )
+
+    assert run(cache).sequences == run("none").sequences
 
 
 def test_llada2_refuses_a_shifted_model():

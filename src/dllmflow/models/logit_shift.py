@@ -6,7 +6,7 @@ DiffuLLaMA), so fine-tuning only has to teach bidirectional attention and [MASK]
 alignment. The flag is recorded in the model's config (`dllm_logit_shift`, saved in config.json), and
 `models.attention.model_logits`, the one place bidirectional logits are read (training loss, the llada
 sampler, GRPO's estimators), shifts them for such a model; callers see "logit i predicts token i" as for
-any other model.
+any other model. Fast-dLLM's caches (diffusion/samplers/kv.py) start their spans one position early.
 
     model = build_mdlm_model(settings, tokenizer)      # the mdlm ModeSpec's builder
     is_logit_shifted(model)                            # True when the recipe set dllm.logit_shift
@@ -58,5 +58,5 @@ def refuse_shifted(model: nn.Module, what: str) -> None:
         raise UserError(
             f"{what} cannot decode a model trained with dllm.logit_shift (config.json {SHIFT_ATTR}: true): "
             "the logit of a span's first position comes from the position before it, which that path does "
-            "not compute; use the llada sampler with cache 'none'"
+            "not compute; use the llada sampler"
         )

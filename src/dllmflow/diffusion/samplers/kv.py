@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.errors import UserError
-from dllmflow.models.logit_shift import refuse_shifted
+from dllmflow.models.logit_shift import is_logit_shifted
 
 from .loop import (
     BlockConfig,
@@ -70,7 +70,6 @@ def fast_dllm_canvas(sampler: Any, prompt_ids: list[list[int]], gen_length: int,
     """The left-padded canvas of an approximate (Fast-dLLM) cache, once the sampler may use one: its own
     model (not a custom forward) that takes a KV cache, and a canvas within the model's positions."""
     what = f"cache {cache!r}"
-    refuse_shifted(sampler.model, f"sampler {sampler.name} with {what}")
     if sampler._forward != sampler.model_forward:
         raise UserError(
             f"sampler {sampler.name} with {what} needs the model itself, not a forward; use cache 'none'"
@@ -199,11 +198,16 @@ class FastDLLMCache:
     those of the suffix [hi, T) (stored after the prefix: RoPE is applied before caching, so key order
     is free). Later calls for the same block forward [lo, T) ('prefix') or [lo, hi) ('dual') against
     the cache and crop what they appended. The cached keys are stale within a block (they were
-    computed when the block still held its masks): that is the approximation."""
+    computed when the block still held its masks): that is the approximation.
+
+    A `dllm.logit_shift` model (models/logit_shift.py) reads position i's logit from i-1: the span
+    then starts at a = lo - 1 (the last position before the block is re-fed, and kept out of the cache),
+    and its first len(block) outputs fill the block."""
 
     def __init__(self, model, canvas: LeftPaddedCanvas, mode: CacheMode):
         self.c, self.kv, self.mode = canvas, ModelCache(model, canvas.x.device), mode
         self.block: tuple[int, int] | None = None
+        self.shift = int(is_logit_shifted(model))
 
     @property
     def calls(self) -> int:
@@ -213,30 +217,30 @@ class FastDLLMCache:
         self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
 
     def refresh(self, lo: int, hi: int) -> Tensor:
-        """Full forward over the canvas; cache [0, lo) (+ [hi, T) for dual); logits [B, hi-lo, V]."""
+        """Full forward over the canvas; cache [0, a) (+ [hi, T) for dual); logits [B, hi-lo, V]."""
         from dllmflow.models.attention import bidirectional_mask
 
-        c, total = self.c, self.c.x.shape[1]
+        c, total, a = self.c, self.c.x.shape[1], lo - self.shift
         self.kv.truncate(0)
         mask = bidirectional_mask(c.valid, self.kv.dtype)  # [B, 1, T, T]; padded queries keep a diagonal
-        logits = self.kv.forward(c.x, mask, c.position_ids, total - lo)[:, : hi - lo]
+        logits = self.kv.forward(c.x, mask, c.position_ids, total - a)[:, : hi - lo]
         if self.mode == "dual":
-            self.kv.drop(lo, hi)
+            self.kv.drop(a, hi)
         else:
-            self.kv.truncate(lo)
+            self.kv.truncate(a)
         self.block = (lo, hi)
         return logits
 
     def __call__(self, lo: int, hi: int) -> Tensor:
         if self.block != (lo, hi):
             return self.refresh(lo, hi)
-        c, total = self.c, self.c.x.shape[1]
+        c, total, a = self.c, self.c.x.shape[1], lo - self.shift
         end = hi if self.mode == "dual" else total
         cached = self.kv.length
-        keys = torch.cat([c.valid[:, :lo], c.valid[:, hi:]], 1) if self.mode == "dual" else c.valid[:, :lo]
-        keys = torch.cat([keys, c.valid[:, lo:end]], dim=1)  # [B, cached + Q] in cache order
-        mask = key_mask(keys, end - lo, self.kv.dtype)  # [B, 1, Q, K]
-        logits = self.kv.forward(c.x[:, lo:end], mask, c.position_ids[:, lo:end], end - lo)[:, : hi - lo]
+        keys = torch.cat([c.valid[:, :a], c.valid[:, hi:]], 1) if self.mode == "dual" else c.valid[:, :a]
+        keys = torch.cat([keys, c.valid[:, a:end]], dim=1)  # [B, cached + Q] in cache order
+        mask = key_mask(keys, end - a, self.kv.dtype)  # [B, 1, Q, K]
+        logits = self.kv.forward(c.x[:, a:end], mask, c.position_ids[:, a:end], end - a)[:, : hi - lo]
         self.kv.truncate(cached)
         return logits  # [B, hi-lo, V]
 
