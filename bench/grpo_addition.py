@@ -45,6 +45,12 @@ rows): 128 -> 0.06, 136 -> 0.18, 140 -> 0.53, 144 -> 0.74, 160 -> 0.67, 192 -> 0
     140  | 0.529  | 0.594 (571, 5.0)     | 0.361 (7,351, 5.0)     | +0.064    | -0.168
     136  | 0.184  | 0.277 (622, 5.0)     | 0.156 (6,261, 5.0)     | +0.094    | -0.027
     140  | 0.529  | 0.639 (3,216, 12.0)  | 0.217 (22,901, 12.0)   | +0.109    | -0.312   (two processes, load 1-2)
+    140  | 0.529  | 0.682 (3,010, 15.0)  | 0.221 (23,735, 15.0)   | +0.152    | -0.309   (two processes, load 2)
+The last row is the goal's measurement (--reuse of one SFT start, the arms as two processes side by side,
+one core each, quiet machine otherwise): +0.152 in 15 minutes from 0.529, the goal (+0.15) met by 0.002.
+The in-run held-out EM (64 problems, every 25 steps) swings by about +-0.07 between evaluations, so where
+a run is stopped moves the end figure by about that much; the run is seeded (a 5-minute run from the same
+start retraced it step for step) and only the step count depends on the machine's speed.
 SFT-only on the same rows does not help (it overfits them); GRPO on the full pool's prompts does. The
 goal (+0.15 from a start in 0.2-0.6) is met only from 160 rows (start 0.668, just above the range); from
 140 and 136 rows GRPO gained +0.06/+0.09 in 5 minutes (the SFT-only arms of those two ran on a quieter
