@@ -2,7 +2,7 @@
 and (dLLM section) concurrent vs one-at-a-time serving of the demo dLLM.
 
     OMP_NUM_THREADS=1 python bench/serve_latency.py [--short 12] [--short-tokens 16] [--long-tokens 1500]
-    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm [--train-steps 300] [--clients 16]
+    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm [--train-steps 300] [--clients 16] [--rounds 5]
 
 Scheduling gives every active batch `--chunk-tokens` new tokens per turn, so a short request arriving
 while a long one generates waits a few turns, not for the long one to end. Printed: the p50 latency of
@@ -13,7 +13,8 @@ all its tokens. It does not assert.
 
 dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process), serves
 its run dir, and sends `--clients` streamed completions ("What is a + b?", the demo's 8 new tokens in 2
-blocks of 4, the recorded sampler otherwise) first one at a time, then all at once. Also printed: the
+blocks of 4, the recorded sampler otherwise) first one at a time, then all at once: after a warm-up round
+of each, `--rounds` rounds, each figure the median of the rounds' ratios. Also printed: the
 batches the server formed, and one block's decode time in-process at batch 1 and at batch `--clients`
 (on a CPU a batched forward costs about as many times more as it has rows, which bounds what batching
 can give there; on an accelerator a batch of 16 costs little more than one row). Printed, measured in this one run: total throughput concurrent / sequential (goal
@@ -135,30 +136,40 @@ def dllm_bodies(clients: int) -> list[dict]:
     return bodies
 
 
-async def dllm_measure(url: str, clients: int) -> dict[str, float]:
+async def dllm_measure(url: str, clients: int, rounds: int) -> dict[str, float]:
+    """`rounds` rounds, each: the requests one at a time, then all at once. Warmed up first by one
+    round of each (pooled connections open, batch shapes seen), so a round measures the steady state; each
+    figure is the median over rounds of that round's ratio (one round of 16 swings by ~2x on a busy CPU)."""
     bodies = dllm_bodies(clients)
+    per_round = []
     async with httpx.AsyncClient(timeout=600) as client:
-        await streamed(client, url, bodies[0])  # warm-up
-        t0 = time.perf_counter()
-        alone = [await streamed(client, url, b) for b in bodies]
-        sequential_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        together = await asyncio.gather(*[streamed(client, url, b) for b in bodies])
-        concurrent_s = time.perf_counter() - t0
+        await streamed(client, url, bodies[0])
+        await asyncio.gather(*[streamed(client, url, b) for b in bodies])
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            alone = [await streamed(client, url, b) for b in bodies]
+            sequential_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            together = await asyncio.gather(*[streamed(client, url, b) for b in bodies])
+            concurrent_s = time.perf_counter() - t0
+            tokens = sum(r["tokens"] for r in together)
+            latencies = [r["total_s"] for r in together]
+            first_alone = statistics.median(r["first_s"] for r in alone)
+            first_together = statistics.median(r["first_s"] for r in together)
+            per_round.append({
+                "tokens": tokens,
+                "sequential_s": sequential_s,
+                "concurrent_s": concurrent_s,
+                "throughput_x": (tokens / concurrent_s) / (sum(r["tokens"] for r in alone) / sequential_s),
+                "first_alone_p50_s": first_alone,
+                "first_together_p50_s": first_together,
+                "first_x": first_together / first_alone,
+                "max_over_median": max(latencies) / statistics.median(latencies),
+            })  # fmt: skip
         served = (await client.get(f"{url.removesuffix('/v1')}/stats")).json()
-    tokens = sum(r["tokens"] for r in together)
-    latencies = [r["total_s"] for r in together]
-    return {
-        "tokens": tokens,
-        "sequential_s": sequential_s,
-        "concurrent_s": concurrent_s,
-        "throughput_x": (tokens / concurrent_s) / (sum(r["tokens"] for r in alone) / sequential_s),
-        "first_alone_p50_s": statistics.median(r["first_s"] for r in alone),
-        "first_together_p50_s": statistics.median(r["first_s"] for r in together),
-        "max_over_median": max(latencies) / statistics.median(latencies),
-        "batches": served["batches"],
-        "max_batch": served["max_batch_size_seen"],
-    }
+    out = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
+    out["first_x_range"] = (min(r["first_x"] for r in per_round), max(r["first_x"] for r in per_round))
+    return {**out, "rounds": rounds, "batches": served["batches"], "max_batch": served["max_batch_size_seen"]}
 
 
 def block_cost(run: Path, clients: int) -> tuple[float, float]:
@@ -190,17 +201,16 @@ def dllm_section(args) -> None:
         run = train_demo(Path(tmp), args.train_steps)
         trained_s = time.perf_counter() - t0
         with local_server(run, served_model_name="demo", max_batch_size=args.clients) as url:
-            r = asyncio.run(dllm_measure(url, args.clients))
+            r = asyncio.run(dllm_measure(url, args.clients, args.rounds))
         one, many = block_cost(run, args.clients)
-    first_x = r["first_together_p50_s"] / r["first_alone_p50_s"]
     print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained in {trained_s:.0f} s), {args.clients} "
           f"streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
-    print(
-        f"  one at a time {r['sequential_s']:.2f} s, all at once {r['concurrent_s']:.2f} s, {r['tokens']} tokens"
-    )
+    print(f"  median of {r['rounds']} rounds: one at a time {r['sequential_s']:.2f} s, all at once "
+          f"{r['concurrent_s']:.2f} s, {r['tokens']:.0f} tokens")  # fmt: skip
     print(f"  throughput concurrent / sequential {r['throughput_x']:.2f}x (goal >= 4x)")
     print(f"  p50 time to first block: concurrent {r['first_together_p50_s'] * 1e3:.0f} ms, lone "
-          f"{r['first_alone_p50_s'] * 1e3:.0f} ms, ratio {first_x:.2f}x (goal <= 1.5x)")  # fmt: skip
+          f"{r['first_alone_p50_s'] * 1e3:.0f} ms, ratio {r['first_x']:.2f}x (rounds {r['first_x_range'][0]:.2f}-"
+          f"{r['first_x_range'][1]:.2f}; goal <= 1.5x)")  # fmt: skip
     print(f"  concurrent max latency / median {r['max_over_median']:.2f}x (goal <= 3x: no starvation)")
     print(f"  server: {r['batches']} batches in all, largest {r['max_batch']} rows; one block in-process: "
           f"{one * 1e3:.1f} ms at batch 1, {many * 1e3:.1f} ms at batch {args.clients} ({many / one:.1f}x)")  # fmt: skip
@@ -211,6 +221,7 @@ def main() -> None:
     p.add_argument("--sections", default="causal,dllm", help="comma list: causal, dllm")
     p.add_argument("--train-steps", type=int, default=300, help="dllm: demo model training steps")
     p.add_argument("--clients", type=int, default=16, help="dllm: concurrent clients")
+    p.add_argument("--rounds", type=int, default=5, help="dllm: measured rounds (median reported)")
     p.add_argument("--short", type=int, default=12, help="short requests per phase")
     p.add_argument("--short-tokens", type=int, default=16)
     p.add_argument("--every-s", type=float, default=0.3, help="one short request every this many seconds")

@@ -106,12 +106,15 @@ class DllmServer(ChatServer):
         return await self.complete_dllm(req, deadline, head, chat)
 
     async def accept_dllm(self, request, chat: bool):
-        """Read, validate and tokenise a request, build its sampler config (in `prep_pool`)."""
+        """Read a request's body, then validate and tokenise it and build its sampler config in ONE hop
+        to `prep_pool`: clients that send together are each admitted sooner, so their batch starts sooner
+        (a hop costs a thread handoff and a GIL round trip, serialised over every arriving request)."""
         raw = await read_body(request, self.limits.max_body_bytes)
-        loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(
-            self.prep_pool, lambda: parse_dllm_request(raw, self.limits, chat=chat)
-        )
+        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, self.prepare_dllm, raw, chat)
+
+    def prepare_dllm(self, raw: bytes, chat: bool) -> tuple[Any, DllmRequest]:
+        """Body bytes -> (validated body, request); RequestError (400/404, naming the field) if refused."""
+        body = parse_dllm_request(raw, self.limits, chat=chat)
         if body.model != self.name:
             message = f"model {body.model!r} does not exist; this server serves {self.name!r}"
             raise RequestError(message, "model", status=404)
@@ -121,21 +124,16 @@ class DllmServer(ChatServer):
                 raise RequestError(f"'{param}' is not allowed: only template variables", param)
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             try:
-                prompt_ids = await loop.run_in_executor(
-                    self.prep_pool, self.engine.encode, messages, body.chat_template_kwargs
-                )
+                prompt_ids = self.engine.encode(messages, body.chat_template_kwargs)
             except Exception as e:  # the chat template rejected the conversation
                 raise RequestError(
                     f"cannot apply the chat template: {type(e).__name__}: {e}", "messages"
                 ) from None
         else:
-            prompt_ids = await loop.run_in_executor(self.prep_pool, self.engine.encode_text, body.prompt)
-        req = await loop.run_in_executor(
-            self.prep_pool,
-            lambda: self.engine.request(
-                prompt_ids, body.sampler_overrides(), body.max_tokens, stream=body.stream,
-                steps_cap=self.limits.max_tokens_cap,
-            ),
+            prompt_ids = self.engine.encode_text(body.prompt)
+        req = self.engine.request(
+            prompt_ids, body.sampler_overrides(), body.max_tokens, stream=body.stream,
+            steps_cap=self.limits.max_tokens_cap,
         )  # fmt: skip
         if len(prompt_ids) + req.max_tokens > self.engine.max_length:
             raise RequestError(
