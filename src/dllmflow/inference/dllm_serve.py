@@ -115,32 +115,16 @@ class DllmServer(ChatServer):
     def prepare_dllm(self, raw: bytes, chat: bool) -> tuple[Any, DllmRequest]:
         """Body bytes -> (validated body, request); RequestError (400/404, naming the field) if refused."""
         body = parse_dllm_request(raw, self.limits, chat=chat)
-        if body.model != self.name:
-            message = f"model {body.model!r} does not exist; this server serves {self.name!r}"
-            raise RequestError(message, "model", status=404)
+        self.check_model(body.model)
         if chat:
-            if bad := sorted(set(body.chat_template_kwargs) & self.engine.reserved_template_args):
-                param = f"chat_template_kwargs.{bad[0]}"
-                raise RequestError(f"'{param}' is not allowed: only template variables", param)
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            try:
-                prompt_ids = self.engine.encode(messages, body.chat_template_kwargs)
-            except Exception as e:  # the chat template rejected the conversation
-                raise RequestError(
-                    f"cannot apply the chat template: {type(e).__name__}: {e}", "messages"
-                ) from None
+            prompt_ids = self.encode_chat(body.messages, body.chat_template_kwargs)
         else:
             prompt_ids = self.engine.encode_text(body.prompt)
         req = self.engine.request(
             prompt_ids, body.sampler_overrides(), body.max_tokens, stream=body.stream,
             steps_cap=self.limits.max_tokens_cap,
         )  # fmt: skip
-        if len(prompt_ids) + req.max_tokens > self.engine.max_length:
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
-                f"max_model_len ({self.engine.max_length})",
-                "max_tokens",
-            )
+        self.check_length(len(prompt_ids), req.max_tokens)
         return body, req
 
     @staticmethod

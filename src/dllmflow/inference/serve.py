@@ -156,34 +156,47 @@ class ChatServer:
         return await self.complete(req, deadline, head)
 
     async def accept(self, request) -> tuple[ChatBody, list[int]]:
-        """Read, validate and tokenise a request (the CPU work in `prep_pool`); RequestError if refused."""
+        """Read a request's body, then validate and tokenise it in ONE hop to `prep_pool` (off the event
+        loop; each hop is a thread handoff, serialised over every request that arrives together)."""
         raw = await read_body(request, self.limits.max_body_bytes)
-        loop = asyncio.get_running_loop()
-        chat = await loop.run_in_executor(self.prep_pool, parse_request, raw, self.limits)
-        if chat.model != self.name:
-            message = f"model {chat.model!r} does not exist; this server serves {self.name!r}"
+        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, self.prepare, raw)
+
+    def prepare(self, raw: bytes) -> tuple[ChatBody, list[int]]:
+        """Body bytes -> (validated chat, prompt ids); RequestError (400/404, naming the field) if refused."""
+        chat = parse_request(raw, self.limits)
+        self.check_model(chat.model)
+        prompt_ids = self.encode_chat(chat.messages, chat.chat_template_kwargs)
+        self.check_length(len(prompt_ids), chat.max_tokens)
+        return chat, prompt_ids
+
+    # ---- the checks every request passes (this server's and the dLLM server's) --------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            message = f"model {model!r} does not exist; this server serves {self.name!r}"
             raise RequestError(message, "model", status=404)
-        if bad := sorted(set(chat.chat_template_kwargs) & self.engine.reserved_template_args):
+
+    def encode_chat(self, messages: list, template_kwargs: dict[str, Any]) -> list[int]:
+        """The conversation through the chat template; template variables only, never its own arguments."""
+        if bad := sorted(set(template_kwargs) & self.engine.reserved_template_args):
             param = f"chat_template_kwargs.{bad[0]}"
             raise RequestError(
                 f"'{param}' is not allowed: only template variables (e.g. enable_thinking)", param
             )
-        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
         try:
-            prompt_ids = await loop.run_in_executor(
-                self.prep_pool, self.engine.encode, messages, chat.chat_template_kwargs
-            )
+            return self.engine.encode([m.model_dump(exclude_none=True) for m in messages], template_kwargs)
         except Exception as e:  # the chat template rejected the conversation
             raise RequestError(
                 f"cannot apply the chat template: {type(e).__name__}: {e}", "messages"
             ) from None
-        if len(prompt_ids) + chat.max_tokens > self.engine.max_length:
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.engine.max_length:
             raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({chat.max_tokens}) exceeds the model's "
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                 f"max_model_len ({self.engine.max_length})",
                 "max_tokens",
             )
-        return chat, prompt_ids
 
     def _enter(self) -> None:
         self.stats["in_flight"] += 1
