@@ -52,6 +52,40 @@ def test_shifted_logits_are_the_previous_positions():
     torch.testing.assert_close(whole, got)
 
 
+class _NoKeepForward(torch.nn.Module):
+    """A model whose forward takes no `logits_to_keep` (as some remote code): sliced after its forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+@pytest.mark.parametrize("takes_keep", [True, False])
+def test_logits_at_chosen_positions(shifted, takes_keep):
+    """A LongTensor `logits_to_keep` gives exactly those positions' logits of the whole forward, in
+    order, repeats allowed (the mdlm loss runs the head on its noised supervised columns only)."""
+    model = _tiny_qwen3()
+    if shifted:
+        model = apply_logit_shift(model)
+    batch = _batch()
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    cols = torch.tensor([0, 1, 7, 7, 19])
+    runner = model if takes_keep else _NoKeepForward(model)
+    with torch.no_grad():
+        whole = forward_bidirectional(runner, ids, attn)  # [B, L, V]
+        picked = forward_bidirectional(runner, ids, attn, logits_to_keep=cols)  # [B, 5, V]
+    raw = _raw_bidirectional(model, ids, attn)
+    assert picked.shape == (ids.shape[0], 5, raw.shape[-1])
+    torch.testing.assert_close(picked, whole[:, cols])
+    want = raw[:, [0, 0, 6, 6, 18]] if shifted else raw[:, cols]
+    torch.testing.assert_close(picked, want)
+
+
 def test_unflagged_model_is_unchanged():
     model = _tiny_qwen3()
     batch = _batch()

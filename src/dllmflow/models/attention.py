@@ -9,6 +9,10 @@ they get none, as in the reference recipe (docs/strategies.md §2.1), so padding
     from dllmflow.models.attention import forward_bidirectional
     logits = forward_bidirectional(model, noisy_ids, attention_mask)   # [B, L, V]
     logits = forward_bidirectional(model, canvas, attention_mask, logits_to_keep=128)  # [B, 128, V]
+    logits = forward_bidirectional(model, noisy_ids, attention_mask, logits_to_keep=cols)  # [B, n, V]
+
+`logits_to_keep` follows Hugging Face: an int n keeps the last n positions, a 1-D LongTensor of
+positions keeps exactly those, in that order (the LM head then runs on them alone).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from torch import Tensor, nn
 
 from .logit_shift import is_logit_shifted, shift_logits
 from .wrappers import unwrap
+
+# HF's `logits_to_keep`: the last n positions (0 = all), or a 1-D LongTensor of positions.
+Keep = int | Tensor
 
 # `config.model_type` of families whose attention is already bidirectional (HF remote code).
 NATIVELY_BIDIRECTIONAL = frozenset({"llada", "lladamoe", "llada2_moe"})
@@ -60,11 +67,11 @@ def mask_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
 
 
 def forward_bidirectional(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, logits_to_keep: int = 0
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, logits_to_keep: Keep = 0
 ) -> Tensor:
     """Logits [B, L, V] of `model` over `input_ids` [B, L] with bidirectional attention that ignores
     padding keys (`attention_mask` [B, L], None = no padding); with `logits_to_keep` = n > 0, those of
-    the last n positions only, [B, n, V] (see `model_logits`)."""
+    the last n positions only, [B, n, V]; with a LongTensor of n positions, those (see `model_logits`)."""
     config = getattr(unwrap(model), "config", None)
     if getattr(config, "model_type", None) in NATIVELY_BIDIRECTIONAL:
         return model_logits(model, logits_to_keep, input_ids=input_ids)
@@ -75,19 +82,23 @@ def forward_bidirectional(
     return model_logits(model, logits_to_keep, input_ids=input_ids, attention_mask=mask, use_cache=False)
 
 
-def model_logits(model: nn.Module, logits_to_keep: int = 0, **inputs) -> Tensor:
-    """`model(**inputs).logits`, or with `logits_to_keep` = n > 0 only the last n positions' [B, n, V].
-    A model whose forward takes HF's `logits_to_keep` runs its LM head on those n positions alone (the
-    head is a large share of a step at a real vocabulary, and [B, L, V] the largest tensor); any other
-    (remote code) is sliced after its full forward."""
+def model_logits(model: nn.Module, logits_to_keep: Keep = 0, **inputs) -> Tensor:
+    """`model(**inputs).logits`, or with `logits_to_keep` = n > 0 only the last n positions' [B, n, V],
+    or with a 1-D LongTensor of positions [n] only theirs, [B, n, V] in that order. A model whose forward
+    takes HF's `logits_to_keep` runs its LM head on those positions alone (the head is a large share of
+    a step at a real vocabulary, and [B, L, V] the largest tensor); any other (remote code) is sliced
+    after its full forward."""
     if is_logit_shifted(model):
         return _shifted_logits(model, logits_to_keep, inputs)
     return _raw_logits(model, logits_to_keep, inputs)
 
 
-def _shifted_logits(model: nn.Module, logits_to_keep: int, inputs: dict) -> Tensor:
+def _shifted_logits(model: nn.Module, logits_to_keep: Keep, inputs: dict) -> Tensor:
     """`model_logits` of a `dllm.logit_shift` model (models/logit_shift.py): the last n positions need
-    n + 1 raw logits, the first of them read by the position after it."""
+    n + 1 raw logits, the first of them read by the position after it; chosen positions p read raw
+    position p - 1 (position 0 its own, as `shift_logits`)."""
+    if isinstance(logits_to_keep, Tensor):
+        return _raw_logits(model, (logits_to_keep - 1).clamp_min(0), inputs)  # [B, n, V]
     length = inputs["input_ids"].shape[1] if "input_ids" in inputs else None
     if not logits_to_keep or (length is not None and logits_to_keep >= length):
         logits = shift_logits(_raw_logits(model, 0, inputs))  # [B, L, V]
@@ -95,8 +106,12 @@ def _shifted_logits(model: nn.Module, logits_to_keep: int, inputs: dict) -> Tens
     return shift_logits(_raw_logits(model, logits_to_keep + 1, inputs))[:, 1:]  # [B, n, V]
 
 
-def _raw_logits(model: nn.Module, keep: int, inputs: dict) -> Tensor:
-    """`model(**inputs).logits`, the last `keep` positions only when keep > 0."""
+def _raw_logits(model: nn.Module, keep: Keep, inputs: dict) -> Tensor:
+    """`model(**inputs).logits`, the last `keep` positions only when keep > 0, or the positions `keep`."""
+    if isinstance(keep, Tensor):
+        if takes_logits_to_keep(unwrap(model).forward):
+            return model(**inputs, logits_to_keep=keep).logits  # [B, n, V]
+        return model(**inputs).logits[:, keep]
     if not keep:
         return model(**inputs).logits
     if takes_logits_to_keep(unwrap(model).forward):

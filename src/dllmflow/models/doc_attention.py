@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from dllmflow.errors import UserError
 
-from .attention import NATIVELY_BIDIRECTIONAL, forward_bidirectional, mask_dtype, model_logits
+from .attention import NATIVELY_BIDIRECTIONAL, Keep, forward_bidirectional, mask_dtype, model_logits
 from .wrappers import unwrap
 
 
@@ -52,9 +52,10 @@ def forward_documents(
     document_ids: Tensor,
     position_ids: Tensor,
     attention_mask: Tensor,
-    logits_to_keep: int = 0,
+    logits_to_keep: Keep = 0,
 ) -> Tensor:
-    """Logits [B, T, V] of a packed batch: bidirectional within each document, per-document positions."""
+    """Logits [B, T, V] of a packed batch: bidirectional within each document, per-document positions
+    (`logits_to_keep` as `models.attention.model_logits`)."""
     check_packable(model)
     mask = document_mask(document_ids, attention_mask, mask_dtype(model, input_ids.device))
     return model_logits(
@@ -63,11 +64,14 @@ def forward_documents(
     )  # fmt: skip
 
 
-def forward_bidirectional_batch(model: nn.Module, input_ids: Tensor, batch: dict[str, Tensor]) -> Tensor:
+def forward_bidirectional_batch(
+    model: nn.Module, input_ids: Tensor, batch: dict[str, Tensor], logits_to_keep: Keep = 0
+) -> Tensor:
     """`forward_documents` for a packed batch (it carries `document_ids`), else `forward_bidirectional`
     with the batch's padding mask; `input_ids` [B, T] is what the model reads (e.g. the noisy ids)."""
     if "document_ids" in batch:
         return forward_documents(
-            model, input_ids, batch["document_ids"], batch["position_ids"], batch["attention_mask"]
-        )
-    return forward_bidirectional(model, input_ids, batch.get("attention_mask"))
+            model, input_ids, batch["document_ids"], batch["position_ids"], batch["attention_mask"],
+            logits_to_keep,
+        )  # fmt: skip
+    return forward_bidirectional(model, input_ids, batch.get("attention_mask"), logits_to_keep)
