@@ -105,8 +105,10 @@ def _children_cpu_s() -> float:
 
 def baseline_key(s) -> str:
     """What the AR and converted-model evaluations depend on: equal for a recipe and its LoRA variant (the
-    adapters start as the identity), so one --baselines-only run serves both."""
+    adapters start as the identity), so one --baselines-only run serves both; training-only settings
+    (mdlm's attention annealing) do not enter it."""
     d = s.model_dump(mode="json")
+    d["dllm"].pop("attention_annealing_steps", None)
     return json.dumps({k: d[k] for k in ("model", "tokenizer", "dataset", "dllm", "eval")}, sort_keys=True)
 
 

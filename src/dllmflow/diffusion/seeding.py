@@ -38,6 +38,11 @@ def sample_seed(base_seed: int, step: int, global_index: int, stream: int = CORR
     return (int(base_seed) + int(stream) + _GOLDEN * int(global_index)) & _MASK63
 
 
+def restream(seed: int, stream: int) -> int:
+    """The seed `sample_seed` would give the same sample on another stream (seeds carry +2^43)."""
+    return (int(seed) - CORRUPTION_STREAM + stream) & _MASK63
+
+
 def global_sample_index(
     step: int,
     global_batch_size: int,

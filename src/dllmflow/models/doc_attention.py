@@ -9,6 +9,9 @@ takes a 4D mask (eager, sdpa; CPU and GPU); no varlen / flex-attention path is u
 
     from dllmflow.models.doc_attention import forward_bidirectional_batch
     logits = forward_bidirectional_batch(model, noisy_ids, batch)   # packed or not, [B, T, V]
+    logits = forward_bidirectional_batch(model, noisy_ids, batch, key_filter=allowed)  # [B, T, T] bool
+
+`key_filter` narrows what each query sees further, within its document (mdlm's attention annealing).
 """
 
 from __future__ import annotations
@@ -22,15 +25,21 @@ from .attention import NATIVELY_BIDIRECTIONAL, Keep, forward_bidirectional, mask
 from .wrappers import unwrap
 
 
-def document_mask(document_ids: Tensor, attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+def document_mask(
+    document_ids: Tensor, attention_mask: Tensor, dtype: torch.dtype, key_filter: Tensor | None = None
+) -> Tensor:
     """Float additive [B, 1, T, T] mask: query q sees key k iff both belong to the same document
-    (`document_ids` [B, T], -1 = padding) and k is attended (`attention_mask` [B, T]). Each query keeps
-    its own diagonal, so no row is fully blocked (a block fill or padding query sees itself)."""
+    (`document_ids` [B, T], -1 = padding), k is attended (`attention_mask` [B, T]) and, when given,
+    `key_filter[b, q, k]` [B, T, T] bool allows it. Each query keeps its own diagonal, so no row is
+    fully blocked (a block fill or padding query sees itself)."""
     T = document_ids.shape[1]
     same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
     key_ok = (attention_mask != 0) & (document_ids >= 0)  # [B, T]
     eye = torch.eye(T, dtype=torch.bool, device=document_ids.device)[None]  # [1, T, T]
-    allowed = (same & key_ok[:, None, :]) | eye  # [B, T, T]
+    allowed = same & key_ok[:, None, :]  # [B, T, T]
+    if key_filter is not None:
+        allowed = allowed & key_filter
+    allowed = allowed | eye
     blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=document_ids.device)
     zero = torch.zeros((), dtype=dtype, device=document_ids.device)
     return torch.where(allowed, zero, blocked)[:, None]  # [B, 1, T, T]
@@ -38,12 +47,26 @@ def document_mask(document_ids: Tensor, attention_mask: Tensor, dtype: torch.dty
 
 def check_packable(model: nn.Module) -> None:
     """A natively bidirectional remote-code model takes no 4D mask: its documents could not be kept apart."""
-    model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
+    model_type = _model_type(model)
     if model_type in NATIVELY_BIDIRECTIONAL:
         raise UserError(
             f"dataset.packing: the {model_type} model attends through its own mask and takes no document "
             "mask, so packed rows would see each other; set dataset.packing: false"
         )
+
+
+def check_key_filter(model: nn.Module, field: str) -> None:
+    """The same limit for a setting that narrows attention (`field`, e.g. mdlm's annealing)."""
+    model_type = _model_type(model)
+    if model_type in NATIVELY_BIDIRECTIONAL:
+        raise UserError(
+            f"{field}: the {model_type} model attends through its own mask and takes no 4D mask, so what "
+            f"each position sees cannot be limited; set {field}: 0"
+        )
+
+
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(unwrap(model), "config", None), "model_type", None)
 
 
 def forward_documents(
@@ -65,10 +88,26 @@ def forward_documents(
 
 
 def forward_bidirectional_batch(
-    model: nn.Module, input_ids: Tensor, batch: dict[str, Tensor], logits_to_keep: Keep = 0
+    model: nn.Module,
+    input_ids: Tensor,
+    batch: dict[str, Tensor],
+    logits_to_keep: Keep = 0,
+    key_filter: Tensor | None = None,
 ) -> Tensor:
     """`forward_documents` for a packed batch (it carries `document_ids`), else `forward_bidirectional`
-    with the batch's padding mask; `input_ids` [B, T] is what the model reads (e.g. the noisy ids)."""
+    with the batch's padding mask; `input_ids` [B, T] is what the model reads (e.g. the noisy ids).
+    `key_filter` [B, T, T] bool, when given, further limits which keys each query sees (e.g. mdlm's
+    attention annealing: causal plus a drawn share of the future); the model must take a 4D mask."""
+    if key_filter is not None:
+        check_key_filter(model, "dllm.attention_annealing_steps")
+        B, T = input_ids.shape
+        documents = batch.get("document_ids", torch.zeros(B, T, dtype=torch.long, device=input_ids.device))
+        attention = batch.get("attention_mask", torch.ones(B, T, dtype=torch.long, device=input_ids.device))
+        mask = document_mask(documents, attention, mask_dtype(model, input_ids.device), key_filter)
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "use_cache": False}
+        if "position_ids" in batch:
+            inputs["position_ids"] = batch["position_ids"]
+        return model_logits(model, logits_to_keep, **inputs)
     if "document_ids" in batch:
         return forward_documents(
             model, input_ids, batch["document_ids"], batch["position_ids"], batch["attention_mask"],

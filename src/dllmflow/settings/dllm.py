@@ -96,6 +96,14 @@ class MDLMConfig(DLLMBaseConfig):
         description="Dream-style A2D: position i's logit is read from position i-1, the alignment of the "
         "causal LM it starts from (models/logit_shift.py); recorded in the export's config.json.",
     )
+    attention_annealing_steps: int = Field(
+        0,
+        ge=0,
+        description="DiffuLLaMA-style A2D: for the first N optimizer steps each query sees its past and a "
+        "growing share step/N of its future keys (drawn per sample, seeded like the noise), so a converted "
+        "causal LM moves to bidirectional attention gradually; bidirectional from step N on. 0 = from the "
+        "first step. Needs a model that takes a 4D mask (not the natively bidirectional LLaDA family).",
+    )
 
 
 @register_mode_config

@@ -27,6 +27,8 @@ def train_step(model, strategy, batches, step: int, settings, info: DistInfo, au
     from dllmflow.diffusion.seeding import sample_seed
 
     # 1) collate + corrupt everything first, so the denominators are known before any backward
+    if hasattr(strategy, "begin_step"):  # an optional hook: a duck-typed strategy may lack it
+        strategy.begin_step(step)
     micro, packing = [], defaultdict(float)
     for mb in batches.step(step):
         positions = mb.pop("global_index").tolist()

@@ -3,6 +3,7 @@
 A training step (see `dllmflow.training.trainer`) drives a strategy in three separate calls so the
 loss of a given corruption can be computed and the denominators are global before any backward:
 
+    strategy.begin_step(step)                         # 0) the optimizer step (curricula read it)
     batch.update(strategy.corrupt(batch, seeds))      # 1) noise, seeded per sample; no global RNG
     counts = strategy.token_counts(batch)             # 2) local denominators per loss term
     ...all-reduce counts over ranks and micro-batches...
@@ -66,6 +67,7 @@ class Strategy(ABC):
         self.settings = settings
         self.cfg = settings.dllm
         self.mask_token_id: int | None = settings.dllm.mask_token_id
+        self.step: int | None = None  # the optimizer step being corrupted (begin_step); None outside training
 
     @classmethod
     def training_stages(cls, settings: Settings) -> list[Settings]:
@@ -90,6 +92,12 @@ class Strategy(ABC):
             )
 
     # ---- one micro-batch ----------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Called with the optimizer step's index before its micro-batches are corrupted; kept as
+        `self.step` for a strategy whose training changes with the step (mdlm's attention annealing).
+        A resumed run passes the same steps, so it redraws the same."""
+        self.step = step
+
     @abstractmethod
     def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:
         """Return the sidecar tensors (e.g. `noisy_input_ids`, `noise_mask`, `p_mask`) for `batch`.

@@ -36,7 +36,7 @@ from dllmflow.diffusion.masks.block_diffusion import (
     build_encoder_masks,
     split_prompt_response,
 )
-from dllmflow.diffusion.seeding import CORRUPTION_STREAM
+from dllmflow.diffusion.seeding import restream
 from dllmflow.errors import UserError
 from dllmflow.models.mask_id import find_mask_id
 from dllmflow.models.wrappers import unwrap
@@ -52,12 +52,6 @@ log = logging.getLogger(__name__)
 
 SELECTION_STREAM = 2**42  # per-sample stream of the canvas-block choice (docs/strategies.md §1.3's +2^42)
 SELF_COND_STREAM = 2**41  # per-sample stream of the self-conditioning coin
-_MASK63 = 2**63 - 1
-
-
-def restream(seed: int, stream: int) -> int:
-    """The seed `sample_seed` would give the same sample on another stream (seeds carry +2^43)."""
-    return (int(seed) - CORRUPTION_STREAM + stream) & _MASK63
 
 
 def uniform_per_sample(seeds: list[int], stream: int) -> Tensor:
