@@ -73,14 +73,16 @@ def forward_documents(
     model: nn.Module,
     input_ids: Tensor,
     document_ids: Tensor,
-    position_ids: Tensor,
+    position_ids: Tensor | None,
     attention_mask: Tensor,
     logits_to_keep: Keep = 0,
+    key_filter: Tensor | None = None,
 ) -> Tensor:
     """Logits [B, T, V] of a packed batch: bidirectional within each document, per-document positions
-    (`logits_to_keep` as `models.attention.model_logits`)."""
+    (None: the model's own), keys further limited by `key_filter` when given (`document_mask`);
+    `logits_to_keep` as `models.attention.model_logits`."""
     check_packable(model)
-    mask = document_mask(document_ids, attention_mask, mask_dtype(model, input_ids.device))
+    mask = document_mask(document_ids, attention_mask, mask_dtype(model, input_ids.device), key_filter)
     return model_logits(
         model, logits_to_keep, input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
         use_cache=False,
@@ -94,23 +96,15 @@ def forward_bidirectional_batch(
     logits_to_keep: Keep = 0,
     key_filter: Tensor | None = None,
 ) -> Tensor:
-    """`forward_documents` for a packed batch (it carries `document_ids`), else `forward_bidirectional`
-    with the batch's padding mask; `input_ids` [B, T] is what the model reads (e.g. the noisy ids).
-    `key_filter` [B, T, T] bool, when given, further limits which keys each query sees (e.g. mdlm's
-    attention annealing: causal plus a drawn share of the future); the model must take a 4D mask."""
-    if key_filter is not None:
-        check_key_filter(model, "dllm.attention_annealing_steps")
-        B, T = input_ids.shape
-        documents = batch.get("document_ids", torch.zeros(B, T, dtype=torch.long, device=input_ids.device))
-        attention = batch.get("attention_mask", torch.ones(B, T, dtype=torch.long, device=input_ids.device))
-        mask = document_mask(documents, attention, mask_dtype(model, input_ids.device), key_filter)
-        inputs = {"input_ids": input_ids, "attention_mask": mask, "use_cache": False}
-        if "position_ids" in batch:
-            inputs["position_ids"] = batch["position_ids"]
-        return model_logits(model, logits_to_keep, **inputs)
-    if "document_ids" in batch:
-        return forward_documents(
-            model, input_ids, batch["document_ids"], batch["position_ids"], batch["attention_mask"],
-            logits_to_keep,
-        )  # fmt: skip
-    return forward_bidirectional(model, input_ids, batch.get("attention_mask"), logits_to_keep)
+    """`forward_documents` for a packed batch (it carries `document_ids`) or a `key_filter` [B, T, T]
+    bool that limits which keys each query sees (mdlm's attention annealing: an unpacked row is then one
+    document), else `forward_bidirectional` with the batch's padding mask; `input_ids` [B, T] is what
+    the model reads (e.g. the noisy ids). A key filter needs a model that takes a 4D mask: the caller
+    checks that once (`check_key_filter`, at the strategy's setup)."""
+    if key_filter is None and "document_ids" not in batch:
+        return forward_bidirectional(model, input_ids, batch.get("attention_mask"), logits_to_keep)
+    ones = torch.ones_like(input_ids)  # [B, T]: one document, nothing padded
+    return forward_documents(
+        model, input_ids, batch.get("document_ids", torch.zeros_like(input_ids)), batch.get("position_ids"),
+        batch.get("attention_mask", ones), logits_to_keep, key_filter,
+    )  # fmt: skip
