@@ -3,6 +3,7 @@ and (dLLM section) concurrent vs one-at-a-time serving of the demo dLLM.
 
     OMP_NUM_THREADS=1 python bench/serve_latency.py [--short 12] [--short-tokens 16] [--long-tokens 1500]
     OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm [--train-steps 300] [--clients 16] [--rounds 5]
+    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm --client httpx   # the old instrument
 
 Scheduling gives every active batch `--chunk-tokens` new tokens per turn, so a short request arriving
 while a long one generates waits a few turns, not for the long one to end. Printed: the p50 latency of
@@ -19,7 +20,10 @@ batches the server formed, and one block's decode time in-process at batch 1 and
 (on a CPU a batched forward costs about as many times more as it has rows, which bounds what batching
 can give there; on an accelerator a batch of 16 costs little more than one row). Printed, measured in this one run: total throughput concurrent / sequential (goal
 >= 4x), p50 time to the first streamed block concurrent / a lone request's (goal <= 1.5x), and the
-concurrent max latency / median (goal <= 3x: no request starved).
+concurrent max latency / median (goal <= 3x: no request starved). The clients are one aiohttp session
+(`--client`): httpx's async pool cost the client itself ~35 ms for 16 concurrent GET /v1/models on
+this CPU (aiohttp ~5 ms, one request ~1 ms), which the first-block ratio had counted as the server's;
+the line "the client alone" prints that floor for the client used.
 """
 
 from __future__ import annotations
@@ -106,25 +110,73 @@ def train_demo(root: Path, steps: int) -> Path:
     return root / "run"
 
 
-async def streamed(client: httpx.AsyncClient, url: str, body: dict) -> dict[str, float]:
-    """One streamed completion: seconds to its first block with text and to its end; tokens."""
+async def streamed(client, url: str, body: dict) -> dict[str, float]:
+    """One streamed completion: seconds to its first block with text and to its end; tokens. `client`:
+    an aiohttp session (the default) or an httpx.AsyncClient (`--client httpx`)."""
     t0 = time.perf_counter()
     first, usage = None, None
-    async with client.stream("POST", f"{url}/completions", json={**body, "stream": True}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if first is None and event["choices"] and event["choices"][0]["text"]:
-                first = time.perf_counter() - t0
-            usage = event.get("usage") or usage
+    async for line in _sse_lines(client, f"{url}/completions", {**body, "stream": True}):
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[6:])
+        if first is None and event["choices"] and event["choices"][0]["text"]:
+            first = time.perf_counter() - t0
+        usage = event.get("usage") or usage
     end = time.perf_counter() - t0
     return {
         "first_s": first if first is not None else end,
         "total_s": end,
         "tokens": usage["completion_tokens"],
     }
+
+
+async def _sse_lines(client, url: str, body: dict):
+    if isinstance(client, httpx.AsyncClient):
+        async with client.stream("POST", url, json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                yield line
+        return
+    async with client.post(url, json=body) as r:
+        r.raise_for_status()
+        async for raw in r.content:  # aiohttp's StreamReader yields lines
+            yield raw.decode().rstrip("\r\n")
+
+
+async def _get(client, url: str) -> None:
+    if isinstance(client, httpx.AsyncClient):
+        (await client.get(url)).raise_for_status()
+    else:
+        async with client.get(url) as r:
+            r.raise_for_status()
+            await r.read()
+
+
+def _client(kind: str):
+    """The bench's HTTP client. aiohttp by default: httpx's async pool costs the CLIENT ~2 ms per
+    concurrent request on this CPU (16 concurrent GET /v1/models: ~36 ms with httpx, ~5 ms with aiohttp,
+    against ~1 ms for one), which would be counted as the server's time to first block."""
+    if kind == "httpx":
+        return httpx.AsyncClient(timeout=600)
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=64)
+    )
+
+
+async def client_floor(client, url: str, clients: int) -> tuple[float, float]:
+    """Seconds of one GET /v1/models alone and of `clients` at once (median of 5): the instrument's own
+    cost of concurrency, no decoding in it."""
+    alone, together = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        await _get(client, f"{url}/models")
+        alone.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await asyncio.gather(*[_get(client, f"{url}/models") for _ in range(clients)])
+        together.append(time.perf_counter() - t0)
+    return statistics.median(alone), statistics.median(together)
 
 
 def dllm_bodies(clients: int) -> list[dict]:
@@ -136,13 +188,13 @@ def dllm_bodies(clients: int) -> list[dict]:
     return bodies
 
 
-async def dllm_measure(url: str, clients: int, rounds: int) -> dict[str, float]:
+async def dllm_measure(url: str, clients: int, rounds: int, client_kind: str = "aiohttp") -> dict[str, float]:
     """`rounds` rounds, each: the requests one at a time, then all at once. Warmed up first by one
     round of each (pooled connections open, batch shapes seen), so a round measures the steady state; each
     figure is the median over rounds of that round's ratio (one round of 16 swings by ~2x on a busy CPU)."""
     bodies = dllm_bodies(clients)
     per_round = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with _client(client_kind) as client:
         await streamed(client, url, bodies[0])
         await asyncio.gather(*[streamed(client, url, b) for b in bodies])
         for _ in range(rounds):
@@ -166,9 +218,12 @@ async def dllm_measure(url: str, clients: int, rounds: int) -> dict[str, float]:
                 "first_x": first_together / first_alone,
                 "max_over_median": max(latencies) / statistics.median(latencies),
             })  # fmt: skip
-        served = (await client.get(f"{url.removesuffix('/v1')}/stats")).json()
+        floor = await client_floor(client, url, clients)
+    async with httpx.AsyncClient() as plain:
+        served = (await plain.get(f"{url.removesuffix('/v1')}/stats")).json()
     out = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
     out["first_x_range"] = (min(r["first_x"] for r in per_round), max(r["first_x"] for r in per_round))
+    out["client_floor_s"] = floor
     return {**out, "rounds": rounds, "batches": served["batches"], "max_batch": served["max_batch_size_seen"]}
 
 
@@ -201,7 +256,7 @@ def dllm_section(args) -> None:
         run = train_demo(Path(tmp), args.train_steps)
         trained_s = time.perf_counter() - t0
         with local_server(run, served_model_name="demo", max_batch_size=args.clients) as url:
-            r = asyncio.run(dllm_measure(url, args.clients, args.rounds))
+            r = asyncio.run(dllm_measure(url, args.clients, args.rounds, args.client))
         one, many = block_cost(run, args.clients)
     print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained in {trained_s:.0f} s), {args.clients} "
           f"streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
@@ -211,6 +266,9 @@ def dllm_section(args) -> None:
     print(f"  p50 time to first block: concurrent {r['first_together_p50_s'] * 1e3:.0f} ms, lone "
           f"{r['first_alone_p50_s'] * 1e3:.0f} ms, ratio {r['first_x']:.2f}x (rounds {r['first_x_range'][0]:.2f}-"
           f"{r['first_x_range'][1]:.2f}; goal <= 1.5x)")  # fmt: skip
+    get_one, get_many = r["client_floor_s"]
+    print(f"  the client ({args.client}) alone: GET /v1/models {get_one * 1e3:.1f} ms, {args.clients} at once "
+          f"{get_many * 1e3:.1f} ms (no decoding: what concurrency costs the instrument and the HTTP stack)")  # fmt: skip
     print(f"  concurrent max latency / median {r['max_over_median']:.2f}x (goal <= 3x: no starvation)")
     print(f"  server: {r['batches']} batches in all, largest {r['max_batch']} rows; one block in-process: "
           f"{one * 1e3:.1f} ms at batch 1, {many * 1e3:.1f} ms at batch {args.clients} ({many / one:.1f}x)")  # fmt: skip
@@ -222,6 +280,9 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=300, help="dllm: demo model training steps")
     p.add_argument("--clients", type=int, default=16, help="dllm: concurrent clients")
     p.add_argument("--rounds", type=int, default=5, help="dllm: measured rounds (median reported)")
+    p.add_argument(
+        "--client", choices=("aiohttp", "httpx"), default="aiohttp", help="dllm: the bench's HTTP client"
+    )
     p.add_argument("--short", type=int, default=12, help="short requests per phase")
     p.add_argument("--short-tokens", type=int, default=16)
     p.add_argument("--every-s", type=float, default=0.3, help="one short request every this many seconds")

@@ -164,7 +164,8 @@ def test_eval_cache_applies_to_the_samplers_that_take_it(monkeypatch):
 
 
 def test_a_sweep_key_no_evaluated_sampler_takes_is_refused_before_training():
-    s = load_settings(TINY, eval={"samplers": ["gemma"], "sweep": {"threshold": [None, 0.9]}})
+    # cache None: the recipe's eval.cache (dual) would be refused for gemma first
+    s = load_settings(TINY, eval={"samplers": ["gemma"], "cache": None, "sweep": {"threshold": [None, 0.9]}})
     with pytest.raises(
         SettingsError, match=r"eval.sweep.threshold: 0.9 .* \(gemma\): none of them has a threshold"
     ):

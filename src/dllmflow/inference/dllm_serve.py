@@ -106,11 +106,9 @@ class DllmServer(ChatServer):
         return await self.complete_dllm(req, deadline, head, chat)
 
     async def accept_dllm(self, request, chat: bool):
-        """Read a request's body, then validate and tokenise it and build its sampler config in ONE hop
-        to `prep_pool`: clients that send together are each admitted sooner, so their batch starts sooner
-        (a hop costs a thread handoff and a GIL round trip, serialised over every arriving request)."""
+        """Read a request's body, then validate and tokenise it and build its sampler config (`prep`)."""
         raw = await read_body(request, self.limits.max_body_bytes)
-        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, self.prepare_dllm, raw, chat)
+        return await self.prep(self.prepare_dllm, raw, chat)
 
     def prepare_dllm(self, raw: bytes, chat: bool) -> tuple[Any, DllmRequest]:
         """Body bytes -> (validated body, request); RequestError (400/404, naming the field) if refused."""
