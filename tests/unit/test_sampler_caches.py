@@ -141,6 +141,34 @@ def test_fast_dllm_forwards_refresh_then_the_block(model, tok, cache, step_width
     assert all(tok.mask_token_id not in s for s in out)
 
 
+class NoKeepArg(torch.nn.Module):
+    """`model` behind a forward without `logits_to_keep` (as remote code may be): full logits, sliced."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          cache=cache, use_cache=use_cache)  # fmt: skip
+
+
+@pytest.mark.parametrize("name, over", [m for m in MODES if m[1].get("cache") in ("prefix", "dual")], ids=str)
+def test_cached_forwards_head_only_the_block_same_tokens(model, tok, name, over):
+    # The LM head of a refresh (a full forward) and of a prefix step (the block and the suffix) runs on
+    # the block's positions alone; a model that cannot be told gives full logits, sliced: same tokens.
+    ps = [tok.encode(p) for p in PHRASES[:3]]
+    rows = []
+    handle = model.lm_head.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1]))
+    try:
+        got = raw(make(name, model, tok, **over), ps)
+    finally:
+        handle.remove()
+    assert got == raw(make(name, NoKeepArg(model), tok, **over), ps)
+    block = 4 if name == "llada" else 12  # scdd's "block" is its whole window of 12 new tokens
+    assert rows and set(rows) == {block}  # whole blocks: every call heads one block
+
+
 def test_scdd_prefix_cache_refreshes_every_cache_refresh_steps(model, tok):
     ps = [tok.encode(p) for p in PHRASES[:2]]
     _, seen = widths(model, lambda: raw(make("scdd", model, tok, cache="prefix", cache_refresh=4), ps))

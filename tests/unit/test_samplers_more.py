@@ -293,9 +293,9 @@ def test_batched_ragged_prompts_decode_in_one_batch(model, tok, name):
     ids=["greedy", "sampled", "random-remasking", "threshold"],
 )
 def test_block_sampler_heads_only_the_generation_windows_same_tokens(model, tok, name, over):
-    # llada and idlm take logits for the suffix that holds every row's window (idlm: one position more,
-    # its logit shift); a forward that cannot (the plain two-argument one the harness hands in) gives
-    # full logits. Both must commit the same tokens at the same forwards, whatever the RNG draws.
+    # llada and idlm take logits for the suffix that holds every row's current block (idlm: one position
+    # more, its logit shift); a forward that cannot (the plain two-argument one the harness hands in)
+    # gives full logits. Both must commit the same tokens at the same forwards, whatever the RNG draws.
     ps = [
         tok.encode("What is 2 + 3?"),
         tok.encode("Natalia sold 48 clips in April and May"),
@@ -318,7 +318,8 @@ def test_block_sampler_heads_only_the_generation_windows_same_tokens(model, tok,
     total = max(map(len, ps)) + 8
     shift = 1 if name == "idlm" else 0
     assert set(head_rows) == {total}  # the full path heads every position
-    assert set(rows_kept) == {total - min(map(len, ps)) + shift}  # the kept path: the windows' suffix
+    # the kept path: from the earliest row's block start on, block j starting j * 4 after its prompt
+    assert set(rows_kept) == {total - (min(map(len, ps)) + 4 * j) + shift for j in (0, 1)}
 
 
 def test_llada2_batch_with_editing_and_eos_decodes_each_row_as_alone(model, tok):

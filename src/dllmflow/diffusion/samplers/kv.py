@@ -99,13 +99,22 @@ class ModelCache:
     def length(self) -> int:
         return self.cache.get_seq_length()
 
-    def forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, keep: int) -> Tensor:
-        """Append `ids` [B, Q] (4D mask [B, 1, Q, cached + Q]); logits [B, keep, V] of the last `keep`."""
-        kw = {"logits_to_keep": keep} if self.keep_arg else {}
+    def forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, lo: int, hi: int) -> Tensor:
+        """Append `ids` [B, Q] (4D mask [B, 1, Q, cached + Q]); logits [B, hi-lo, V] of its positions
+        [lo, hi). A model that takes HF's `logits_to_keep` runs its LM head on those alone (a window
+        of positions, as `attention.model_logits`): the head is a large share of a forward at a real
+        vocabulary, and a refresh or a prefix step would otherwise run it on the whole suffix too."""
+        Q = ids.shape[1]
+        if not self.keep_arg:
+            kw = {}
+        elif hi == Q:
+            kw = {"logits_to_keep": Q - lo}
+        else:
+            kw = {"logits_to_keep": torch.arange(lo, hi, device=ids.device)}  # [hi-lo]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=self.cache,
                          use_cache=True, **kw)  # fmt: skip
         self.calls += 1
-        return out.logits[:, -keep:]
+        return out.logits if self.keep_arg else out.logits[:, lo:hi]  # [B, hi-lo, V]
 
     def select_rows(self, index: Tensor) -> None:
         """Keep the batch rows `index` [B'] of every cached layer (an empty layer too: the next forward
@@ -158,7 +167,8 @@ class CausalShiftCache:
         c, start, end = self.c, self.kv.length, hi - 1  # forward [start, end)
         # every position is "prefix" of a causal mask: k <= q, valid keys, a padded query keeps its diagonal
         mask = block_causal_mask(c.valid[:, :end], end, 1, True, self.kv.dtype, start, end - start)
-        logits = self.kv.forward(c.x[:, start:end], mask, c.position_ids[:, start:end], hi - lo)
+        Q = end - start  # its last hi - lo positions are [lo-1, hi-1)
+        logits = self.kv.forward(c.x[:, start:end], mask, c.position_ids[:, start:end], Q - (hi - lo), Q)
         self.kv.truncate(lo - 1)  # the block (and the last committed token) are re-fed next time
         return logits  # [B, hi-lo, V]
 
@@ -183,7 +193,7 @@ class BlockCausalCache:
         mask = block_causal_mask(
             c.valid[:, :hi], c.prefix_len, self.bs, False, self.kv.dtype, start, hi - start
         )
-        logits = self.kv.forward(c.x[:, start:hi], mask, c.position_ids[:, start:hi], hi - lo)
+        logits = self.kv.forward(c.x[:, start:hi], mask, c.position_ids[:, start:hi], lo - start, hi - start)
         self.kv.truncate(lo)
         return logits  # [B, hi-lo, V]
 
@@ -220,10 +230,10 @@ class FastDLLMCache:
         """Full forward over the canvas; cache [0, a) (+ [hi, T) for dual); logits [B, hi-lo, V]."""
         from dllmflow.models.attention import bidirectional_mask
 
-        c, total, a = self.c, self.c.x.shape[1], lo - self.shift
+        c, a = self.c, lo - self.shift
         self.kv.truncate(0)
         mask = bidirectional_mask(c.valid, self.kv.dtype)  # [B, 1, T, T]; padded queries keep a diagonal
-        logits = self.kv.forward(c.x, mask, c.position_ids, total - a)[:, : hi - lo]
+        logits = self.kv.forward(c.x, mask, c.position_ids, a, a + hi - lo)
         if self.mode == "dual":
             self.kv.drop(a, hi)
         else:
@@ -240,7 +250,7 @@ class FastDLLMCache:
         keys = torch.cat([c.valid[:, :a], c.valid[:, hi:]], 1) if self.mode == "dual" else c.valid[:, :a]
         keys = torch.cat([keys, c.valid[:, a:end]], dim=1)  # [B, cached + Q] in cache order
         mask = key_mask(keys, end - a, self.kv.dtype)  # [B, 1, Q, K]
-        logits = self.kv.forward(c.x[:, a:end], mask, c.position_ids[:, a:end], end - a)[:, : hi - lo]
+        logits = self.kv.forward(c.x[:, a:end], mask, c.position_ids[:, a:end], 0, hi - lo)
         self.kv.truncate(cached)
         return logits  # [B, hi-lo, V]
 
