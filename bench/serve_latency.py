@@ -21,8 +21,8 @@ batches the server formed, and one block's decode time in-process at batch 1 and
 can give there; on an accelerator a batch of 16 costs little more than one row). Printed, measured in this one run: total throughput concurrent / sequential (goal
 >= 4x), p50 time to the first streamed block concurrent / a lone request's (goal <= 1.5x), and the
 concurrent max latency / median (goal <= 3x: no request starved). The clients are one aiohttp session
-(`--client`): httpx's async pool cost the client itself ~35 ms for 16 concurrent GET /v1/models on
-this CPU (aiohttp ~5 ms, one request ~1 ms), which the first-block ratio had counted as the server's;
+(`--client`): httpx's async pool cost the client itself 25-36 ms for 16 concurrent GET /v1/models on
+this CPU (aiohttp 2.5-5 ms, one request ~1 ms), which the first-block ratio had counted as the server's;
 the line "the client alone" prints that floor for the client used.
 
 Measured 2026-12-02 (dLLM section, defaults, 2 quiet AMD EPYC cores, OMP_NUM_THREADS=1), after the
@@ -152,19 +152,18 @@ async def _sse_lines(client, url: str, body: dict):
             yield raw.decode().rstrip("\r\n")
 
 
-async def _get(client, url: str) -> None:
+async def _get_json(client, url: str) -> dict:
     if isinstance(client, httpx.AsyncClient):
-        (await client.get(url)).raise_for_status()
-    else:
-        async with client.get(url) as r:
-            r.raise_for_status()
-            await r.read()
+        r = await client.get(url)
+        r.raise_for_status()
+        return r.json()
+    async with client.get(url) as r:
+        r.raise_for_status()
+        return await r.json()
 
 
 def _client(kind: str):
-    """The bench's HTTP client. aiohttp by default: httpx's async pool costs the CLIENT ~2 ms per
-    concurrent request on this CPU (16 concurrent GET /v1/models: ~36 ms with httpx, ~5 ms with aiohttp,
-    against ~1 ms for one), which would be counted as the server's time to first block."""
+    """The bench's HTTP client, an aiohttp session unless `kind` is "httpx" (why: the module docstring)."""
     if kind == "httpx":
         return httpx.AsyncClient(timeout=600)
     import aiohttp
@@ -180,10 +179,10 @@ async def client_floor(client, url: str, clients: int) -> tuple[float, float]:
     alone, together = [], []
     for _ in range(5):
         t0 = time.perf_counter()
-        await _get(client, f"{url}/models")
+        await _get_json(client, f"{url}/models")
         alone.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        await asyncio.gather(*[_get(client, f"{url}/models") for _ in range(clients)])
+        await asyncio.gather(*[_get_json(client, f"{url}/models") for _ in range(clients)])
         together.append(time.perf_counter() - t0)
     return statistics.median(alone), statistics.median(together)
 
@@ -228,8 +227,7 @@ async def dllm_measure(url: str, clients: int, rounds: int, client_kind: str = "
                 "max_over_median": max(latencies) / statistics.median(latencies),
             })  # fmt: skip
         floor = await client_floor(client, url, clients)
-    async with httpx.AsyncClient() as plain:
-        served = (await plain.get(f"{url.removesuffix('/v1')}/stats")).json()
+        served = await _get_json(client, f"{url.removesuffix('/v1')}/stats")
     out = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
     out["first_x_range"] = (min(r["first_x"] for r in per_round), max(r["first_x"] for r in per_round))
     out["client_floor_s"] = floor
