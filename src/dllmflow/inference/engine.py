@@ -262,12 +262,18 @@ class Scheduler:
         self.incoming = incoming or (lambda: 0)
         self.settle_s = settle_s
         self.queue: asyncio.Queue[ChatRequest] = asyncio.Queue()
+        self.full = asyncio.Event()  # set by `submit` when the batch being formed has no room left
+        self.room = 0  # rows that batch can still take (0: none is being formed)
         self.active: collections.deque[Decode] = collections.deque()
         self.running: list[ChatRequest] = []  # rows of the batch taking its turn now
         self.counters = {"batches": 0, "max_batch_size_seen": 0, "turns": 0, "dropped": 0}
 
     def submit(self, req: ChatRequest) -> None:
         self.queue.put_nowait(req)
+        if self.room:  # a batch is being formed
+            self.room -= 1
+            if not self.room:
+                self.full.set()
 
     def stats(self) -> dict[str, int]:
         return {
@@ -294,16 +300,7 @@ class Scheduler:
         pending = []
         if wait:
             pending.append(await self.queue.get())
-            settle = asyncio.get_running_loop().time() + self.settle_s
-            # Requests a client sends together arrive a few ms apart: collect while more keep coming.
-            while len(pending) < self.max_batch_size:
-                await asyncio.sleep(self.batch_wait_s)
-                if self.queue.empty() and not (
-                    self.incoming() and asyncio.get_running_loop().time() < settle
-                ):
-                    break
-                while not self.queue.empty():
-                    pending.append(self.queue.get_nowait())
+            await self._gather(pending)
         while not self.queue.empty():
             pending.append(self.queue.get_nowait())
         groups: dict[tuple, list[ChatRequest]] = {}
@@ -319,6 +316,31 @@ class Scheduler:
                         self.counters["max_batch_size_seen"], len(batch)
                     )
                     await self._turn(batch, functools.partial(self.engine.prefill, batch))
+
+    async def _gather(self, pending: list[ChatRequest]) -> None:
+        """Collect the requests sent together with `pending[0]`: they arrive a few ms apart. Windows of
+        `batch_wait_s` while requests keep arriving or are being read (the latter for at most
+        `settle_s`), but not once the batch is full: waiting longer cannot grow it."""
+        loop = asyncio.get_running_loop()
+        settle = loop.time() + self.settle_s
+        try:
+            while True:
+                while not self.queue.empty() and len(pending) < self.max_batch_size:
+                    pending.append(self.queue.get_nowait())
+                if len(pending) >= self.max_batch_size:
+                    return
+                # `submit` wakes this wait only when the batch fills, not per arrival: a wake costs the
+                # loop time the next arrivals' reading needs.
+                self.room = self.max_batch_size - len(pending) - self.queue.qsize()
+                self.full.clear()
+                try:
+                    async with asyncio.timeout(self.batch_wait_s):
+                        await self.full.wait()
+                except TimeoutError:
+                    if self.queue.empty() and not (self.incoming() and loop.time() < settle):
+                        return
+        finally:
+            self.room = 0
 
     async def _turn(self, reqs: list[ChatRequest], work) -> None:
         """Run one turn (`work` returns the batch's Decode) in a thread, answer the rows it finished and
@@ -339,6 +361,12 @@ class Scheduler:
                 req.events.put_nowait(("done", self.engine.result(req)))
             elif req.stream:
                 req.events.put_nowait(("tokens", list(req.tokens)))
+        # Let the streams send what this turn committed before the next turn's thread competes with
+        # them for the GIL: a few loop iterations (each stream takes its event and writes it in one).
+        for _ in range(8):
+            if all(r.events.empty() for r in reqs):
+                break
+            await asyncio.sleep(0)
         if decode.reqs:
             self.active.append(decode)
 

@@ -278,11 +278,11 @@ class ChatServer:
         """The events every stream shares, from the request's queue: a text delta whenever the text so far
         (`text_of(kind, payload)`: a finished turn or block) grows, a 504 / 500 `error` event, then the
         finish reason (`final_chunk`), usage (on `usage_head`, when asked) and `[DONE]`."""
-        loop = asyncio.get_running_loop()
         sent = ""  # the text streamed so far; every delta extends it
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(req.events.get(), deadline - loop.time())
+            try:  # a timeout scope, not wait_for: no task per event, so a block reaches the socket sooner
+                async with asyncio.timeout_at(deadline):
+                    kind, payload = await req.events.get()
             except TimeoutError:
                 self.stats["timed_out"] += 1
                 yield _sse(_error_body(504, self.timeout_message, "timeout", None))
