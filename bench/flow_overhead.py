@@ -32,6 +32,12 @@ Measured 2026-12-02 (same machine, quiet): tiny_mdlm before/after its llada eval
     evaluate 24.4 -> 10.4 s (without evaluate 1.43 both); after: start 5.5, prepare 1.1, train 30.4,
     evaluate 10.4, register 5.4, end 0.5 s, ~11 s between tasks (each task's process start) and ~5 s
     before `start` (the run's own start; its recipe parse imports torch, 1.4 s, to check eval.cache).
+Measured 2026-12-03 (same machine, quiet): before/after the evaluate branches stop logging to MLflow
+    (register logs every sampler's result) and start stops re-running the eval samplers' check (the
+    Config parse and the train step run it): bare 33.8 / 32.2 s, flow 63.7 / 55.0 s: ratio 1.88 -> 1.71
+    (without evaluate 1.56 -> 1.46); start 5.0 -> 2.8 s, evaluate 11.1 -> 8.2 s; Metaflow floor 2.6 s.
+    Each task spends ~0.5 s importing Metaflow and the flow module before its step; the end step's
+    card is rendered in a subprocess (~1 s).
 What stays is per-process import work, not waiting: each MLflow-touching step (start, each evaluate,
 register) pays ~2.5 s importing mlflow and ~1.5 s opening its SQLite store (schema check), each task
 ~1 s for Metaflow and the flow module, and each evaluate ~5 s for torch and transformers before it

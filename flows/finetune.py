@@ -44,7 +44,7 @@ class FinetuneFlow(FlowSpec):
         # A plain dict (JSON) artifact: each later step validates it once (Settings.coerce).
         self.settings = settings.to_dict()
         self.run_dir = workflow.flow_run_dir(settings, current.origin_run_id or current.run_id)
-        # The MLflow run, open from here on: training, evaluation and register log into it live.
+        # The MLflow run, open from here on: training logs into it live, register adds the evaluations.
         self.mlflow_run_id = workflow.start_tracking(
             settings, pathspec=f"{current.flow_name}/{current.run_id}"
         )
@@ -80,10 +80,7 @@ class FinetuneFlow(FlowSpec):
         from dllmflow.workflow import finetune as workflow
 
         self.sampler = self.input
-        self.mlflow_run_id = getattr(self, "mlflow_run_id", None)  # see train
-        self.eval_result = workflow.evaluate_sampler(
-            self.settings, self.training["run_dir"], self.sampler, mlflow_run_id=self.mlflow_run_id
-        )
+        self.eval_result = workflow.evaluate_sampler(self.settings, self.training["run_dir"], self.sampler)
         self.next(self.register)
 
     @step

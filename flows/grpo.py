@@ -63,9 +63,7 @@ class GRPOFlow(FlowSpec):
         from dllmflow.workflow import grpo
 
         self.sampler = self.input
-        self.eval_result = grpo.evaluate(
-            self.settings, self.training["run_dir"], self.sampler, mlflow_run_id=self.mlflow_run_id
-        )
+        self.eval_result = grpo.evaluate(self.settings, self.training["run_dir"], self.sampler)
         self.next(self.register)
 
     @step

@@ -145,8 +145,10 @@ def test_a_cache_no_evaluated_sampler_can_use_is_refused_at_parse_time(text, nee
     with pytest.raises(SettingsError) as e:
         parse_params_config(text)
     assert all(n in str(e.value) for n in needles), str(e.value)
-    with pytest.raises(SettingsError, match="eval.cache|eval.sweep.cache"):  # and at the flow's start step
-        resolve_flow_settings(load_settings(TINY).to_dict() | yaml.safe_load(text))
+    # and before training (the train step's check; the start step's parameters cannot change it)
+    settings = resolve_flow_settings(load_settings(TINY).to_dict() | yaml.safe_load(text))
+    with pytest.raises(SettingsError, match="eval.cache|eval.sweep.cache"):
+        eval_samplers(settings)
 
 
 def test_eval_cache_applies_to_the_samplers_that_take_it(monkeypatch):

@@ -3,7 +3,7 @@ evaluation into it, complete it (tags, settings.json, missing training steps) at
 
     from dllmflow.tracking.mlflow_run import log_eval, log_run, open_run
     run_id = open_run(settings, lineage={...})          # flow start: training logs into it live
-    log_eval(settings, run_id, "llada", result)          # each evaluate branch
+    log_eval(settings, run_id, "llada", result)          # one sampler (log_run logs those missing)
     run_id = log_run(settings, run_dir, evals=..., lineage={...}, run_id=run_id)
 
 Tracking URI: `registry.tracking_uri`, else `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db`

@@ -196,9 +196,7 @@ def train(
 # ---- evaluate / register / card (the fine-tune flow's, plus the starting model) ----------------------------
 
 
-def evaluate(
-    settings: SettingsLike, run_dir: str, sampler: str, *, mlflow_run_id: str | None = None
-) -> dict[str, Any]:
+def evaluate(settings: SettingsLike, run_dir: str, sampler: str) -> dict[str, Any]:
     """The fine-tune flow's evaluation of the GRPO export, with the starting model's exact match (same
     sampler, examples and setting) as its `baseline` ("EM before" in the table)."""
     from dllmflow.evaluation.accuracy import evaluate as evaluate_checkpoint
@@ -206,7 +204,7 @@ def evaluate(
     from dllmflow.workflow import finetune
 
     s = Settings.coerce(settings)
-    result = finetune.evaluate_sampler(s, run_dir, sampler, mlflow_run_id=mlflow_run_id)
+    result = finetune.evaluate_sampler(s, run_dir, sampler)
     if sampler != "acceptance":
         before = evaluate_checkpoint(
             s.model.pretrained_model_name_or_path, settings=s, sampler=sampler, limit=s.eval.limit,
