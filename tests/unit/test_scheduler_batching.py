@@ -25,7 +25,6 @@ class RecordingEngine:
 
     blocks: int = 1  # turns per batch
     prefills: list[tuple[float, int]] = field(default_factory=list)
-    turns: list[list[int]] = field(default_factory=list)  # events already taken per stream, per turn
 
     def prefill(self, reqs):  # runs in a worker thread: the loop's clock is time.monotonic
         self.prefills.append((time.monotonic(), len(reqs)))

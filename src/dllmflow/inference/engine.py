@@ -331,7 +331,7 @@ class Scheduler:
                     return
                 # `submit` wakes this wait only when the batch fills, not per arrival: a wake costs the
                 # loop time the next arrivals' reading needs.
-                self.room = self.max_batch_size - len(pending) - self.queue.qsize()
+                self.room = self.max_batch_size - len(pending)  # the queue is drained: not full
                 self.full.clear()
                 try:
                     async with asyncio.timeout(self.batch_wait_s):
