@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from dllmflow.diffusion.samplers import SAMPLERS
+from dllmflow.diffusion.samplers import SAMPLER_CONFIGS, SAMPLERS
 from dllmflow.diffusion.samplers.base import SamplerConfig, build_sampler_config
 from dllmflow.errors import UserError
 from dllmflow.tracking.pyfunc_runtime import recorded_params, split_params
@@ -107,3 +107,9 @@ def test_pyfunc_params_recorded_vs_the_callers_own():
     old = {"sampler": "gemma", "sampler_settings": {**PRESETS["llada"], "steps": 8, "block_size": 32}}
     sampler, settings, overrides = split_params(old, {"sampler": "gemma", "block_size": 32, "steps": 8})
     assert overrides == {} and build_sampler_config(sampler, overrides, defaults=settings).steps == 8
+
+
+def test_the_torch_free_config_registry_names_each_samplers_own_config():
+    assert list(SAMPLER_CONFIGS) == list(SAMPLERS)
+    for name in SAMPLERS:
+        assert SAMPLER_CONFIGS[name] is SAMPLERS[name].config_cls, name

@@ -178,12 +178,18 @@ def test_a_sweep_key_no_evaluated_sampler_takes_is_refused_before_training():
     ]
 
 
-def test_the_recipe_parse_stays_torch_free_unless_a_cache_is_asked_for():
+@pytest.mark.parametrize("recipe", ["tiny_addition", "tiny_mdlm"])  # tiny_mdlm: eval.cache dual and a sweep
+def test_the_recipe_parse_and_the_registered_signature_stay_torch_free(recipe):
+    """The sampler configs are checked without the samplers: the flow's parse (every `--help`, `show`,
+    Argo compile) and `register`'s model signature do not pay torch's import."""
     import subprocess
     import sys
 
     code = ("import sys; from dllmflow.workflow.finetune import parse_params_config; "
-            "parse_params_config(open('params/tiny_addition.yaml').read()); assert 'torch' not in sys.modules")  # fmt: skip
+            f"parse_params_config(open('params/{recipe}.yaml').read()); "
+            "from dllmflow.tracking.pyfunc_runtime import build_signature; "
+            "build_signature('llada', {'threshold': 0.9, 'cache': 'dual'}); "
+            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
 

@@ -173,9 +173,9 @@ def sampler_takes(sampler: str, key: str, value: Any) -> bool:
     `cache: none` asks for no cache, which a sampler without a cache option also honours."""
     from pydantic import TypeAdapter, ValidationError
 
-    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS  # torch-free: the recipe parse calls this
 
-    field = SAMPLERS[sampler].config_cls.model_fields.get(key)
+    field = SAMPLER_CONFIGS[sampler].model_fields.get(key)
     if field is None:
         return key == "cache" and value == "none"
     if value is None:
@@ -205,17 +205,11 @@ def evaluated_samplers(settings: Any) -> list[str]:
     return [n for n in names if n in SAMPLERS]
 
 
-def asks_for_cache(eval_cfg: Any) -> bool:
-    """True when the eval section names a cache other than none (`eval.cache`, `eval.sweep.cache`)."""
-    sweep = eval_cfg.sweep.cache if eval_cfg.sweep is not None else None
-    return any(c not in (None, "none") for c in [eval_cfg.cache, *(sweep or [])])
-
-
 def check_eval_settings(settings: Any) -> None:
     """`eval.cache` and each `eval.sweep` value must be usable by at least one evaluated sampler (the
     others run without it, as with any eval knob they do not take); else a SettingsError naming the
-    field, the mode and what each sampler takes. Imports the sampler configs (torch): the flow's
-    recipe parse calls it only when a cache is asked for (`asks_for_cache`), the train step always."""
+    field, the mode and what each sampler takes. Torch-free (the sampler configs, not the samplers): the
+    flow's recipe parse runs it, and the train step again."""
     from dllmflow.settings import SettingsError
 
     samplers = evaluated_samplers(settings)

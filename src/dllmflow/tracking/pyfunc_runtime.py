@@ -55,7 +55,7 @@ def generate_texts(
 def recorded_params(sampler: str, sampler_settings: dict[str, Any]) -> dict[str, Any]:
     """What a registered model generates with (its signature's param defaults): the sampler and its
     preset under the recorded settings."""
-    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.diffusion.samplers.configs import build_sampler_config  # torch-free: register calls this
 
     if sampler == SPECULATIVE:
         return {"sampler": sampler, **sampler_settings}

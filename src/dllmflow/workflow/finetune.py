@@ -43,14 +43,12 @@ def parse_params_config(text: str) -> dict[str, Any]:
     return _checked(load_settings_text(text, source="--config recipe")).to_dict()
 
 
-def _checked(s: Settings, *, full: bool = False) -> Settings:
-    """The eval section's sampler settings against the mode's samplers (`check_eval_settings`): at parse
-    time only when a cache is asked for (the check imports the sampler configs, i.e. torch, which a
-    `--help` must not pay), in full before training (`eval_samplers`)."""
-    from dllmflow.evaluation.protocol import asks_for_cache, check_eval_settings
+def _checked(s: Settings) -> Settings:
+    """The eval section's sampler settings against the mode's samplers (`check_eval_settings`, torch-free:
+    the sampler configs, not the samplers), at the parse and again before training (`eval_samplers`)."""
+    from dllmflow.evaluation.protocol import check_eval_settings
 
-    if full or asks_for_cache(s.eval):
-        check_eval_settings(s)
+    check_eval_settings(s)
     return s
 
 
@@ -62,8 +60,8 @@ def resolve_flow_settings(config: dict[str, Any], *, max_steps: int = 0, eval_li
         data["train"]["max_steps"] = int(max_steps)
     if eval_limit:
         data["eval"]["limit"] = int(eval_limit)
-    # Validated again, but the eval samplers' check is not repeated: the Config parse ran it, these
-    # parameters cannot change its outcome, and the train step runs it in full (it imports torch: ~1 s).
+    # Validated again, but the eval samplers' check is not repeated: the Config parse ran it, and these
+    # parameters cannot change its outcome (the train step runs it again).
     return Settings.coerce(data)
 
 
@@ -213,7 +211,7 @@ def eval_samplers(settings: SettingsLike) -> list[str]:
     from dllmflow.diffusion.modes import MODES
     from dllmflow.diffusion.samplers import SAMPLERS
 
-    s = _checked(Settings.coerce(settings), full=True)
+    s = _checked(Settings.coerce(settings))
     spec = MODES[s.dllm.mode]
     extra = list(spec.extra_evaluations)
     # eval.ar_baseline: the AR base model greedy, one more evaluation beside the samplers

@@ -1,7 +1,10 @@
-"""Generation samplers, one file per sampler, in an explicit registry.
+"""Generation samplers (one file each) and their torch-free configs, in two explicit registries.
 
-from dllmflow.diffusion.samplers import SAMPLERS
+A setting is checked against `SAMPLER_CONFIGS` (configs.py) without importing the sampler or torch.
+
+from dllmflow.diffusion.samplers import SAMPLER_CONFIGS, SAMPLERS
 sampler = SAMPLERS["llada"](model, tokenizer, config)
+SAMPLER_CONFIGS["llada"]        # = SAMPLERS["llada"].config_cls, without torch
 """
 
 from __future__ import annotations
@@ -21,4 +24,14 @@ SAMPLERS = LazyRegistry(
     },
 )
 
-__all__ = ["SAMPLERS"]
+_C = f"{_P}.configs"
+SAMPLER_CONFIGS = LazyRegistry("sampler", {name: f"{_C}:{cls}" for name, cls in {
+    "llada": "LLaDAConfig",
+    "scdd": "SCDDConfig",
+    "llada2": "LLaDA2Config",
+    "nemotron": "NemotronConfig",
+    "gemma": "GemmaConfig",
+    "idlm": "IDLMConfig",
+}.items()})  # fmt: skip
+
+__all__ = ["SAMPLERS", "SAMPLER_CONFIGS"]

@@ -1,6 +1,6 @@
-"""The sampler interface (docs/strategies.md §3.0): the config every sampler's own config extends, the one
-`build_sampler_config` path from settings and flags to a config, the `Sampler` base class, mask-id
-resolution and response trimming. The denoising math lives in `loop.py`, each sampler in its file.
+"""The sampler interface (docs/strategies.md §3.0): the `Sampler` base class, mask-id resolution and
+response trimming. The configs and `build_sampler_config` live in the torch-free `configs.py` (imported
+here too), the denoising math in `loop.py`, each sampler in its file.
 
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.base import build_sampler_config
@@ -22,92 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 from torch import Tensor
 
 from dllmflow.errors import UserError
 
+from .configs import SamplerConfig, SamplerSettingError, build_sampler_config  # noqa: F401  (their home)
+
 # Attribute `load_for_generation` sets on a loaded model: the training Settings of its checkpoint.
 TRAINING_SETTINGS_ATTR = "dllmflow_training_settings"
-
-
-class SamplerSettingError(UserError):
-    """A sampler setting refused by `build_sampler_config`; `field` names it (a server's 400 names it)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-class SamplerConfig(BaseModel):
-    """Knobs every sampler takes. Each sampler file subclasses it with its own options, its preset
-    (docs/strategies.md §3.1-3.6) as the defaults. `eos_token_id: "tokenizer"` = the tokenizer's EOS."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    steps: PositiveInt = 128
-    max_new_tokens: PositiveInt = 128
-    seed: int = 42
-
-
-def build_sampler_config(
-    name: str,
-    overrides: dict[str, Any] | None = None,
-    tokenizer: Any = None,
-    *,
-    defaults: dict[str, Any] | None = None,
-) -> SamplerConfig:
-    """The config of sampler `name`: its preset, then `defaults`, then `overrides`; None values are
-    skipped (an unset flag keeps the preset).
-
-    overrides: options asked for explicitly (CLI flags, pyfunc params, Python callers); one the sampler
-    does not take is a UserError naming it. defaults: generic settings shared by several samplers (the
-    eval section, a registered model's recorded settings); the ones the sampler does not take are
-    dropped, but a `cache` other than "none" is refused by a sampler without one. `no_kv_cache=True` turns
-    off the caches (exact and approximate) and the causal context (docs/strategies.md §3.7; nothing to turn
-    off for a sampler without them). `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
-    no tokenizer the sampler fills it from its own.
-    """
-    from dllmflow.diffusion.modes import check_sampler
-    from dllmflow.diffusion.samplers import SAMPLERS
-
-    check_sampler(None, name)  # a known sampler (which mode it may decode is the caller's question)
-    sampler = SAMPLERS[name]
-    fields = sampler.config_cls.model_fields
-    explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
-    no_kv_cache = explicit.pop("no_kv_cache", False)
-    if explicit.get("cache") == "none" and "cache" not in fields:  # no cache asked of a sampler without one
-        del explicit["cache"]
-    unknown = [k for k in explicit if k not in fields]
-    if unknown:
-        raise SamplerSettingError(_unknown_options_message(sampler, unknown), unknown[0])
-    values = {k: v for k, v in (defaults or {}).items() if v is not None and k in fields}
-    values.update(explicit)
-    if no_kv_cache:
-        values.update({k: False for k in ("use_kv_cache", "causal_context") if k in fields})
-        values.update({"cache": "none"} if "cache" in fields else {})
-    if tokenizer is not None and "eos_token_id" in fields:
-        if values.get("eos_token_id", fields["eos_token_id"].default) == "tokenizer":
-            values["eos_token_id"] = getattr(tokenizer, "eos_token_id", None)
-    try:
-        return sampler.config_cls(**values)
-    except ValidationError as e:
-        flags = ("--" + ".".join(map(str, err["loc"])).replace("_", "-") for err in e.errors())
-        problems = "; ".join(f"{flag}: {err['msg']}" for flag, err in zip(flags, e.errors()))
-        field = ".".join(map(str, e.errors()[0]["loc"])) or None
-        raise SamplerSettingError(f"invalid {name} sampler settings: {problems}", field) from None
-
-
-def _unknown_options_message(sampler: type[Sampler], unknown: list[str]) -> str:
-    if "use_kv_cache" in unknown and not sampler.supports_kv_cache:
-        why = sampler.no_kv_cache_reason
-        return f"sampler {sampler.name} does not take use_kv_cache: {why}; drop it (--no-kv-cache)"
-    if "cache" in unknown:
-        exact = "its KV cache is exact (use_kv_cache; --no-kv-cache turns it off)"
-        why = exact if sampler.supports_kv_cache else sampler.no_kv_cache_reason
-        return f"sampler {sampler.name} does not take cache (Fast-dLLM's approximate cache of llada, scdd): {why}"
-    takes = ", ".join(sampler.config_cls.model_fields)
-    return f"sampler {sampler.name} does not take {', '.join(unknown)}; its options: {takes}"
 
 
 def sampler_supports(name: str, feature: Literal["infill", "kv_cache", "batching"]) -> bool:

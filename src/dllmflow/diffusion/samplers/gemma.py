@@ -13,18 +13,11 @@ forwarded; prompts run one at a time; infill and a KV-cache switch do not apply.
 from __future__ import annotations
 
 import torch
-from pydantic import Field, PositiveInt
 
 from dllmflow.errors import UserError
 
-from .base import Sampler, SamplerConfig
-
-
-class GemmaConfig(SamplerConfig):
-    """Preset (docs/strategies.md §3.5): 48 denoising steps, 256 new tokens; every other knob is upstream's."""
-
-    steps: PositiveInt = Field(48, description="Passed as `max_denoising_steps`.")
-    max_new_tokens: PositiveInt = 256
+from .base import Sampler
+from .configs import GemmaConfig
 
 
 class GemmaSampler(Sampler):

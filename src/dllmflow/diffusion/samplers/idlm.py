@@ -17,14 +17,10 @@ False, `--no-kv-cache`, or a canvas `forward` handed in).
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, PositiveInt
-
 from .base import Sampler
+from .configs import IDLMConfig
 from .kv import CausalShiftCache, check_cache_fits, iter_cached_block_sampler
 from .loop import (
-    BlockConfig,
     BlockGeometry,
     BlockLoop,
     block_geometry,
@@ -33,18 +29,6 @@ from .loop import (
     drain,
     iter_block_sampler,
 )
-
-
-class IDLMConfig(BlockConfig):
-    """Preset (docs/strategies.md §3.6): 256 new tokens in blocks of 4 (the decode stride), 4 steps a block,
-    threshold 0.9, EOS stop at the tokenizer's EOS; the rest as `BlockConfig`."""
-
-    steps: PositiveInt = 256
-    max_new_tokens: PositiveInt = 256
-    block_size: PositiveInt | None = 4
-    threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
-    use_kv_cache: bool = True
 
 
 class IDLMSampler(Sampler):

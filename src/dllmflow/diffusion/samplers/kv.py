@@ -14,7 +14,7 @@ its model forwards in `calls`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,9 +22,10 @@ from torch import Tensor
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.errors import UserError
 from dllmflow.models.logit_shift import is_logit_shifted
+from dllmflow.settings.pipeline import CacheMode
 
+from .configs import BlockConfig
 from .loop import (
-    BlockConfig,
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
@@ -35,8 +36,6 @@ from .loop import (
     first_eos_done,
     get_num_transfer_tokens,
 )
-
-CacheMode = Literal["none", "prefix", "dual"]
 
 
 def check_cache_fits(model: Any, length: int, sampler: str, what: str) -> None:

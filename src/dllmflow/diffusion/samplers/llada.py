@@ -21,15 +21,14 @@ from __future__ import annotations
 import time
 
 import torch
-from pydantic import Field, PositiveInt
 from torch import Tensor
 
 from dllmflow.errors import UserError
 
 from .base import GenerationResult, Sampler
-from .kv import CacheMode, FastDLLMCache, fast_dllm_canvas, iter_cached_block_sampler
+from .configs import LLaDAConfig
+from .kv import FastDLLMCache, fast_dllm_canvas, iter_cached_block_sampler
 from .loop import (
-    BlockConfig,
     BlockGeometry,
     BlockLoop,
     block_geometry,
@@ -38,15 +37,6 @@ from .loop import (
     iter_block_sampler,
     run_infill,
 )
-
-
-class LLaDAConfig(BlockConfig):
-    """Preset (docs/strategies.md §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
-    remasking, no threshold, no EOS stop (the output is trimmed afterwards), no cache; the rest as
-    `BlockConfig`."""
-
-    block_size: PositiveInt | None = 128
-    cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
 
 
 class LLaDASampler(Sampler):

@@ -31,16 +31,15 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import Field, NonNegativeFloat, PositiveInt
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.models.logit_shift import refuse_shifted
 
-from .base import Sampler, SamplerConfig, native_generate
+from .base import Sampler, native_generate
+from .configs import LLaDA2Config
 from .kv import BlockCausalCache, check_cache_fits
 from .loop import (
     BlockGeometry,
@@ -57,21 +56,6 @@ from .loop import (
 
 # logits = forward(input_ids [B, T], 4D mask, position_ids [B, T], num_logits) -> [B, >= num_logits, V]
 RefineForward = Callable[[Tensor, Tensor, Tensor, int], Tensor]
-
-
-class LLaDA2Config(SamplerConfig):
-    """Preset (docs/strategies.md §3.3): blocks of 32, 32 steps EACH, greedy, threshold 0.5, editing off."""
-
-    steps: PositiveInt = Field(32, description="Step budget of each block (not a total).")
-    block_size: PositiveInt | None = 32
-    temperature: NonNegativeFloat = 0.0
-    threshold: float | None = Field(0.5, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer"] | None = Field(None, description="None = the tokenizer's EOS.")
-    # LLaDA2.1 editing: a committed token of the current block is replaced when the model's confidence
-    # in a different token exceeds this; 0 = off.
-    editing_threshold: float = Field(0.0, ge=0.0, le=1.0)
-    max_post_steps: int = Field(16, ge=0, description="Editing-only forwards after a block is full.")
-    use_kv_cache: bool = Field(True, description="Exact cache of the prompt and committed blocks.")
 
 
 def refine_transfer(conf: Tensor, masked: Tensor, k: Tensor, threshold: float | None) -> Tensor:

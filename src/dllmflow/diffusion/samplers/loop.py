@@ -23,32 +23,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import Field, NonNegativeFloat, PositiveInt
 from torch import Tensor
 
 from dllmflow.errors import UserError
 from dllmflow.models.attention import takes_logits_to_keep
 
-from .base import SamplerConfig
+from .configs import BlockConfig
 
 # logits = forward(input_ids [B, T], attention_mask [B, T]) -> [B, T, V]; a forward may also take
 # `logits_to_keep=n` and return the last n positions' [B, n, V] (`takes_logits_to_keep`)
 ForwardFn = Callable[[Tensor, Tensor], Tensor]
-
-
-class BlockConfig(SamplerConfig):
-    """Knobs of block-wise [MASK] filling with this loop (llada, nemotron, idlm; docs/strategies.md §3.0 defaults)."""
-
-    block_size: PositiveInt | None = 32
-    temperature: NonNegativeFloat = 0.0
-    remasking: Literal["low_confidence", "random"] = "low_confidence"
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer"] | None = Field(
-        None, description="Set = stop a row once it has an EOS with no [MASK] before it."
-    )
 
 
 # ---- schedule and token selection ---------------------------------------------------------------

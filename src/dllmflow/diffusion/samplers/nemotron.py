@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Literal
 
 import torch
-from pydantic import Field, PositiveInt
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 
 from .base import Sampler, native_generate
+from .configs import NemotronConfig
 from .loop import (
-    BlockConfig,
     BlockGeometry,
     LeftPaddedCanvas,
     block_geometry,
@@ -49,18 +47,6 @@ from .loop import (
     get_transfer_index,
     gumbel_argmax,
 )
-
-
-class NemotronConfig(BlockConfig):
-    """Preset (docs/strategies.md §3.4): 1024 steps for 1024 new tokens in blocks of 32, KV cache on, causal prompt
-    context with the AR seed, threshold 0.9, EOS stop at the tokenizer's EOS."""
-
-    steps: PositiveInt = 1024
-    max_new_tokens: PositiveInt = 1024
-    threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
-    use_kv_cache: bool = True
-    causal_context: bool = Field(True, description="Prompt attends causally; each block gets an AR seed.")
 
 
 class _BlockCausalForward:

@@ -29,42 +29,17 @@ import warnings
 from typing import Any
 
 import torch
-from pydantic import Field, NonNegativeFloat, PositiveInt, field_validator
 from torch import Tensor
 
 from dllmflow.diffusion.schedules import TINY, scdd_schedule
 from dllmflow.errors import UserError
 
-from .base import GenerationResult, Sampler, SamplerConfig
-from .kv import CacheMode, FastDLLMCache, fast_dllm_canvas
+from .base import GenerationResult, Sampler
+from .configs import SCDDConfig
+from .kv import FastDLLMCache, fast_dllm_canvas
 from .loop import build_canvas
 
 SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
-
-
-class SCDDConfig(SamplerConfig):
-    """Preset (docs/strategies.md §3.2): 128 steps for 128 new tokens at temperature 1. The schedule must be the
-    training one (unset = the checkpoint's); `eps` is the last time of the walk from t = 1."""
-
-    temperature: NonNegativeFloat = 1.0
-    uniform_ratio: float = Field(0.1, ge=0.0, lt=1.0)
-    schedule_shape: float = Field(1.0, gt=0.0)
-    schedule_peak: float = Field(0.5, gt=0.0, lt=1.0)
-    eps: float = Field(1e-3, gt=0.0, le=1.0)
-    cache: CacheMode = Field("none", description="Fast-dLLM prefix cache of the prompt (approximate).")
-    cache_refresh: PositiveInt = Field(
-        16, description="Steps between the full forwards refreshing the cache."
-    )
-
-    @field_validator("cache")
-    @classmethod
-    def _no_dual(cls, cache: str) -> str:
-        if cache == "dual":
-            raise ValueError(
-                "sampler scdd cannot use cache 'dual': it redraws every window position at every step, so "
-                "no suffix keeps its tokens; use cache 'prefix' or 'none'"
-            )
-        return cache
 
 
 def resolve_scdd_schedule(config: SCDDConfig, training_settings: Any) -> tuple[SCDDConfig, list[str]]:

@@ -1,0 +1,201 @@
+"""Every sampler's knobs and preset (docs/strategies.md §3), and the one `build_sampler_config` path from
+settings and flags to a config. Torch-free, so that a recipe's eval section (at the flow's parse), a CLI's
+flags and a registered model's signature are checked without importing torch (~1.3 s a process); the
+sampler files (`llada.py`, ...) import their config from here and do the decoding.
+
+    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
+    cfg = build_sampler_config("llada", {"threshold": 0.9})    # an LLaDAConfig
+    SAMPLER_CONFIGS["llada"].model_fields                      # its options (the sampler module not imported)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+
+from dllmflow.errors import UserError
+from dllmflow.settings.pipeline import CacheMode
+
+
+class SamplerSettingError(UserError):
+    """A sampler setting refused by `build_sampler_config`; `field` names it (a server's 400 names it)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class SamplerConfig(BaseModel):
+    """Knobs every sampler takes. Each sampler's config below subclasses it with its own options, its
+    preset (docs/strategies.md §3.1-3.6) as the defaults. `eos_token_id: "tokenizer"` = the tokenizer's EOS."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: PositiveInt = 128
+    max_new_tokens: PositiveInt = 128
+    seed: int = 42
+
+
+class BlockConfig(SamplerConfig):
+    """Knobs of block-wise [MASK] filling with this loop (llada, nemotron, idlm; docs/strategies.md §3.0 defaults)."""
+
+    block_size: PositiveInt | None = 32
+    temperature: NonNegativeFloat = 0.0
+    remasking: Literal["low_confidence", "random"] = "low_confidence"
+    threshold: float | None = Field(None, gt=0.0, le=1.0)
+    eos_token_id: int | Literal["tokenizer"] | None = Field(
+        None, description="Set = stop a row once it has an EOS with no [MASK] before it."
+    )
+
+
+class LLaDAConfig(BlockConfig):
+    """Preset (docs/strategies.md §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
+    remasking, no threshold, no EOS stop (the output is trimmed afterwards), no cache; the rest as
+    `BlockConfig`."""
+
+    block_size: PositiveInt | None = 128
+    cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
+
+
+class SCDDConfig(SamplerConfig):
+    """Preset (docs/strategies.md §3.2): 128 steps for 128 new tokens at temperature 1. The schedule must be the
+    training one (unset = the checkpoint's); `eps` is the last time of the walk from t = 1."""
+
+    temperature: NonNegativeFloat = 1.0
+    uniform_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    schedule_shape: float = Field(1.0, gt=0.0)
+    schedule_peak: float = Field(0.5, gt=0.0, lt=1.0)
+    eps: float = Field(1e-3, gt=0.0, le=1.0)
+    cache: CacheMode = Field("none", description="Fast-dLLM prefix cache of the prompt (approximate).")
+    cache_refresh: PositiveInt = Field(
+        16, description="Steps between the full forwards refreshing the cache."
+    )
+
+    @field_validator("cache")
+    @classmethod
+    def _no_dual(cls, cache: str) -> str:
+        if cache == "dual":
+            raise ValueError(
+                "sampler scdd cannot use cache 'dual': it redraws every window position at every step, so "
+                "no suffix keeps its tokens; use cache 'prefix' or 'none'"
+            )
+        return cache
+
+
+class LLaDA2Config(SamplerConfig):
+    """Preset (docs/strategies.md §3.3): blocks of 32, 32 steps EACH, greedy, threshold 0.5, editing off."""
+
+    steps: PositiveInt = Field(32, description="Step budget of each block (not a total).")
+    block_size: PositiveInt | None = 32
+    temperature: NonNegativeFloat = 0.0
+    threshold: float | None = Field(0.5, gt=0.0, le=1.0)
+    eos_token_id: int | Literal["tokenizer"] | None = Field(None, description="None = the tokenizer's EOS.")
+    # LLaDA2.1 editing: a committed token of the current block is replaced when the model's confidence
+    # in a different token exceeds this; 0 = off.
+    editing_threshold: float = Field(0.0, ge=0.0, le=1.0)
+    max_post_steps: int = Field(16, ge=0, description="Editing-only forwards after a block is full.")
+    use_kv_cache: bool = Field(True, description="Exact cache of the prompt and committed blocks.")
+
+
+class NemotronConfig(BlockConfig):
+    """Preset (docs/strategies.md §3.4): 1024 steps for 1024 new tokens in blocks of 32, KV cache on, causal prompt
+    context with the AR seed, threshold 0.9, EOS stop at the tokenizer's EOS."""
+
+    steps: PositiveInt = 1024
+    max_new_tokens: PositiveInt = 1024
+    threshold: float | None = Field(0.9, gt=0.0, le=1.0)
+    eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
+    use_kv_cache: bool = True
+    causal_context: bool = Field(True, description="Prompt attends causally; each block gets an AR seed.")
+
+
+class IDLMConfig(BlockConfig):
+    """Preset (docs/strategies.md §3.6): 256 new tokens in blocks of 4 (the decode stride), 4 steps a block,
+    threshold 0.9, EOS stop at the tokenizer's EOS; the rest as `BlockConfig`."""
+
+    steps: PositiveInt = 256
+    max_new_tokens: PositiveInt = 256
+    block_size: PositiveInt | None = 4
+    threshold: float | None = Field(0.9, gt=0.0, le=1.0)
+    eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
+    use_kv_cache: bool = True
+
+
+class GemmaConfig(SamplerConfig):
+    """Preset (docs/strategies.md §3.5): 48 denoising steps, 256 new tokens; every other knob is upstream's."""
+
+    steps: PositiveInt = Field(48, description="Passed as `max_denoising_steps`.")
+    max_new_tokens: PositiveInt = 256
+
+
+def build_sampler_config(
+    name: str,
+    overrides: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    *,
+    defaults: dict[str, Any] | None = None,
+) -> SamplerConfig:
+    """The config of sampler `name`: its preset, then `defaults`, then `overrides`; None values are
+    skipped (an unset flag keeps the preset).
+
+    overrides: options asked for explicitly (CLI flags, pyfunc params, Python callers); one the sampler
+    does not take is a UserError naming it. defaults: generic settings shared by several samplers (the
+    eval section, a registered model's recorded settings); the ones the sampler does not take are
+    dropped, but a `cache` other than "none" is refused by a sampler without one. `no_kv_cache=True` turns
+    off the caches (exact and approximate) and the causal context (docs/strategies.md §3.7; nothing to turn
+    off for a sampler without them). `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
+    no tokenizer the sampler fills it from its own.
+    """
+    from dllmflow.diffusion.modes import check_sampler
+    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS
+
+    check_sampler(None, name)  # a known sampler (which mode it may decode is the caller's question)
+    config_cls = SAMPLER_CONFIGS[name]
+    fields = config_cls.model_fields
+    explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
+    no_kv_cache = explicit.pop("no_kv_cache", False)
+    if explicit.get("cache") == "none" and "cache" not in fields:  # no cache asked of a sampler without one
+        del explicit["cache"]
+    unknown = [k for k in explicit if k not in fields]
+    if unknown:
+        raise SamplerSettingError(_unknown_options_message(name, unknown), unknown[0])
+    values = {k: v for k, v in (defaults or {}).items() if v is not None and k in fields}
+    values.update(explicit)
+    if no_kv_cache:
+        values.update({k: False for k in ("use_kv_cache", "causal_context") if k in fields})
+        values.update({"cache": "none"} if "cache" in fields else {})
+    if tokenizer is not None and "eos_token_id" in fields:
+        if values.get("eos_token_id", fields["eos_token_id"].default) == "tokenizer":
+            values["eos_token_id"] = getattr(tokenizer, "eos_token_id", None)
+    try:
+        return config_cls(**values)
+    except ValidationError as e:
+        flags = ("--" + ".".join(map(str, err["loc"])).replace("_", "-") for err in e.errors())
+        problems = "; ".join(f"{flag}: {err['msg']}" for flag, err in zip(flags, e.errors()))
+        field = ".".join(map(str, e.errors()[0]["loc"])) or None
+        raise SamplerSettingError(f"invalid {name} sampler settings: {problems}", field) from None
+
+
+def _unknown_options_message(name: str, unknown: list[str]) -> str:
+    from dllmflow.diffusion.samplers import SAMPLERS  # the class's cache facts: torch, on this error only
+
+    sampler = SAMPLERS[name]
+    if "use_kv_cache" in unknown and not sampler.supports_kv_cache:
+        why = sampler.no_kv_cache_reason
+        return f"sampler {sampler.name} does not take use_kv_cache: {why}; drop it (--no-kv-cache)"
+    if "cache" in unknown:
+        exact = "its KV cache is exact (use_kv_cache; --no-kv-cache turns it off)"
+        why = exact if sampler.supports_kv_cache else sampler.no_kv_cache_reason
+        return f"sampler {sampler.name} does not take cache (Fast-dLLM's approximate cache of llada, scdd): {why}"
+    takes = ", ".join(sampler.config_cls.model_fields)
+    return f"sampler {sampler.name} does not take {', '.join(unknown)}; its options: {takes}"
