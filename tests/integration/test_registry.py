@@ -73,7 +73,12 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    s = _settings(tmp_path, uri, gate={"tolerance": 0.05})
+    # The prepared dir on disk holds other data (its manifest's hash) than the lineage's "abc" below.
+    s = load_settings(
+        ROOT / "params" / "tiny_mdlm.yaml",
+        dataset={"prepared_dir": str(consolidated.parents[1] / "prepared")},
+        registry={"tracking_uri": uri, "model_name": "reg-test", "gate": {"tolerance": 0.05}},
+    )
     run_dir = consolidated.parent
 
     # with eval.untrained_baseline and eval.ar_baseline: the model before training, the AR base (`ar`)
@@ -96,7 +101,8 @@ def test_log_register_gate_and_idempotency(tmp_path, consolidated):
     client = MlflowClient(uri)
     run = client.get_run(run1)
     assert run.data.tags["data_content_hash"] == "abc" and run.data.params["dllm.mode"] == "mdlm"
-    assert [i.dataset.digest for i in run.inputs.dataset_inputs] == ["abc"]  # the lineage's data hash
+    # the lineage's data hash only: not the manifest's, the data now on disk
+    assert [i.dataset.digest for i in run.inputs.dataset_inputs] == ["abc"]
     assert [m.value for m in client.get_metric_history(run1, "train/loss")] == [4.0, 3.0, 2.0]
     assert run.data.metrics["eval/llada/exact_match_flexible"] == 0.5
     assert run.data.metrics["eval/llada/before/exact_match_flexible"] == 0.125

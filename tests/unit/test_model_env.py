@@ -41,6 +41,38 @@ def test_the_wheel_dir_is_named_by_the_sources_and_the_checkout_stays_clean(tmp_
     assert sorted(p.name for p in (project / "src").iterdir()) == ["dllmflow"]
 
 
+def _counting_builds(monkeypatch) -> list[Path]:
+    calls, real = [], model_env._pip_wheel
+    monkeypatch.setattr(model_env, "_pip_wheel", lambda stage: (calls.append(stage), real(stage))[1])
+    return calls
+
+
+def test_a_prefetched_wheel_is_built_once_and_taken_by_the_registration(tmp_path, monkeypatch):
+    project = _project(tmp_path / "proj", "X = 3\n")
+    monkeypatch.setattr(model_env, "source_root", lambda: project)
+    calls = _counting_builds(monkeypatch)
+    thread = model_env.prefetch_wheel()
+    out = model_env.build_wheel(project, tmp_path / "reg")  # waits for the build in flight
+    thread.join()
+    assert len(calls) == 1 and _wheel_text(out) == "X = 3\n"
+    assert not list(tmp_path.glob("reg/wheel-src*"))  # the staged sources are gone
+
+
+def test_a_failed_prefetch_is_not_kept_the_registration_builds_again_and_reports_it(tmp_path, monkeypatch):
+    import pytest
+
+    from dllmflow.errors import UserError
+
+    project = _project(tmp_path / "proj", "X = 4\n")
+    (project / "pyproject.toml").write_text("[project\nname = ")  # not TOML: pip cannot build it
+    monkeypatch.setattr(model_env, "source_root", lambda: project)
+    calls = _counting_builds(monkeypatch)
+    model_env.prefetch_wheel().join()  # fails quietly
+    with pytest.raises(UserError, match="could not build the dllmflow wheel"):
+        model_env.build_wheel(project, tmp_path / "reg")
+    assert len(calls) == 2
+
+
 def test_without_its_sources_the_model_pins_the_installed_distribution(tmp_path, monkeypatch):
     from importlib.metadata import version
 

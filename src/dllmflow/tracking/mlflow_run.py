@@ -143,16 +143,15 @@ def log_run(
 def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, Any]) -> None:
     """One sampler's evaluation into the run: `eval/<sampler>/<metric>` metrics (step 0; registration
     links them to the logged model and the dataset; the model before training, `eval.untrained_baseline`,
-    as `eval/<sampler>/before/<metric>`; the AR base, `eval.ar_baseline`, is the evaluation `ar`), the
-    JSON result, and the prepared data as the run's dataset input when it is readable here."""
+    as `eval/<sampler>/before/<metric>`; the AR base, `eval.ar_baseline`, is the evaluation `ar`) and the
+    JSON result. The run's dataset input is `log_run`'s (the lineage's data hash) and registration's (the
+    run's `data_content_hash`): not the manifest on disk now, which may be newer data than was trained on."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
     connect(settings)
     client = MlflowClient()
     now = int(time.time() * 1000)
-    if (dataset := prepared_dataset(settings)) is not None:
-        log_dataset_input(client, run_id, dataset)
     metrics = [
         Metric(f"eval/{sampler}/{k}", float(v), now, 0)
         for k, v in result.get("metrics", {}).items()

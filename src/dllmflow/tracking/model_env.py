@@ -29,7 +29,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import tomllib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,7 +101,8 @@ def build_model_env(workdir: str | os.PathLike) -> ModelEnv:
 def build_wheel(root: Path, workdir: Path) -> Path:
     """A wheel of the project at `root`, built from a copy of what it packages (pyproject.toml, README,
     src/dllmflow) so the checkout gets no build/ or egg-info. Returns `workdir/dllmflow-<hash12>/`
-    holding it, <hash12> the sha256 of those sources."""
+    holding it, <hash12> the sha256 of those sources. Built once per process for the same sources (a
+    `prefetch_wheel` in flight is waited for, not repeated)."""
     stage = workdir / "wheel-src"
     shutil.copytree(
         root / "src" / PROJECT,
@@ -109,28 +113,73 @@ def build_wheel(root: Path, workdir: Path) -> Path:
         if (root / name).is_file():
             shutil.copy2(root / name, stage / name)
     out = workdir / f"{PROJECT}-{_tree_hash(stage)[:12]}"
-    if out.name in _BUILT:  # the same sources built earlier in this process: the same wheel
-        name, data = _BUILT[out.name]
-        out.mkdir(parents=True)
-        (out / name).write_bytes(data)
+    try:
+        name, data = _built_once(out.name, stage)
+    finally:
         shutil.rmtree(stage)
-        return out
+    out.mkdir(parents=True)
+    (out / name).write_bytes(data)
+    return out
+
+
+# dir name (source hash) -> Future of (wheel name, bytes): each source tree is built once per process.
+_BUILDS: dict[str, Future] = {}
+_BUILDS_LOCK = threading.Lock()
+
+
+def _built_once(key: str, stage: Path) -> tuple[str, bytes]:
+    with _BUILDS_LOCK:
+        future, mine = _BUILDS.get(key), False
+        if future is None:
+            future, mine = Future(), True
+            _BUILDS[key] = future
+    if mine:
+        try:
+            future.set_result(_pip_wheel(stage))
+        except BaseException as e:  # a failed build is not kept: the next caller builds (and reports) again
+            with _BUILDS_LOCK:
+                _BUILDS.pop(key, None)
+            future.set_exception(e)
+    return future.result()
+
+
+def _pip_wheel(stage: Path) -> tuple[str, bytes]:
+    out = stage.parent / f"{stage.name}-dist"
     # Without build isolation when the running env has setuptools: nothing is downloaded.
     isolation = ["--no-build-isolation"] if _has_setuptools() else []
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(out), str(stage)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not any(out.glob(f"{PROJECT}-*.whl")):
-        raise UserError(
-            f"could not build the {PROJECT} wheel the registered model installs ({proc.stderr.strip()[-300:]}); "
-            "check that pip and setuptools>=77 are installed"
-        )
-    shutil.rmtree(stage)
-    wheel = next(out.glob(f"{PROJECT}-*.whl"))
-    _BUILT[out.name] = (wheel.name, wheel.read_bytes())
-    return out
+    try:
+        wheel = next(out.glob(f"{PROJECT}-*.whl"), None)
+        if proc.returncode != 0 or wheel is None:
+            raise UserError(
+                f"could not build the {PROJECT} wheel the registered model installs "
+                f"({proc.stderr.strip()[-300:]}); check that pip and setuptools>=77 are installed"
+            )
+        return wheel.name, wheel.read_bytes()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
-_BUILT: dict[str, tuple[str, bytes]] = {}  # dir name (source hash) -> (wheel name, bytes), this process
+def prefetch_wheel() -> threading.Thread | None:
+    """Start building this checkout's wheel in the background (None: installed without its sources),
+    so that registration's other work (importing MLflow, logging the run: seconds) overlaps the ~2 s
+    `pip wheel` subprocess; `build_model_env` then takes the result. A failure here is reported by that
+    later build, which retries. Not a daemon thread: the process waits for it before exiting."""
+    root = source_root()
+    if root is None:
+        return None
+
+    def build() -> None:
+        with tempfile.TemporaryDirectory(prefix="dllmflow-wheel-") as tmp:
+            try:
+                build_wheel(root, Path(tmp))
+            except Exception:  # noqa: BLE001 - build_model_env rebuilds and reports it
+                pass
+
+    thread = threading.Thread(target=build, name="dllmflow-wheel", daemon=False)
+    thread.start()
+    return thread
 
 
 def _tree_hash(directory: Path) -> str:

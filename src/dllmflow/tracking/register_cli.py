@@ -32,7 +32,9 @@ def add_cli_args(parser) -> None:
 
 def cli_main(args) -> int:
     from dllmflow.settings import load_settings_json
+    from dllmflow.tracking.model_env import prefetch_wheel
 
+    prefetch_wheel()  # the model's wheel builds (a subprocess) while the run is logged
     run_dir = Path(args.run_dir)
     settings = load_settings_json(RunLayout(run_dir).settings_json)
     evals = {}

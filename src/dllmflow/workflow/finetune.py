@@ -341,6 +341,9 @@ def register(
 ) -> dict[str, Any]:
     """Complete the MLflow run (`mlflow_run_id`, opened at `start`; else found or created here), log
     and register the model into it, apply the gate."""
+    from dllmflow.tracking.model_env import prefetch_wheel
+
+    prefetch_wheel()  # the model's wheel builds (a subprocess) while MLflow imports and the run is logged
     from dllmflow.evaluation.sweep import chosen_setting
     from dllmflow.tracking import mlflow_run, registry
 
