@@ -91,3 +91,52 @@ def test_launch_mounts_reach_the_role(tmp_path):
     assert role.mounts[1].read_only
     with pytest.raises(UserError, match="launch.mounts"):
         build_app(load_settings(launch={"mounts": ["src=runs,dst=/app/runs"]}), tmp_path)
+
+
+_LEAN_FLOW = """
+import atexit, gc
+from metaflow import Config, FlowSpec, step
+from dllmflow.workflow.deploy import deployment
+
+
+@deployment(config="recipe")
+class LeanFlow(FlowSpec):
+    recipe = Config("recipe", default="RECIPE",
+                    parser="dllmflow.workflow.finetune.parse_params_config")
+
+    @step
+    def start(self):  # reported at exit, i.e. after what runs once the step body returned
+        atexit.register(lambda: open("OUT/start", "w").write(str(gc.get_freeze_count())))
+        self.next(self.end)
+
+    @step
+    def end(self):
+        atexit.register(lambda: open("OUT/end", "w").write(str(gc.get_freeze_count())))
+        raise RuntimeError("a failed step is left alone")
+
+
+if __name__ == "__main__":
+    LeanFlow()
+"""
+
+
+def test_each_step_freezes_the_gc_once_it_succeeded_so_its_process_exits_fast(tmp_path):
+    """`lean_exit` (added by @deployment to every step): after a successful step the process's objects
+    are frozen (its exit then skips the final collections); a failed step's are not."""
+    import os
+    import subprocess
+    import sys
+
+    flow = tmp_path / "lean_flow.py"
+    flow.write_text(
+        _LEAN_FLOW.replace("RECIPE", str(ROOT / "params" / "tiny_addition.yaml")).replace(
+            "OUT", str(tmp_path)
+        )
+    )
+    env = {**os.environ, "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp_path), "USERNAME": "test"}
+    run = subprocess.run(
+        [sys.executable, str(flow), "run"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode != 0 and "a failed step is left alone" in run.stderr + run.stdout
+    assert int((tmp_path / "start").read_text()) > 1000  # the step's process: torch-free, still thousands
+    assert int((tmp_path / "end").read_text()) == 0

@@ -24,6 +24,7 @@ pip reads; the model does not hard-code an index.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -87,7 +88,7 @@ def build_model_env(workdir: str | os.PathLike) -> ModelEnv:
     lock = root / "requirements.lock"
     constraints = []
     if lock.is_file():
-        needed = dependency_closure([*_declared(root), *RUNTIME_PACKAGES])
+        needed = _constrained(root)
         locked = _lock_lines(lock)
         constraints_file = workdir / "constraints.txt"
         constraints_file.write_text("".join(f"{locked[n]}\n" for n in sorted(locked) if n in needed))
@@ -174,6 +175,7 @@ def prefetch_wheel() -> threading.Thread | None:
         with tempfile.TemporaryDirectory(prefix="dllmflow-wheel-") as tmp:
             try:
                 build_wheel(root, Path(tmp))
+                _constrained(root)  # the installed metadata walk (~0.3 s), cached for build_model_env
             except Exception:  # noqa: BLE001 - build_model_env rebuilds and reports it
                 pass
 
@@ -222,6 +224,12 @@ def dependency_closure(requirements: list[str]) -> set[str]:
         except PackageNotFoundError:
             continue
     return seen
+
+
+@functools.lru_cache(maxsize=4)
+def _constrained(root: Path) -> frozenset[str]:
+    """The packages the model's constraints pin: what the project and the runtime packages pull in."""
+    return frozenset(dependency_closure([*_declared(root), *RUNTIME_PACKAGES]))
 
 
 def _declared(root: Path) -> list[str]:

