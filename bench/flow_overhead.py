@@ -38,10 +38,20 @@ Measured 2026-12-03 (same machine, quiet): before/after the evaluate branches st
     (without evaluate 1.56 -> 1.46); start 5.0 -> 2.8 s, evaluate 11.1 -> 8.2 s; Metaflow floor 2.6 s.
     Each task spends ~0.5 s importing Metaflow and the flow module before its step; the end step's
     card is rendered in a subprocess (~1 s).
-What stays is per-process import work, not waiting: each MLflow-touching step (start, each evaluate,
-register) pays ~2.5 s importing mlflow and ~1.5 s opening its SQLite store (schema check), each task
-~1 s for Metaflow and the flow module, and each evaluate ~5 s for torch and transformers before it
-generates; llada's 128 full-canvas forwards per batch are the rest of evaluate.
+Measured 2026-12-03, later (same machine; its speed drifted: bare 31-43 s over the hour): 1.91 at the
+    start, then, one change at a time, each a run:
+    - the sampler configs torch-free (the recipe parse and register's signature stop importing torch;
+      `show` 3.5 -> 0.75 s) and register's wheel built in the background: 1.63 (register 8.4 -> 5.3 s,
+      the ~7 s before `start` -> ~3 s);
+    - `lean_exit` on every step (gc.freeze once it succeeded: the interpreter's final collections had
+      cost each torch/MLflow task 0.5-1.2 s before the next could start): 1.69 on a run whose bare
+      train ran 33 s (1.56 on the next, bare 36 s); the gaps between tasks 1.2-1.7 s -> 0.1-0.4 s;
+    - tiny_mdlm evaluating 16 prompts a batch: 1.47 and 1.46 (bare 31.2 / 38.4 s, flow 45.8 / 55.9 s;
+      start 2.9 / 3.2, prepare 0.9 / 0.9, train 27.4 / 31.4, evaluate 8.5 / 11.7, register 3.3 / 4.3,
+      end 0.4 / 0.8 s; Metaflow floor 3.1-3.8 s).
+What stays is per-process work the bare train does not do: start and register each import mlflow
+(~2 s) and open its SQLite store (~1 s); each evaluate branch imports torch and transformers (~4.5 s)
+before it generates (~3-4 s); Metaflow renders the end step's card twice, each in a subprocess (~1 s).
 """
 
 from __future__ import annotations
