@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from dllmflow.diffusion.samplers import SAMPLER_CONFIGS, SAMPLERS
-from dllmflow.diffusion.samplers.base import SamplerConfig, build_sampler_config
+from dllmflow.diffusion.samplers.configs import SamplerConfig, build_sampler_config
 from dllmflow.errors import UserError
 from dllmflow.tracking.pyfunc_runtime import recorded_params, split_params
 

@@ -126,7 +126,7 @@ def build_runner(
 ) -> Any:
     """`sampler` on a loaded model, its config from preset < settings.eval < `overrides` (strict)."""
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
 
     defaults = eval_defaults(settings.eval if settings is not None else None, sampler)
     config = build_sampler_config(sampler, overrides, tokenizer, defaults=defaults)

@@ -138,7 +138,8 @@ class DllmEngine:
 
         from dllmflow.diffusion.modes import SamplerMisfitError, check_sampler
         from dllmflow.diffusion.samplers import SAMPLERS
-        from dllmflow.diffusion.samplers.base import build_sampler_config, stop_token_ids
+        from dllmflow.diffusion.samplers.base import stop_token_ids
+        from dllmflow.diffusion.samplers.configs import build_sampler_config
         from dllmflow.inference.generate import load_for_generation, resolve_default_sampler
         from dllmflow.models.limits import max_positions
 
@@ -183,7 +184,7 @@ class DllmEngine:
         as RequestError naming `dllmflow.<field>`."""
         from dllmflow.diffusion.modes import SamplerMisfitError
         from dllmflow.diffusion.samplers import SAMPLERS
-        from dllmflow.diffusion.samplers.base import SamplerSettingError, build_sampler_config
+        from dllmflow.diffusion.samplers.configs import SamplerSettingError, build_sampler_config
 
         overrides = dict(overrides)
         sampler = overrides.pop("sampler", None) or self.sampler
@@ -221,7 +222,7 @@ class DllmEngine:
     def _preset(self, sampler: str) -> Any:
         """`sampler`'s config under the recorded settings; UserError if it does not decode this mode."""
         from dllmflow.diffusion.modes import check_sampler
-        from dllmflow.diffusion.samplers.base import build_sampler_config
+        from dllmflow.diffusion.samplers.configs import build_sampler_config
 
         check_sampler(self.served.mode, sampler)
         return build_sampler_config(sampler, None, self.tokenizer, defaults=self.recorded)

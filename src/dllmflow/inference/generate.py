@@ -309,7 +309,7 @@ def cli_main(args: argparse.Namespace) -> int:
     import torch
 
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
 
     # every check that needs no model first (the load is the slow part)
     if args.sampler is None:

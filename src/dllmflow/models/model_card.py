@@ -130,7 +130,7 @@ def _how_to_generate(facts: ExportFacts) -> str:
         f'```bash\ndllmflow generate --checkpoint PATH --sampler {sampler} --prompt "What is 2 + 3?"\n```\n\n'
         "In Python:\n\n```python\n"
         "from dllmflow.diffusion.samplers import SAMPLERS\n"
-        "from dllmflow.diffusion.samplers.base import build_sampler_config\n"
+        "from dllmflow.diffusion.samplers.configs import build_sampler_config\n"
         "from dllmflow.inference.generate import decode_response, encode_prompt, load_for_generation\n\n"
         'model, tok, _ = load_for_generation("PATH")\n'
         f'sampler = SAMPLERS["{sampler}"](model, tok, build_sampler_config("{sampler}"), '

@@ -58,7 +58,7 @@ def rollout_sampler_config(settings: Any, tokenizer: Any = None, *, greedy: bool
     """The rollout sampler's config (seed 0; `decode_group` reseeds it). `greedy`: the held-out
     evaluation's (temperature 0). UserError naming the option when the sampler does not take it."""
     from dllmflow.diffusion.modes import check_sampler
-    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
     from dllmflow.evaluation.protocol import eval_defaults
 
     name = sampler_name(settings)

@@ -36,7 +36,8 @@ def generate_texts(
 
     from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR, build_sampler_config
+    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
     from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
     from dllmflow.models.limits import check_generation_fits
 

@@ -141,7 +141,7 @@ def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
     section), and the prepared data's content hash."""
     from dllmflow.data.prepare import read_manifest
     from dllmflow.diffusion.modes import MODES
-    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
     from dllmflow.models.model_card import ExportFacts
 
     mode = settings.dllm.mode
