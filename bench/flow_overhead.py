@@ -46,9 +46,10 @@ Measured 2026-12-03, later (same machine; its speed drifted: bare 31-43 s over t
     - `lean_exit` on every step (gc.freeze once it succeeded: the interpreter's final collections had
       cost each torch/MLflow task 0.5-1.2 s before the next could start): 1.69 on a run whose bare
       train ran 33 s (1.56 on the next, bare 36 s); the gaps between tasks 1.2-1.7 s -> 0.1-0.4 s;
-    - tiny_mdlm evaluating 16 prompts a batch: 1.47 and 1.46 (bare 31.2 / 38.4 s, flow 45.8 / 55.9 s;
-      start 2.9 / 3.2, prepare 0.9 / 0.9, train 27.4 / 31.4, evaluate 8.5 / 11.7, register 3.3 / 4.3,
-      end 0.4 / 0.8 s; Metaflow floor 3.1-3.8 s).
+    - tiny_mdlm evaluating 16 prompts a batch: 1.47, 1.46 and 1.44 in three runs (bare 31.2 / 38.4 /
+      36.0 s, flow 45.8 / 55.9 / 51.9 s; start 2.9 / 3.2 / 3.2, prepare 0.9 / 0.9 / 1.0, train 27.4 /
+      31.4 / 31.8, evaluate 8.5 / 11.7 / 8.1, register 3.3 / 4.3 / 4.0, end 0.4 / 0.8 / 0.6 s; Metaflow
+      floor 2.9-3.8 s).
 What stays is per-process work the bare train does not do: start and register each import mlflow
 (~2 s) and open its SQLite store (~1 s); each evaluate branch imports torch and transformers (~4.5 s)
 before it generates (~3-4 s); Metaflow renders the end step's card twice, each in a subprocess (~1 s).
