@@ -188,11 +188,13 @@ async def client_floor(client, url: str, clients: int) -> tuple[float, float]:
 
 
 def dllm_bodies(clients: int) -> list[dict]:
+    """`clients` different problems, 8 new tokens in blocks of 4."""
+    over = {"block_size": 4}
     bodies = []
     for i in range(clients):
         a, b = 10 + 7 * i % 89, 11 + 13 * i % 87
         bodies.append({"model": "demo", "prompt": f"What is {a} + {b}?", "max_tokens": 8,
-                       "stream_options": {"include_usage": True}, "dllmflow": {"block_size": 4}})  # fmt: skip
+                       "stream_options": {"include_usage": True}, "dllmflow": over})  # fmt: skip
     return bodies
 
 
@@ -234,16 +236,16 @@ async def dllm_measure(url: str, clients: int, rounds: int, client_kind: str = "
     return {**out, "rounds": rounds, "batches": served["batches"], "max_batch": served["max_batch_size_seen"]}
 
 
-def block_cost(run: Path, clients: int) -> tuple[float, float]:
+def block_cost(run: Path, clients: int, cache: str | None = None) -> tuple[float, float]:
     """Seconds of one first block (llada, the bench's settings) in-process at batch 1 and `clients`."""
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.base import build_sampler_config
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
     from dllmflow.inference.dllm_engine import served_from_path
     from dllmflow.inference.generate import encode_prompt, load_for_generation
 
     served = served_from_path(run)
     model, tok, _ = load_for_generation(served.checkpoint, device="cpu")
-    over = {"max_new_tokens": 8, "block_size": 4}
+    over = {"max_new_tokens": 8, "block_size": 4, **({"cache": cache} if cache else {})}
     config = build_sampler_config(served.sampler, over, tok, defaults=served.sampler_settings)
     sampler = SAMPLERS[served.sampler](model, tok, config, mask_id=model.config.mask_token_id)
     prompt = encode_prompt(tok, "What is 47 + 38?")
@@ -258,15 +260,27 @@ def block_cost(run: Path, clients: int) -> tuple[float, float]:
 
 
 def dllm_section(args) -> None:
+    """The demo model served once per `--caches` entry ("recorded": its own sampler setting, no cache;
+    "prefix"/"dual": `dllmflow serve --sampler-setting cache=<it>`), a fresh server each."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run = train_demo(Path(tmp), args.train_steps)
         trained_s = time.perf_counter() - t0
-        with local_server(run, served_model_name="demo", max_batch_size=args.clients) as url:
-            r = asyncio.run(dllm_measure(url, args.clients, args.rounds, args.client))
-        one, many = block_cost(run, args.clients)
-    print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained in {trained_s:.0f} s), {args.clients} "
-          f"streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
+        print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained in {trained_s:.0f} s), {args.clients} "
+              f"streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
+        for name in args.caches.split(","):
+            cache = None if name == "recorded" else name
+            settings = {"cache": cache} if cache else None
+            with local_server(
+                run, served_model_name="demo", max_batch_size=args.clients, sampler_settings=settings
+            ) as url:
+                r = asyncio.run(dllm_measure(url, args.clients, args.rounds, args.client))
+            one, many = block_cost(run, args.clients, cache)
+            print(f"cache: {name}")
+            _print_dllm(r, args, one, many)
+
+
+def _print_dllm(r: dict, args, one: float, many: float) -> None:
     print(f"  median of {r['rounds']} rounds: one at a time {r['sequential_s']:.2f} s, all at once "
           f"{r['concurrent_s']:.2f} s, {r['tokens']:.0f} tokens")  # fmt: skip
     print(f"  throughput concurrent / sequential {r['throughput_x']:.2f}x (goal >= 4x)")
@@ -287,6 +301,10 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=300, help="dllm: demo model training steps")
     p.add_argument("--clients", type=int, default=16, help="dllm: concurrent clients")
     p.add_argument("--rounds", type=int, default=5, help="dllm: measured rounds (median reported)")
+    p.add_argument(
+        "--caches", default="recorded,dual",
+        help="dllm: comma list of recorded (the model's own setting: no cache), prefix, dual",
+    )  # fmt: skip
     p.add_argument(
         "--client", choices=("aiohttp", "httpx"), default="aiohttp", help="dllm: the bench's HTTP client"
     )

@@ -254,3 +254,41 @@ def test_a_version_that_is_not_a_dllmflow_model_is_refused(registered):
     with pytest.raises(UserError, match="not a registry URI"):
         resolve_registered("models:/other", uri)
     assert Path(tmp / "cache").is_dir()
+
+
+def test_server_sampler_settings_are_served_and_a_bad_one_is_exit_2(registered):
+    uri, _, _, tmp = registered
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")}
+    base = [
+        sys.executable,
+        "-m",
+        "dllmflow.cli",
+        "serve",
+        "--model",
+        f"models:/{NAME}@champion",
+        "--port",
+        "1",
+    ]
+    for setting, named in [
+        ("cache=triple", "--sampler-setting cache"),
+        ("steps", "--sampler-setting 'steps'"),
+    ]:
+        out = subprocess.run([*base, "--sampler-setting", setting], capture_output=True, text=True, env=env,
+                             timeout=120)  # fmt: skip
+        last = out.stderr.strip().splitlines()[-1]  # after the download's progress bars, if any
+        assert out.returncode == 2 and last.startswith(f"dllmflow serve: error: {named}"), out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+    old = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "DLLMFLOW_MODEL_CACHE")}
+    os.environ.update({"MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")})
+    try:
+        with local_server(f"models:/{NAME}@champion", sampler_settings={"cache": "dual", "steps": 6}) as url:
+            (card,) = client(url).models.list().data
+            lineage = card.model_extra["dllmflow"]
+            answer = client(url).completions.create(model=NAME, prompt="What is 2 + 3?", max_tokens=12)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert lineage["server_settings"] == {"cache": "dual", "steps": 6}
+    assert lineage["sampler_settings"]["cache"] == "dual" and lineage["sampler_settings"]["steps"] == 6
+    assert lineage["setting"] == {"threshold": None}  # still the point it was gated at
+    assert answer.usage.model_extra["dllmflow"]["nfe"] == 6  # the server's 6 steps, not the recorded 12

@@ -82,6 +82,28 @@ def test_request_configs(engine):
         assert e.value.param == param, (over, str(e.value))
 
 
+def test_server_settings_replace_the_recorded_ones_and_are_checked_first(export):
+    from dllmflow.errors import UserError
+    from dllmflow.inference.serve_cli import parse_sampler_settings
+
+    recorded = {**RECORDED, "threshold": 0.9}
+    settings = parse_sampler_settings(["cache=dual", "threshold=none", "steps=6"])
+    assert settings == {"cache": "dual", "threshold": None, "steps": 6}
+    served = DllmEngine(ServedModel(export, "llada", recorded, "mdlm"), settings=settings)
+    assert (served.preset.cache, served.preset.threshold, served.preset.steps) == ("dual", None, 6)
+    req = served.request([5, 6], {}, None, stream=False, steps_cap=64)
+    assert (req.config.cache, req.config.threshold, req.config.block_size) == ("dual", None, 4)
+    assert served.request([5], {"cache": "none"}, None, stream=False, steps_cap=64).config.cache == "none"
+    assert parse_sampler_settings(["cache=none"]) == {"cache": "none"}  # a mode, not the preset word
+    for items, named in [(["cache=triple"], "cache"), (["thresh=0.9"], "thresh"), (["thresh=none"], "thresh"),
+                         (["threshold=2"], "threshold"), (["cache"], "cache")]:  # fmt: skip
+        with pytest.raises(UserError, match=f"--sampler-setting.*{named}"):
+            DllmEngine(
+                ServedModel(export / "missing", "llada", recorded, "mdlm"),
+                settings=parse_sampler_settings(items),
+            )
+
+
 def test_scheduled_answers_are_each_prompt_decoded_alone(engine):
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.inference.engine import Scheduler

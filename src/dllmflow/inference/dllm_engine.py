@@ -28,6 +28,7 @@ steps per token (llada2's steps are per block already).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -131,15 +132,17 @@ class DllmEngine:
     """A dLLM + tokenizer + recorded sampler settings, decoding batches one block per `step`; the
     interface `engine.Scheduler` drives (prefill / step / keep / result)."""
 
-    def __init__(self, served: ServedModel, dtype: str = "float32"):
+    def __init__(self, served: ServedModel, dtype: str = "float32", settings: dict[str, Any] | None = None):
+        """`settings`: what the server decodes with instead of the recorded settings (`--sampler-setting`),
+        validated for the served sampler (a UserError naming the key); requests override either."""
         import inspect
 
         import torch
 
         from dllmflow.diffusion.modes import SamplerMisfitError, check_sampler
-        from dllmflow.diffusion.samplers import SAMPLERS
+        from dllmflow.diffusion.samplers import SAMPLER_CONFIGS, SAMPLERS
         from dllmflow.diffusion.samplers.base import stop_token_ids
-        from dllmflow.diffusion.samplers.configs import build_sampler_config
+        from dllmflow.diffusion.samplers.configs import SamplerSettingError, build_sampler_config
         from dllmflow.inference.generate import load_for_generation, resolve_default_sampler
         from dllmflow.models.limits import max_positions
 
@@ -149,6 +152,23 @@ class DllmEngine:
             check_sampler(served.mode, self.sampler)
         except SamplerMisfitError as e:
             raise UserError(str(e)) from None
+        # The server's own settings replace the recorded ones (None: back to the sampler's preset), checked
+        # before any weight is read.
+        self.settings = dict(settings or {})
+        recorded = {k: v for k, v in served.sampler_settings.items() if k not in self.settings}
+        recorded.update({k: v for k, v in self.settings.items() if v is not None})
+        try:
+            unset = [
+                k
+                for k, v in self.settings.items()
+                if v is None and k not in SAMPLER_CONFIGS[self.sampler].model_fields
+            ]
+            if unset:
+                raise SamplerSettingError(f"sampler {self.sampler} does not take {unset[0]}", unset[0])
+            build_sampler_config(self.sampler, self.settings, None, defaults=recorded)
+        except SamplerSettingError as e:
+            raise UserError(f"--sampler-setting {e.field or ''}: {e}".replace(" :", ":")) from None
+        served = self.served = dataclasses.replace(served, sampler_settings=recorded)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer, _ = load_for_generation(
             served.checkpoint, device=device, dtype=getattr(torch, dtype),

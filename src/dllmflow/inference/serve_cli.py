@@ -2,6 +2,7 @@
 
     dllmflow serve --model-path runs/target --port 30000 --served-model-name target
     dllmflow serve --model runs/tiny_addition                # a dLLM run: its gated sampler and settings
+    dllmflow serve --model runs/tiny_addition --sampler-setting cache=dual   # ... served with a cache
     python -m dllmflow.inference.serve_cli --model-path runs/target          # the same, without the cli
 
     with local_server("runs/target", served_model_name="target") as url:    # http://127.0.0.1:PORT/v1
@@ -80,7 +81,34 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         p, "--api-key", default=None,
         help="Require this Bearer token on every route but /health (default $DLLMFLOW_SERVE_API_KEY).",
     )  # fmt: skip
+    add_flag(
+        p, "--sampler-setting", action="append", default=None, metavar="KEY=VALUE",
+        help="dLLM: serve with this sampler setting instead of the recorded one (repeat per key), e.g. "
+        "cache=dual, threshold=0.9, steps=64; validated like a request's `dllmflow` overrides. Requests "
+        "may still override it.",
+    )  # fmt: skip
     add_flag(p, "--log-level", default="INFO")
+
+
+def parse_sampler_settings(items: Sequence[str] | None) -> dict:
+    """`--sampler-setting KEY=VALUE` items -> {key: value}: numbers and booleans as YAML reads them,
+    none/null -> None (the sampler's preset) except for `cache`, where "none" is a mode (no cache)."""
+    import yaml
+
+    out: dict = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key, text = key.strip().replace("-", "_"), text.strip()
+        if not sep or not key or not text:
+            raise UserError(f"--sampler-setting {item!r}: write KEY=VALUE, e.g. cache=dual")
+        if key == "cache" or text.lower() not in ("none", "null"):
+            try:
+                out[key] = text if key == "cache" else yaml.safe_load(text)
+            except yaml.YAMLError:
+                out[key] = text
+        else:
+            out[key] = None
+    return out
 
 
 def app_from_args(args: argparse.Namespace, served=None):
@@ -97,8 +125,11 @@ def app_from_args(args: argparse.Namespace, served=None):
         raise UserError(f"--request-timeout-s must be > 0 (got {args.request_timeout_s:g})")
     if served is None and str(args.model_path).startswith("models:/"):
         raise UserError(f"--model {args.model_path}: a registry URI is resolved by `dllmflow serve`")
+    settings = parse_sampler_settings(getattr(args, "sampler_setting", None))
     if served is not None or is_dllm_checkpoint(args.model_path):
-        return _dllm_app(args, served or served_from_path(args.model_path))
+        return _dllm_app(args, served or served_from_path(args.model_path), settings)
+    if settings:
+        raise UserError(f"--sampler-setting: {args.model_path} is a causal LM; only a dLLM has a sampler")
     engine = ChatEngine(args.model_path, args.dtype)
     name = args.served_model_name or Path(args.model_path).resolve().name
     app = build_app(
@@ -110,11 +141,11 @@ def app_from_args(args: argparse.Namespace, served=None):
     return app, name
 
 
-def _dllm_app(args: argparse.Namespace, served):
+def _dllm_app(args: argparse.Namespace, served, settings: dict | None = None):
     from dllmflow.inference.dllm_engine import DllmEngine
     from dllmflow.inference.dllm_serve import build_dllm_app
 
-    engine = DllmEngine(served, args.dtype)
+    engine = DllmEngine(served, args.dtype, settings=settings)
     name = args.served_model_name or served.lineage.get("name") or Path(args.model_path).resolve().name
     app = build_dllm_app(
         engine, name, max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
@@ -206,6 +237,7 @@ def local_server(
     max_tokens_cap: int | None = None,
     request_timeout_s: float | None = None,
     chunk_tokens: int | None = None,
+    sampler_settings: dict | None = None,
     api_key: str | None = None,
     startup_timeout_s: float = 300.0,
     log_path: str | os.PathLike | None = None,
@@ -214,8 +246,8 @@ def local_server(
 
     `port=None` picks a free one (give a fixed port when the URL must stay the same across runs, e.g. a
     resumed regeneration, whose manifest records the server URL). Options left `None` keep the CLI
-    defaults. The server's log goes to `log_path` (default: a temp file) and its tail is shown if it fails
-    to start.
+    defaults. `sampler_settings` ({"cache": "dual"}): a dLLM's `--sampler-setting`s. The server's log goes
+    to `log_path` (default: a temp file) and its tail is shown if it fails to start.
     """
     port = port or free_port(host)
     options = dict(
@@ -223,6 +255,8 @@ def local_server(
         request_timeout_s=request_timeout_s, chunk_tokens=chunk_tokens,
     )  # fmt: skip
     cmd = [sys.executable, "-m", "dllmflow.cli", "serve", *serve_args(model_path, host, port, **options)]
+    for key, value in (sampler_settings or {}).items():
+        cmd += ["--sampler-setting", f"{key}={'none' if value is None else value}"]
     env = {**os.environ, "DLLMFLOW_SERVE_API_KEY": api_key or ""}  # not on the command line (ps)
     what = f"dllmflow serve --model-path {model_path}"
     with serve_process(

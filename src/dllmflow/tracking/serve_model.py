@@ -45,6 +45,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 def cli_main(args: argparse.Namespace) -> int:
     served = None
+    serve_cli.parse_sampler_settings(args.sampler_setting)  # a malformed one fails before any download
     if str(args.model_path).startswith("models:/"):
         served = resolve_registered(args.model_path, args.tracking_uri)
     return serve_cli.cli_main(args, served)
