@@ -3,7 +3,7 @@ and (dLLM section) concurrent vs one-at-a-time serving of the demo dLLM.
 
     OMP_NUM_THREADS=1 python bench/serve_latency.py [--short 12] [--short-tokens 16] [--long-tokens 1500]
     OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm [--train-steps 300] [--clients 16] [--rounds 5]
-    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm --caches recorded,prefix,dual
+    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm --settings recorded,cache=prefix,threshold=0.9
     OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm --client httpx   # the old instrument
 
 Scheduling gives every active batch `--chunk-tokens` new tokens per turn, so a short request arriving
@@ -14,9 +14,9 @@ run-to-completion behaviour) for comparison. Tiny random Llama whose stop token 
 all its tokens. It does not assert.
 
 dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process), serves
-its run dir once per `--caches` entry (default "recorded,dual": the sampler setting recorded with the
-model, no cache; then `dllmflow serve --sampler-setting cache=dual`, the fast-decoding issue's Fast-dLLM
-cache; a fresh server each), and sends `--clients` streamed completions ("What is a + b?", the demo's 8 new tokens in 2
+its run dir once per `--settings` entry (default "recorded,cache=dual": the sampler setting recorded
+with the model, no cache; then `dllmflow serve --sampler-setting cache=dual`, the fast-decoding issue's
+Fast-dLLM cache; a fresh server each), and sends `--clients` streamed completions ("What is a + b?", the demo's 8 new tokens in 2
 blocks of 4, the recorded sampler otherwise) first one at a time, then all at once: after a warm-up round
 of each, `--rounds` rounds, each figure the median of the rounds' ratios. Also printed: the
 batches the server formed, and one block's decode time in-process at batch 1 and at batch `--clients`
@@ -37,7 +37,7 @@ server moved to uvicorn[standard] and prepares small bodies in place:
 A lone request's first block is ~2 ms of HTTP and preparing, the scheduler's 5 ms batching window, and
 its block (~5 ms); sixteen add ~6 ms of arrivals and the batch-16 block's extra ~7 ms of compute.
 
-Measured 2026-12-03 (same machine and settings, three runs, the last two with --rounds 9), per cache:
+Measured 2026-12-03 (same machine and settings, three runs, the last two with --rounds 9), per setting:
     recorded (no cache): throughput 7.96 / 8.21 / 8.10x; first block 1.67 / 1.61 / 1.61x (rounds
              1.19-1.97); max / median 1.01x; one block 3.9-4.2 ms at batch 1, 10.9-12.5 ms at batch 16
     dual:    throughput 9.60 / 9.18 / 9.27x; first block 1.35 / 1.33 / 1.27x (rounds 1.07-1.95);
@@ -46,6 +46,13 @@ The dual cache recomputes only the block being decoded after its first step, so 
 1.4-1.8x a lone one instead of 2.6-3.1x: what batching can give on this compute-bound CPU grows. It
 costs the demo no accuracy: fully trained (1,200 steps), 256 held-out problems in blocks of 4, exact
 match 0.949 without a cache and 0.957 with the dual cache (2.2x the tokens/s).
+The fully trained demo (--train-steps 1200 --rounds 9 --settings
+recorded,threshold=0.9,cache=dual,cache=dual+threshold=0.9), first block concurrent / lone:
+    recorded 1.74x, threshold=0.9 1.84x (the point the demo flow's sweep registers), cache=dual 1.40x,
+    cache=dual+threshold=0.9 1.62x; throughput 7.0-8.8x, max / median 1.45-1.49x (some answers stop
+    early). With a threshold a lone block takes 1-2 forwards (2.2-2.7 ms), so the fixed cost of sixteen
+    arrivals and sixteen streams (the client floor alone: 2.5 ms for sixteen GETs vs 0.3 ms for one)
+    outweighs what the batch saves.
 """
 
 from __future__ import annotations
@@ -249,7 +256,7 @@ async def dllm_measure(url: str, clients: int, rounds: int, client_kind: str = "
     return {**out, "rounds": rounds, "batches": served["batches"], "max_batch": served["max_batch_size_seen"]}
 
 
-def block_cost(run: Path, clients: int, cache: str | None = None) -> tuple[float, float]:
+def block_cost(run: Path, clients: int, settings: dict | None = None) -> tuple[float, float]:
     """Seconds of one first block (llada, the bench's settings) in-process at batch 1 and `clients`."""
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.configs import build_sampler_config
@@ -258,7 +265,7 @@ def block_cost(run: Path, clients: int, cache: str | None = None) -> tuple[float
 
     served = served_from_path(run)
     model, tok, _ = load_for_generation(served.checkpoint, device="cpu")
-    over = {"max_new_tokens": 8, "block_size": 4, **({"cache": cache} if cache else {})}
+    over = {"max_new_tokens": 8, "block_size": 4, **(settings or {})}
     config = build_sampler_config(served.sampler, over, tok, defaults=served.sampler_settings)
     sampler = SAMPLERS[served.sampler](model, tok, config, mask_id=model.config.mask_token_id)
     prompt = encode_prompt(tok, "What is 47 + 38?")
@@ -273,23 +280,25 @@ def block_cost(run: Path, clients: int, cache: str | None = None) -> tuple[float
 
 
 def dllm_section(args) -> None:
-    """The demo model served once per `--caches` entry ("recorded": its own sampler setting, no cache;
-    "prefix"/"dual": `dllmflow serve --sampler-setting cache=<it>`), a fresh server each."""
+    """The demo model served once per `--settings` entry ("recorded": the sampler setting recorded with
+    it, no cache; "cache=dual+threshold=0.9": `dllmflow serve --sampler-setting` per pair), a fresh
+    server each."""
+    from dllmflow.inference.serve_cli import parse_sampler_settings
+
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run = train_demo(Path(tmp), args.train_steps)
         trained_s = time.perf_counter() - t0
         print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained in {trained_s:.0f} s), {args.clients} "
               f"streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
-        for name in args.caches.split(","):
-            cache = None if name == "recorded" else name
-            settings = {"cache": cache} if cache else None
+        for name in args.settings.split(","):
+            settings = None if name == "recorded" else parse_sampler_settings(name.split("+"))
             with local_server(
                 run, served_model_name="demo", max_batch_size=args.clients, sampler_settings=settings
             ) as url:
                 r = asyncio.run(dllm_measure(url, args.clients, args.rounds, args.client))
-            one, many = block_cost(run, args.clients, cache)
-            print(f"cache: {name}")
+            one, many = block_cost(run, args.clients, settings)
+            print(f"setting: {name}")
             _print_dllm(r, args, one, many)
 
 
@@ -315,8 +324,9 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16, help="dllm: concurrent clients")
     p.add_argument("--rounds", type=int, default=5, help="dllm: measured rounds (median reported)")
     p.add_argument(
-        "--caches", default="recorded,dual",
-        help="dllm: comma list of recorded (the model's own setting: no cache), prefix, dual",
+        "--settings", default="recorded,cache=dual",
+        help="dllm: comma list of served settings: recorded (the model's own: no cache) or KEY=VALUE pairs "
+        "joined by + (e.g. cache=dual+threshold=0.9), each a `dllmflow serve --sampler-setting`",
     )  # fmt: skip
     p.add_argument(
         "--client", choices=("aiohttp", "httpx"), default="aiohttp", help="dllm: the bench's HTTP client"
