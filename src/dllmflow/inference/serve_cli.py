@@ -101,13 +101,15 @@ def parse_sampler_settings(items: Sequence[str] | None) -> dict:
         key, text = key.strip().replace("-", "_"), text.strip()
         if not sep or not key or not text:
             raise UserError(f"--sampler-setting {item!r}: write KEY=VALUE, e.g. cache=dual")
-        if key == "cache" or text.lower() not in ("none", "null"):
-            try:
-                out[key] = text if key == "cache" else yaml.safe_load(text)
-            except yaml.YAMLError:
-                out[key] = text
-        else:
+        if key == "cache":
+            out[key] = text
+        elif text.lower() in ("none", "null"):
             out[key] = None
+        else:
+            try:
+                out[key] = yaml.safe_load(text)
+            except yaml.YAMLError:
+                out[key] = text  # the sampler config names what it cannot take
     return out
 
 
