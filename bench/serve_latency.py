@@ -16,8 +16,8 @@ all its tokens. It does not assert.
 dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process), serves
 its run dir once per `--settings` entry (default "recorded,cache=dual": the sampler setting recorded
 with the model, no cache; then `dllmflow serve --sampler-setting cache=dual`, the fast-decoding issue's
-Fast-dLLM cache; a fresh server each), and sends `--clients` streamed completions ("What is a + b?", the demo's 8 new tokens in 2
-blocks of 4, the recorded sampler otherwise) first one at a time, then all at once: after a warm-up round
+Fast-dLLM cache; a fresh server each), and sends `--clients` streamed completions ("What is a + b?",
+the demo's 8 new tokens in 2 blocks of 4, the served setting otherwise) first one at a time, then all at once: after a warm-up round
 of each, `--rounds` rounds, each figure the median of the rounds' ratios. Also printed: the
 batches the server formed, and one block's decode time in-process at batch 1 and at batch `--clients`
 (on a CPU a batched forward costs about as many times more as it has rows, which bounds what batching
@@ -209,12 +209,11 @@ async def client_floor(client, url: str, clients: int) -> tuple[float, float]:
 
 def dllm_bodies(clients: int) -> list[dict]:
     """`clients` different problems, 8 new tokens in blocks of 4."""
-    over = {"block_size": 4}
     bodies = []
     for i in range(clients):
         a, b = 10 + 7 * i % 89, 11 + 13 * i % 87
         bodies.append({"model": "demo", "prompt": f"What is {a} + {b}?", "max_tokens": 8,
-                       "stream_options": {"include_usage": True}, "dllmflow": over})  # fmt: skip
+                       "stream_options": {"include_usage": True}, "dllmflow": {"block_size": 4}})  # fmt: skip
     return bodies
 
 

@@ -3,12 +3,14 @@ from `models:/<name>@champion` in a subprocess. The official `openai` client wor
 streamed and not); a stream delivers one event per committed block; `usage` carries NFE; requests with
 the same settings are batched and answer as they do alone; a bad sampler override is a 400 naming it;
 `/v1/models` reports the lineage; hostile bodies are refused and the server keeps serving; a client gone
-mid-stream leaves its batch at the next turn; a bad registry URI is one line and exit 2. One server
+mid-stream leaves its batch at the next turn; a bad registry URI or `--sampler-setting` is one line and
+exit 2, a good `--sampler-setting` is what the server decodes with. One server
 for the module (~45 s for the file on 2 busy cores, most of it MLflow's store and the server start)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -66,18 +68,25 @@ def registered(tmp_path_factory):
     return uri, export, run_id, tmp
 
 
-@pytest.fixture(scope="module")
-def server(registered):
+@contextlib.contextmanager
+def registry_env(registered):
+    """os.environ pointing at the test store and model cache while the block runs (local_server passes
+    os.environ to the subprocess)."""
     uri, _, _, tmp = registered
     env = {"MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")}
     old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # local_server passes os.environ to the subprocess
+    os.environ.update(env)
     try:
-        with local_server(f"models:/{NAME}@champion", max_tokens_cap=256) as url:
-            yield url
+        yield
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def server(registered):
+    with registry_env(registered), local_server(f"models:/{NAME}@champion", max_tokens_cap=256) as url:
+        yield url
 
 
 def client(url: str) -> openai.OpenAI:
@@ -257,37 +266,20 @@ def test_a_version_that_is_not_a_dllmflow_model_is_refused(registered):
 
 
 def test_server_sampler_settings_are_served_and_a_bad_one_is_exit_2(registered):
-    uri, _, _, tmp = registered
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")}
-    base = [
-        sys.executable,
-        "-m",
-        "dllmflow.cli",
-        "serve",
-        "--model",
-        f"models:/{NAME}@champion",
-        "--port",
-        "1",
-    ]
-    for setting, named in [
-        ("cache=triple", "--sampler-setting cache"),
-        ("steps", "--sampler-setting 'steps'"),
-    ]:
-        out = subprocess.run([*base, "--sampler-setting", setting], capture_output=True, text=True, env=env,
-                             timeout=120)  # fmt: skip
-        last = out.stderr.strip().splitlines()[-1]  # after the download's progress bars, if any
-        assert out.returncode == 2 and last.startswith(f"dllmflow serve: error: {named}"), out.stderr
-        assert "Traceback" not in out.stderr, out.stderr
-    old = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "DLLMFLOW_MODEL_CACHE")}
-    os.environ.update({"MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")})
-    try:
+    base = [sys.executable, "-m", "dllmflow.cli", "serve", "--model", f"models:/{NAME}@champion", "--port", "1"]  # fmt: skip
+    bad = [("cache=triple", "--sampler-setting cache"), ("steps", "--sampler-setting 'steps'")]
+    with registry_env(registered):
+        for setting, named in bad:
+            out = subprocess.run(
+                [*base, "--sampler-setting", setting], capture_output=True, text=True, timeout=120
+            )
+            last = out.stderr.strip().splitlines()[-1]  # after the download's progress bars, if any
+            assert out.returncode == 2 and last.startswith(f"dllmflow serve: error: {named}"), out.stderr
+            assert "Traceback" not in out.stderr, out.stderr
         with local_server(f"models:/{NAME}@champion", sampler_settings={"cache": "dual", "steps": 6}) as url:
             (card,) = client(url).models.list().data
             lineage = card.model_extra["dllmflow"]
             answer = client(url).completions.create(model=NAME, prompt="What is 2 + 3?", max_tokens=12)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert lineage["server_settings"] == {"cache": "dual", "steps": 6}
     assert lineage["sampler_settings"]["cache"] == "dual" and lineage["sampler_settings"]["steps"] == 6
     assert lineage["setting"] == {"threshold": None}  # still the point it was gated at
