@@ -16,7 +16,7 @@ all its tokens. It does not assert.
 dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process), serves
 its run dir once per `--settings` entry (default "recorded,cache=dual": the sampler setting recorded
 with the model, no cache; then `dllmflow serve --sampler-setting cache=dual`, the fast-decoding issue's
-Fast-dLLM cache; a fresh server each), and sends `--clients` streamed completions ("What is a + b?",
+Fast-dLLM cache; a fresh server each), and sends `--clients` streamed chat completions ("What is a + b?",
 the demo's 8 new tokens in 2 blocks of 4, the served setting otherwise) first one at a time, then all at once: after a warm-up round
 of each, `--rounds` rounds, each figure the median of the rounds' ratios. Also printed: the
 batches the server formed, and one block's decode time in-process at batch 1 and at batch `--clients`
@@ -53,6 +53,21 @@ recorded,threshold=0.9,cache=dual,cache=dual+threshold=0.9), first block concurr
     early). With a threshold a lone block takes 1-2 forwards (2.2-2.7 ms), so the fixed cost of sixteen
     arrivals and sixteen streams (the client floor alone: 2.5 ms for sixteen GETs vs 0.3 ms for one)
     outweighs what the batch saves.
+All of the above served on ONE torch thread: the bench ran under OMP_NUM_THREADS=1 and the server, a
+subprocess, inherited it, leaving the second core to the client. The server now runs on `--threads`
+(default: the CPUs this process may use), as it would be deployed; lone and concurrent are measured on
+the same server, so the ratio compares like with like. Measured 2026-12-03 on 2 quiet Intel Xeon cores,
+--rounds 9, first block concurrent / lone (rounds' range), throughput, one block batch 16 / batch 1:
+    300-step demo, text prompts:  recorded 1.38x (1.31-1.92), threshold=0.9 1.29x, cache=dual 1.21x,
+                                  cache=dual+threshold=0.9 1.26x; throughput 9.6-10.8x; blocks 1.5-1.9x
+    300-step demo, chats:         recorded 1.49x (1.39-1.73), threshold=0.9 1.56x, cache=dual 1.41x,
+                                  cache=dual+threshold=0.9 1.50x; throughput 8.9-10.1x
+    1,200-step demo, chats:       recorded 1.69x (1.35-2.83), threshold=0.9 1.45x, cache=dual 1.35x,
+                                  cache=dual+threshold=0.9 1.44x; throughput 8.3-10.5x; max / median 1.01x
+A batch-16 block now costs 1.4-1.9x a lone one (2.6-3.1x on one thread): a batch's forward spreads its
+rows over both cores, a lone small one barely does. The clients send chats since the trained demo
+answers chat-templated prompts (a raw text prompt got an empty answer from a 1,200-step demo). The
+no-cache setting stays near the 1.5x line and swings with the run; with a cache or a threshold it holds.
 """
 
 from __future__ import annotations
@@ -60,6 +75,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -144,11 +160,11 @@ async def streamed(client, url: str, body: dict) -> dict[str, float]:
     an aiohttp session (the default) or an httpx.AsyncClient (`--client httpx`)."""
     t0 = time.perf_counter()
     first, usage = None, None
-    async for line in _sse_lines(client, f"{url}/completions", {**body, "stream": True}):
+    async for line in _sse_lines(client, f"{url}/chat/completions", {**body, "stream": True}):
         if not line.startswith("data: {"):
             continue
         event = json.loads(line[6:])
-        if first is None and event["choices"] and event["choices"][0]["text"]:
+        if first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
             first = time.perf_counter() - t0
         usage = event.get("usage") or usage
     end = time.perf_counter() - t0
@@ -208,11 +224,13 @@ async def client_floor(client, url: str, clients: int) -> tuple[float, float]:
 
 
 def dllm_bodies(clients: int) -> list[dict]:
-    """`clients` different problems, 8 new tokens in blocks of 4."""
+    """`clients` different problems as chats (the demo learned chat-templated prompts: a raw text
+    prompt may get an empty answer), 8 new tokens in blocks of 4."""
     bodies = []
     for i in range(clients):
         a, b = 10 + 7 * i % 89, 11 + 13 * i % 87
-        bodies.append({"model": "demo", "prompt": f"What is {a} + {b}?", "max_tokens": 8,
+        chat = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        bodies.append({"model": "demo", "messages": chat, "max_tokens": 8,
                        "stream_options": {"include_usage": True}, "dllmflow": {"block_size": 4}})  # fmt: skip
     return bodies
 
@@ -282,6 +300,8 @@ def dllm_section(args) -> None:
     """The demo model served once per `--settings` entry ("recorded": the sampler setting recorded with
     it, no cache; "cache=dual+threshold=0.9": `dllmflow serve --sampler-setting` per pair), a fresh
     server each."""
+    import torch
+
     from dllmflow.inference.serve_cli import parse_sampler_settings
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -293,9 +313,11 @@ def dllm_section(args) -> None:
         for name in args.settings.split(","):
             settings = None if name == "recorded" else parse_sampler_settings(name.split("+"))
             with local_server(
-                run, served_model_name="demo", max_batch_size=args.clients, sampler_settings=settings
-            ) as url:
+                run, served_model_name="demo", max_batch_size=args.clients, sampler_settings=settings,
+                threads=args.threads,
+            ) as url:  # fmt: skip
                 r = asyncio.run(dllm_measure(url, args.clients, args.rounds, args.client))
+            torch.set_num_threads(args.threads)  # the in-process figures on the server's threads
             one, many = block_cost(run, args.clients, settings)
             print(f"setting: {name}")
             _print_dllm(r, args, one, many)
@@ -330,6 +352,11 @@ def main() -> None:
     p.add_argument(
         "--client", choices=("aiohttp", "httpx"), default="aiohttp", help="dllm: the bench's HTTP client"
     )
+    p.add_argument(
+        "--threads", type=int, default=len(os.sched_getaffinity(0)),
+        help="the server's torch threads (`dllmflow serve --threads`; default: the CPUs this process may "
+        "use, whatever OMP_NUM_THREADS says: a server uses its machine)",
+    )  # fmt: skip
     p.add_argument("--short", type=int, default=12, help="short requests per phase")
     p.add_argument("--short-tokens", type=int, default=16)
     p.add_argument("--every-s", type=float, default=0.3, help="one short request every this many seconds")
@@ -354,6 +381,7 @@ def causal_section(args) -> None:
                 served_model_name=MODEL,
                 max_tokens_cap=args.long_tokens,
                 chunk_tokens=chunk,
+                threads=args.threads,
             ) as url:
                 results[chunk] = asyncio.run(measure(url, args))
     print(

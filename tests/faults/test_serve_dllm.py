@@ -4,7 +4,7 @@ streamed and not); a stream delivers one event per committed block; `usage` carr
 the same settings are batched and answer as they do alone; a bad sampler override is a 400 naming it;
 `/v1/models` reports the lineage; hostile bodies are refused and the server keeps serving; a client gone
 mid-stream leaves its batch at the next turn; a bad registry URI or `--sampler-setting` is one line and
-exit 2, a good `--sampler-setting` is what the server decodes with. One server
+exit 2, a good `--sampler-setting` is what the server decodes with, on `--threads` threads. One server
 for the module (~45 s for the file on 2 busy cores, most of it MLflow's store and the server start)."""
 
 from __future__ import annotations
@@ -265,18 +265,23 @@ def test_a_version_that_is_not_a_dllmflow_model_is_refused(registered):
     assert Path(tmp / "cache").is_dir()
 
 
-def test_server_sampler_settings_are_served_and_a_bad_one_is_exit_2(registered):
+def test_server_sampler_settings_and_threads_are_served_and_a_bad_one_is_exit_2(registered):
     base = [sys.executable, "-m", "dllmflow.cli", "serve", "--model", f"models:/{NAME}@champion", "--port", "1"]  # fmt: skip
-    bad = [("cache=triple", "--sampler-setting cache"), ("steps", "--sampler-setting 'steps'")]
+    bad = [
+        (["--sampler-setting", "cache=triple"], "--sampler-setting cache"),
+        (["--sampler-setting", "steps"], "--sampler-setting 'steps'"),
+        (["--threads", "0"], "--threads must be >= 1"),
+    ]
     with registry_env(registered):
-        for setting, named in bad:
-            out = subprocess.run(
-                [*base, "--sampler-setting", setting], capture_output=True, text=True, timeout=120
-            )
+        for flags, named in bad:
+            out = subprocess.run([*base, *flags], capture_output=True, text=True, timeout=120)
             last = out.stderr.strip().splitlines()[-1]  # after the download's progress bars, if any
             assert out.returncode == 2 and last.startswith(f"dllmflow serve: error: {named}"), out.stderr
             assert "Traceback" not in out.stderr, out.stderr
-        with local_server(f"models:/{NAME}@champion", sampler_settings={"cache": "dual", "steps": 6}) as url:
+        # 3 threads: neither this machine's default (its cores, or OMP_NUM_THREADS) nor CI's 1
+        settings = {"cache": "dual", "steps": 6}
+        with local_server(f"models:/{NAME}@champion", sampler_settings=settings, threads=3) as url:
+            threads = stats(url)["threads"]
             (card,) = client(url).models.list().data
             lineage = card.model_extra["dllmflow"]
             answer = client(url).completions.create(model=NAME, prompt="What is 2 + 3?", max_tokens=12)
@@ -284,3 +289,4 @@ def test_server_sampler_settings_are_served_and_a_bad_one_is_exit_2(registered):
     assert lineage["sampler_settings"]["cache"] == "dual" and lineage["sampler_settings"]["steps"] == 6
     assert lineage["setting"] == {"threshold": None}  # still the point it was gated at
     assert answer.usage.model_extra["dllmflow"]["nfe"] == 6  # the server's 6 steps, not the recorded 12
+    assert threads == 3  # --threads reached the decoding

@@ -135,9 +135,11 @@ class ChatServer:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def get_stats(self, request):
+        import torch
         from starlette.responses import JSONResponse
 
-        return JSONResponse({**self.stats, **self.scheduler.stats()})
+        # threads: what a forward may use (`--threads`), for reading a benchmark's figures
+        return JSONResponse({**self.stats, **self.scheduler.stats(), "threads": torch.get_num_threads()})
 
     # ---- chat completions ----------------------------------------------------------------------------
 

@@ -52,6 +52,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         p, "--served-model-name", default=None, help="The `model` clients must send (default: the dir name)."
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_flag(
+        p, "--threads", type=int, default=None,
+        help="CPU threads each forward may use (default: torch's, $OMP_NUM_THREADS or every core). On a "
+        "CPU a batched forward spreads its rows over them; a lone small one barely does.",
+    )  # fmt: skip
     add_flag(p, "--max-batch-size", type=int, default=16, help="Most requests generated together.")
     add_flag(
         p,
@@ -125,6 +130,8 @@ def app_from_args(args: argparse.Namespace, served=None):
         raise UserError(f"{', '.join(bad)} must be >= 1")
     if args.request_timeout_s <= 0:
         raise UserError(f"--request-timeout-s must be > 0 (got {args.request_timeout_s:g})")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1 (got {args.threads})")
     if served is None and str(args.model_path).startswith("models:/"):
         raise UserError(f"--model {args.model_path}: a registry URI is resolved by `dllmflow serve`")
     settings = parse_sampler_settings(getattr(args, "sampler_setting", None))
@@ -163,6 +170,10 @@ def cli_main(args: argparse.Namespace, served=None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app, name = app_from_args(args, served)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)  # process-wide: the scheduler's decode thread inherits it
     log.info("serving %s as %r on http://%s:%d/v1", args.model_path, name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     return 0
@@ -240,6 +251,7 @@ def local_server(
     request_timeout_s: float | None = None,
     chunk_tokens: int | None = None,
     sampler_settings: dict | None = None,
+    threads: int | None = None,
     api_key: str | None = None,
     startup_timeout_s: float = 300.0,
     log_path: str | os.PathLike | None = None,
@@ -248,13 +260,14 @@ def local_server(
 
     `port=None` picks a free one (give a fixed port when the URL must stay the same across runs, e.g. a
     resumed regeneration, whose manifest records the server URL). Options left `None` keep the CLI
-    defaults. `sampler_settings` ({"cache": "dual"}): a dLLM's `--sampler-setting`s. The server's log goes
+    defaults. `sampler_settings` ({"cache": "dual"}): a dLLM's `--sampler-setting`s; `threads`: torch's CPU
+    threads in the server (`--threads`; default: its own, from the environment). The server's log goes
     to `log_path` (default: a temp file) and its tail is shown if it fails to start.
     """
     port = port or free_port(host)
     options = dict(
         served_model_name=served_model_name, max_batch_size=max_batch_size, max_tokens_cap=max_tokens_cap,
-        request_timeout_s=request_timeout_s, chunk_tokens=chunk_tokens,
+        request_timeout_s=request_timeout_s, chunk_tokens=chunk_tokens, threads=threads,
     )  # fmt: skip
     cmd = [sys.executable, "-m", "dllmflow.cli", "serve", *serve_args(model_path, host, port, **options)]
     for key, value in (sampler_settings or {}).items():
