@@ -1,6 +1,8 @@
 """Sampler speed, every figure a ratio against a baseline measured in the same run. Three tables:
 
-1. `llada` with threshold 0.9 against one token per step (through `dllmflow evaluate`: exact match too);
+1. `llada` one token per step, no cache (the base), against the prefix and dual caches, threshold 0.9
+   and dual + threshold 0.9, in blocks of `--cache_block` (through `dllmflow evaluate`: exact match too;
+   `--em_only` runs this table alone);
 2. every sampler on the same prompts and the same checkpoint: tokens/s, NFE (forwards per prompt) and
    tokens per forward, against llada one-token-per-step (presets, scaled to `--max_new_tokens`;
    gemma runs a random tiny DiffusionGemma on the same token ids: a different network);
@@ -198,6 +200,20 @@ def cache_only(args) -> None:
                             f"{len(prompts)} prompts, {args.kv_new_tokens} new tokens, blocks of {args.cache_block}")  # fmt: skip
 
 
+def print_em_table(ckpt, split: str, results: dict[str, dict], args, block: int) -> None:
+    """Table 1: each llada point's exact match and speed, and its ratios to one token per step."""
+    names = list(results)
+    print(f"\nllada on {ckpt} ({split}, {results[names[0]]['num_examples']} prompts, {args.max_new_tokens} "
+          f"new tokens, blocks of {block})")  # fmt: skip
+    print(f"{'':<24}" + "".join(f"{k:>22}" for k in KEYS))
+    for name in names:
+        print(f"{name:<24}" + "".join(f"{results[name][k]:>22.3f}" for k in KEYS))
+    base = results[names[0]]
+    for name in names[1:]:
+        ratio = [results[name][k] / base[k] if base[k] else float("nan") for k in KEYS]
+        print(f"{name + ' / base':<24}" + "".join(f"{r:>21.2f}x" for r in ratio))
+
+
 def main() -> None:
     from dllmflow.evaluation.accuracy import evaluate
 
@@ -215,6 +231,7 @@ def main() -> None:
     p.add_argument("--cache_block", type=int, default=32, help="block size of the cache table")
     p.add_argument("--cache_sharpen", type=float, default=100.0, help="LM-head scale of the cache-only model")
     p.add_argument("--cache_only", action="store_true", help="only table 4, on a random Qwen3")
+    p.add_argument("--em_only", action="store_true", help="only table 1 (exact match and speed per point)")
     args = p.parse_args()
     if args.cache_only:
         return cache_only(args)
@@ -222,13 +239,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or train_overfit_checkpoint(Path(tmp), args.train_steps)
         split = args.split or ("eval" if args.checkpoint else "train")
-        base = {"max_new_tokens": args.max_new_tokens, "steps": args.max_new_tokens}  # one token per step
-        runs = {"one_per_step": base, f"threshold_{args.threshold}": {**base, "threshold": args.threshold}}
+        n, thr = args.max_new_tokens, args.threshold
+        block = args.cache_block if n % args.cache_block == 0 else n
+        base = {"max_new_tokens": n, "steps": n, "block_size": block}  # one token per step, no cache
+        runs = {"one_per_step": base, "prefix": {**base, "cache": "prefix"}, "dual": {**base, "cache": "dual"},
+                f"threshold_{thr}": {**base, "threshold": thr},
+                f"dual+threshold_{thr}": {**base, "cache": "dual", "threshold": thr}}  # fmt: skip
         evaluate(ckpt, split=split, limit=2, overrides=base)  # warm-up (allocator, first forwards)
         results = {
             name: evaluate(ckpt, split=split, limit=args.limit, overrides=o)["metrics"]
             for name, o in runs.items()
         }
+        if args.em_only:
+            return print_em_table(ckpt, split, results, args, block)
         model, tok, prompts = bench_prompts(ckpt, split, args.limit)
         samplers = every_sampler(model, tok, prompts, args.max_new_tokens)
         kv_prompts = prompts[: args.kv_limit]
@@ -237,18 +260,7 @@ def main() -> None:
         kv_big = kv_cache_runs(big, tok, kv_prompts, args.kv_new_tokens, eos=False)
         caches = cache_runs(big, tok, kv_prompts, args.kv_new_tokens, args.cache_block, args.threshold)
 
-    names = list(results)
-    print(
-        f"\nllada on {ckpt} ({split}, {results[names[0]]['num_examples']} prompts, {args.max_new_tokens} new tokens)"
-    )
-    print(f"{'':<18}" + "".join(f"{k:>22}" for k in KEYS))
-    for name in names:
-        print(f"{name:<18}" + "".join(f"{results[name][k]:>22.3f}" for k in KEYS))
-    ratio = {
-        k: results[names[1]][k] / results[names[0]][k] if results[names[0]][k] else float("nan") for k in KEYS
-    }
-    print(f"{'ratio thr/base':<18}" + "".join(f"{ratio[k]:>21.2f}x" for k in KEYS))
-
+    print_em_table(ckpt, split, results, args, block)
     print_table(f"every sampler, {len(prompts)} prompts, {args.max_new_tokens} new tokens (base: llada one token/step)",
                 samplers, "llada one/step (base)")  # fmt: skip
     for label, kv in (

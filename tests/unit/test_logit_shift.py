@@ -105,7 +105,8 @@ def test_mdlm_loss_reads_the_previous_position():
     batch = _batch()
     batch.update(strategy.corrupt(batch, seeds=[1, 2, 3, 4]))
     got = strategy.loss(model, batch).sums["diffusion"].item()
-    raw = _raw_bidirectional(model, batch["noisy_input_ids"], batch["attention_mask"])
+    keys = torch.ones_like(batch["attention_mask"])  # row 1's padding is supervised: attended
+    raw = _raw_bidirectional(model, batch["noisy_input_ids"], keys)
     shifted = torch.cat([raw[:, :1], raw[:, :-1]], dim=1)  # position i scored with raw[i - 1]
     want = ref_mdlm_sum(shifted, batch["input_ids"], batch["noise_mask"], batch["loss_mask"], batch["p_mask"])
     unshifted = ref_mdlm_sum(

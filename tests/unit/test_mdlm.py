@@ -133,8 +133,11 @@ def test_strategy_end_to_end():
     assert any(g.abs().sum() > 0 for g in grads)
 
     # The model reads the noisy ids (bidirectionally); the loss is the reference formula on its logits.
+    # Row 1's padding [15:] is supervised, so it is attended like the content: every key is.
     with torch.no_grad():
-        logits = forward_bidirectional(model, side["noisy_input_ids"], batch["attention_mask"])
+        logits = forward_bidirectional(
+            model, side["noisy_input_ids"], torch.ones_like(batch["attention_mask"])
+        )
     want = ref_mdlm_sum(logits, clean, side["noise_mask"], batch["loss_mask"], side["p_mask"])
     assert math.isclose(out.sums["diffusion"].item(), want, rel_tol=1e-5)
 
@@ -180,7 +183,9 @@ def test_loss_gradients_equal_the_full_head_reference():
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    logits = forward_bidirectional(model, batch["noisy_input_ids"], batch["attention_mask"])  # [B, L, V]
+    keys = batch["attention_mask"].clone()
+    keys[1, 18:] = 1  # row 1's padding: [15, 18) unsupervised stays hidden, the supervised [18:] is attended
+    logits = forward_bidirectional(model, batch["noisy_input_ids"], keys)  # [B, L, V]
     sel = batch["noise_mask"].bool() & (batch["loss_mask"] != 0)
     ce = F.cross_entropy(logits[sel], batch["input_ids"][sel], reduction="none")
     (ce / batch["p_mask"][sel]).sum().backward()
@@ -201,3 +206,29 @@ def test_loss_with_nothing_selected_is_zero_and_still_backpropagates():
     assert total.item() == 0.0 and total.requires_grad
     total.backward()
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("supervised", [True, False])
+def test_a_supervised_tail_is_attended_and_unsupervised_padding_is_not(supervised):
+    """The sampler decodes the positions past the answer (block fill, `supervise_padding`) from [MASK]s its
+    whole window attends, so training attends them when they are supervised; unsupervised padding stays
+    hidden (a row's loss does not depend on how far its batch was padded). Changing a padding position
+    that is no loss column changes the loss exactly when it is supervised."""
+    strategy = build_strategy(load_settings(dllm={"mode": "mdlm", "eps": 0.001}))
+    model = _tiny_qwen3()
+    strategy.setup(model, SimpleNamespace(mask_token_id=47), torch.device("cpu"))
+    batch = _batch()  # row 1 is padded from 15 on
+    batch["loss_mask"][1, 15:] = float(supervised)
+    batch.update(strategy.corrupt(batch, seeds=[10, 11, 12, 13]))
+    batch["noise_mask"][:, 5:15] = True  # every answer position a loss column, no padding one
+    batch["noise_mask"][:, 15:] = False
+    batch["noisy_input_ids"] = torch.where(batch["noise_mask"], 47, batch["input_ids"])
+    with torch.no_grad():
+        base = strategy.loss(model, batch).sums["diffusion"].item()
+        edited = {**batch, "noisy_input_ids": batch["noisy_input_ids"].clone()}
+        edited["noisy_input_ids"][1, 15:] = 47  # the padding as the sampler shows it: masked
+        after = strategy.loss(model, edited).sums["diffusion"].item()
+    if supervised:
+        assert not math.isclose(after, base, rel_tol=1e-6)
+    else:
+        assert after == base

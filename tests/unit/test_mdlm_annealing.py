@@ -47,6 +47,13 @@ def _hand_logits(model, ids, attn, allowed):
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, L, V]
 
 
+def _keys(batch):
+    """The keys no padding rule hides here: row 1's padding in `_batch()` is supervised, so the denoiser
+    attends it like the content (docs/strategies.md §1.3): every key."""
+    assert (batch["loss_mask"][batch["attention_mask"] == 0] != 0).all()
+    return torch.ones_like(batch["attention_mask"])
+
+
 def _loss_at(strategy, model, step):
     batch = _batch()
     strategy.begin_step(step)
@@ -73,14 +80,14 @@ def test_step_zero_is_causal_and_step_n_is_bidirectional():
     batch, first = _loss_at(strategy, model, 0)
     B, L = batch["input_ids"].shape
     causal = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L)
-    causal_logits = logits = _hand_logits(model, batch["noisy_input_ids"], batch["attention_mask"], causal)
+    causal_logits = logits = _hand_logits(model, batch["noisy_input_ids"], _keys(batch), causal)
     args = (batch["input_ids"], batch["noise_mask"], batch["loss_mask"], batch["p_mask"])
     assert math.isclose(first, ref_mdlm_sum(logits, *args), rel_tol=1e-5)
 
     batch, last = _loss_at(strategy, model, 4)
     assert "future_keys" not in batch
     every = torch.ones(B, L, L, dtype=torch.bool)
-    logits = _hand_logits(model, batch["noisy_input_ids"], batch["attention_mask"], every)
+    logits = _hand_logits(model, batch["noisy_input_ids"], _keys(batch), every)
     assert math.isclose(last, ref_mdlm_sum(logits, *args), rel_tol=1e-5)
     assert not torch.allclose(causal_logits, logits, atol=1e-3)  # the two masks differ on this batch
 
@@ -92,7 +99,7 @@ def test_midway_sees_the_past_and_the_drawn_future_keys():
     drawn = future_keys(SEEDS, L, 2 / 4)
     assert torch.equal(batch["future_keys"], drawn)
     allowed = torch.ones(L, L, dtype=torch.bool).tril() | drawn  # [B, L, L]
-    logits = _hand_logits(model, batch["noisy_input_ids"], batch["attention_mask"], allowed)
+    logits = _hand_logits(model, batch["noisy_input_ids"], _keys(batch), allowed)
     want = ref_mdlm_sum(logits, batch["input_ids"], batch["noise_mask"], batch["loss_mask"], batch["p_mask"])
     assert math.isclose(got, want, rel_tol=1e-5)
 

@@ -331,8 +331,10 @@ def test_strategy_end_to_end_finite_grads_and_contract():
     # agree on p_mask = t).
     from dllmflow.models.attention import forward_bidirectional
 
-    with torch.no_grad():
-        logits = forward_bidirectional(model, side["noisy_input_ids"], batch["attention_mask"])
+    with torch.no_grad():  # row 0's padding [20:] is supervised: attended like the content
+        logits = forward_bidirectional(
+            model, side["noisy_input_ids"], torch.ones_like(batch["attention_mask"])
+        )
     want = ref_scdd_loss(
         logits, batch["input_ids"], side["noisy_input_ids"], batch["loss_mask"], t[:, 0], 63, 100, 0.2
     )

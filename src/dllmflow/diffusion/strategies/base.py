@@ -135,6 +135,19 @@ class Strategy(ABC):
         )
 
 
+def denoiser_keys(batch: Batch) -> Tensor | None:
+    """[B, L]: the keys a bidirectional denoiser attends in training, the content plus every supervised
+    position past it (the block fill, and the global pad under `dllm.supervise_padding`). The sampler
+    decodes those positions from [MASK]s that its whole generation window attends, so a model trained
+    with them hidden never saw a masked tail as context: at 256 new tokens the tiny demo then predicted
+    padding at the answer's first position. Unsupervised padding stays hidden, so a row's logits do not
+    depend on how far its batch was padded. None: the batch has no attention mask (nothing padded)."""
+    attention = batch.get("attention_mask")
+    if attention is None:
+        return None
+    return attention | (batch["loss_mask"] != 0).to(attention.dtype)  # [B, L]
+
+
 def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
     """What the card of an export trained with `settings` says: the mode's default sampler
     (`MODES[mode].samplers[0]`) with the settings evaluation would use (its preset < the eval

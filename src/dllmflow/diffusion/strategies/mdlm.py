@@ -1,8 +1,9 @@
 """`mdlm`: LLaDA-style masked diffusion (docs/strategies.md §2.1).
 
 Corruption: one level t ~ U[0,1) per sample, p = (1-eps) t + eps, each supervised position becomes
-[MASK] with probability p. The model reads the noisy ids with bidirectional attention (padding keys
-blocked) and the loss is
+[MASK] with probability p. The model reads the noisy ids with bidirectional attention (unsupervised
+padding keys blocked; a supervised tail is attended as the sampler attends it: `denoiser_keys`) and the
+loss is
 
     diffusion = Σ_i CE(logits_i, x_i) · 1[noise_i ∧ sup_i] / p_i        -> / N_sup (global supervised count)
 
@@ -32,7 +33,7 @@ from dllmflow.diffusion.seeding import restream
 from dllmflow.errors import UserError
 from dllmflow.models.doc_attention import check_key_filter, forward_bidirectional_batch
 
-from .base import Batch, LossOutput, Strategy
+from .base import Batch, LossOutput, Strategy, denoiser_keys
 
 ANNEALING_STREAM = 2**40  # per-sample stream of the annealed future keys (beside the +2^41..2^43 ones)
 
@@ -67,7 +68,8 @@ class MDLMStrategy(Strategy):
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
         cols = loss_columns(batch["noise_mask"].bool() & (batch["loss_mask"] != 0))  # [n]
         keys = annealed_keys(batch["future_keys"]) if "future_keys" in batch else None  # [B, L, L]
-        logits = forward_bidirectional_batch(model, batch["noisy_input_ids"], batch, cols, keys)  # [B, n, V]
+        z, attended = batch["noisy_input_ids"], {**batch, "attention_mask": denoiser_keys(batch)}
+        logits = forward_bidirectional_batch(model, z, attended, cols, keys)  # [B, n, V]
         total = mdlm_loss_sum(
             logits, *(batch[k][:, cols] for k in ("input_ids", "noise_mask", "loss_mask", "p_mask"))
         )

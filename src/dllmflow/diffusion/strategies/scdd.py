@@ -21,7 +21,7 @@ from dllmflow.errors import UserError
 from dllmflow.models.doc_attention import forward_bidirectional_batch
 from dllmflow.models.wrappers import unwrap
 
-from .base import Batch, LossOutput, Strategy, _model_vocab_size
+from .base import Batch, LossOutput, Strategy, _model_vocab_size, denoiser_keys
 from .mdlm import require_mask_id
 
 
@@ -69,7 +69,8 @@ class SCDDStrategy(Strategy):
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
         c = self.cfg
         z = batch["noisy_input_ids"]  # [B, L]
-        logits = forward_bidirectional_batch(model, z, batch)  # [B, L, V]; packed or not
+        attended = {**batch, "attention_mask": denoiser_keys(batch)}  # the supervised tail too
+        logits = forward_bidirectional_batch(model, z, attended)  # [B, L, V]; packed or not
         total = scdd_loss_sum(
             logits,
             batch["input_ids"],
