@@ -17,10 +17,25 @@
 
     OMP_NUM_THREADS=1 python bench/sample.py                       # trains a tiny overfit checkpoint (~30 s)
     OMP_NUM_THREADS=1 python bench/sample.py --cache_only          # table 4 only
+    OMP_NUM_THREADS=2 python bench/sample.py --long_demo --max_new_tokens 256 --cache_block 16 --limit 64 --em_only
     python bench/sample.py --checkpoint runs/tiny_mdlm/checkpoints --split eval --limit 32
 
 Without `--checkpoint` a tiny mdlm model is trained in-process on 16 short GSM-style chats and scored
-on those same chats (exact match is only meaningful where the model learned something). Does not assert.
+on those same chats (exact match is only meaningful where the model learned something). `--long_demo`
+trains the demo instead (1,200 steps), continues it on canvases of `--max_new_tokens` + 16 with the
+padding supervised, and scores held-out problems: the fast-decoding issue's exact-match clause at 256
+new tokens, where the SmolLM2 dLLMs of this project answer nothing (params/smollm2_mdlm_lora.yaml).
+Does not assert.
+
+Measured 2026-12-03 (table 1, --long_demo's model: 600 steps on 272-token canvases, 64 held-out
+problems, 256 new tokens, 2 quiet Intel Xeon cores, OMP_NUM_THREADS=2), ratios to one token per step:
+    blocks of 16: none EM 0.609 (12.9 tok/s); prefix 1.95x, dual 7.10x, threshold 0.9 12.7x,
+                  dual + threshold 0.9 16.0x: every point 0.609 (39 of 64)
+    blocks of 32: none EM 0.562 (13.3 tok/s); prefix 1.77x at 0.562, threshold 0.9 18.1x at 0.562,
+                  dual 5.77x at 0.359, dual + threshold 0.9 25.5x at 0.375: with 8 blocks the suffix's
+                  cached keys go stale over 32 positions and this 2-layer model loses 19 points
+The same continuation with the padding hidden from attention (the code before 417a41f): EM 0.000 at
+every point, every answer empty.
 """
 
 from __future__ import annotations
@@ -43,6 +58,37 @@ def train_overfit_checkpoint(root: Path, steps: int) -> Path:
     prepare(settings)
     run_training(settings, settings.run_dir)
     return root / "run" / "checkpoints"
+
+
+def train_long_canvas_demo(root: Path, new_tokens: int, steps: int, long_steps: int) -> Path:
+    """The demo (params/tiny_addition.yaml, `steps` steps on its ~19-token rows), then `long_steps` more
+    on canvases of `new_tokens` + 16 tokens with the padding supervised ("#### 085<eos><pad>..."), so
+    that it answers with `new_tokens` masks after the prompt -> the second run's dir. A model trained only
+    on short rows has never seen a long masked tail (docs/strategies.md §1.3)."""
+    from dllmflow.data.prepare import prepare
+    from dllmflow.runs import resolve_checkpoint
+    from dllmflow.settings import load_settings
+    from dllmflow.training.trainer import run_training
+
+    recipe = ROOT / "params" / "tiny_addition.yaml"
+    short = load_settings(
+        recipe, dataset={"prepared_dir": str(root / "short" / "prepared")}, train={"max_steps": steps},
+        checkpoint={"every_steps": steps}, run_dir=str(root / "short" / "run"),
+    )  # fmt: skip
+    prepare(short)
+    run_training(short, root / "short" / "run")
+    export = str(resolve_checkpoint(root / "short" / "run"))
+    canvas = new_tokens + 16  # the prompts are ~12 tokens
+    long = load_settings(
+        recipe, model={"tiny": None, "pretrained_model_name_or_path": export}, tokenizer={"name_or_path": export},
+        dataset={"prepared_dir": str(root / "long" / "prepared"), "seq_length": canvas},
+        dllm={"supervise_padding": True, "pad_seq_len_divisible": canvas},
+        train={"max_steps": long_steps, "lr": 1.0e-3}, checkpoint={"every_steps": long_steps},
+        run_dir=str(root / "long" / "run"),
+    )  # fmt: skip
+    prepare(long)
+    run_training(long, root / "long" / "run")
+    return root / "long" / "run"
 
 
 def bench_prompts(ckpt, split: str, limit: int):
@@ -232,13 +278,21 @@ def main() -> None:
     p.add_argument("--cache_sharpen", type=float, default=100.0, help="LM-head scale of the cache-only model")
     p.add_argument("--cache_only", action="store_true", help="only table 4, on a random Qwen3")
     p.add_argument("--em_only", action="store_true", help="only table 1 (exact match and speed per point)")
+    p.add_argument(
+        "--long_demo", action="store_true",
+        help="instead of --checkpoint: the demo trained, then continued on --max_new_tokens canvases",
+    )  # fmt: skip
+    p.add_argument("--long_demo_steps", type=int, default=600, help="--long_demo: steps on the long canvases")
     args = p.parse_args()
     if args.cache_only:
         return cache_only(args)
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.checkpoint or train_overfit_checkpoint(Path(tmp), args.train_steps)
-        split = args.split or ("eval" if args.checkpoint else "train")
+        if args.long_demo:
+            ckpt = train_long_canvas_demo(Path(tmp), args.max_new_tokens, 1200, args.long_demo_steps)
+        else:
+            ckpt = args.checkpoint or train_overfit_checkpoint(Path(tmp), args.train_steps)
+        split = args.split or ("eval" if args.checkpoint or args.long_demo else "train")
         n, thr = args.max_new_tokens, args.threshold
         block = args.cache_block if n % args.cache_block == 0 else n
         base = {"max_new_tokens": n, "steps": n, "block_size": block}  # one token per step, no cache
