@@ -24,7 +24,7 @@ Without `--checkpoint` a tiny mdlm model is trained in-process on 16 short GSM-s
 on those same chats (exact match is only meaningful where the model learned something). `--long_demo`
 trains the demo instead (1,200 steps), continues it on canvases of `--max_new_tokens` + 16 with the
 padding supervised, and scores held-out problems: the fast-decoding issue's exact-match clause at 256
-new tokens, where the SmolLM2 dLLMs of this project answer nothing (params/smollm2_mdlm_lora.yaml).
+new tokens, in minutes (a SmolLM2 dLLM continued the same way: params/smollm2_mdlm_lora.yaml's header).
 Does not assert.
 
 Measured 2026-12-03 (table 1, --long_demo's model: 600 steps on 272-token canvases, 64 held-out
