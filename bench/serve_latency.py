@@ -62,7 +62,7 @@ the same server, so the ratio compares like with like. Measured 2026-12-03 on 2 
                                   cache=dual+threshold=0.9 1.26x; throughput 9.6-10.8x; blocks 1.5-1.9x
     300-step demo, chats:         recorded 1.49x (1.39-1.73), threshold=0.9 1.56x, cache=dual 1.41x,
                                   cache=dual+threshold=0.9 1.50x; throughput 8.9-10.1x
-    1,200-step demo, chats:       recorded 1.69x (1.35-2.83), threshold=0.9 1.45x, cache=dual 1.35x,
+    1,200-step demo, chats:       recorded 1.69x (1.35-2.83; reruns 1.56x, 1.73x), threshold=0.9 1.45x, cache=dual 1.35x,
                                   cache=dual+threshold=0.9 1.44x; throughput 8.3-10.5x; max / median 1.01x
 A batch-16 block now costs 1.4-1.9x a lone one (2.6-3.1x on one thread): a batch's forward spreads its
 rows over both cores, a lone small one barely does. The clients send chats since the trained demo
