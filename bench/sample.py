@@ -127,7 +127,7 @@ def run_sampler(model, tok, name: str, overrides: dict, prompts: list[list[int]]
 
 def print_table(title: str, results: dict[str, dict], baseline: str, keys=SPEED_KEYS) -> None:
     print(
-        f"\n{title}\n{'':<24}" + "".join(f"{k:>20}" for k in keys) + "".join(f"{'x ' + k:>22}" for k in keys)
+        f"\n{title}\n{'':<24}" + "".join(f"{k:>22}" for k in keys) + "".join(f"{'x ' + k:>24}" for k in keys)
     )
     base = results[baseline]
     for name, res in results.items():
@@ -137,8 +137,8 @@ def print_table(title: str, results: dict[str, dict], baseline: str, keys=SPEED_
         ratios = [res[k] / base[k] if base[k] else float("nan") for k in keys]
         print(
             f"{name:<24}"
-            + "".join(f"{res[k]:>20.3f}" for k in keys)
-            + "".join(f"{r:>21.2f}x" for r in ratios)
+            + "".join(f"{res[k]:>22.3f}" for k in keys)
+            + "".join(f"{r:>23.2f}x" for r in ratios)
         )
 
 
@@ -248,16 +248,11 @@ def cache_only(args) -> None:
 
 def print_em_table(ckpt, split: str, results: dict[str, dict], args, block: int) -> None:
     """Table 1: each llada point's exact match and speed, and its ratios to one token per step."""
-    names = list(results)
-    print(f"\nllada on {ckpt} ({split}, {results[names[0]]['num_examples']} prompts, {args.max_new_tokens} "
-          f"new tokens, blocks of {block})")  # fmt: skip
-    print(f"{'':<24}" + "".join(f"{k:>22}" for k in KEYS))
-    for name in names:
-        print(f"{name:<24}" + "".join(f"{results[name][k]:>22.3f}" for k in KEYS))
-    base = results[names[0]]
-    for name in names[1:]:
-        ratio = [results[name][k] / base[k] if base[k] else float("nan") for k in KEYS]
-        print(f"{name + ' / base':<24}" + "".join(f"{r:>21.2f}x" for r in ratio))
+    examples = results["one_per_step"]["num_examples"]
+    title = (
+        f"llada on {ckpt} ({split}, {examples} prompts, {args.max_new_tokens} new tokens, blocks of {block})"
+    )
+    print_table(title, results, "one_per_step", KEYS)
 
 
 def main() -> None:
