@@ -163,3 +163,57 @@ def test_a_short_request_finishes_while_a_long_one_takes_its_turns(engine):
 
     blocks_done, dropped = asyncio.run(race())
     assert long.finish_reason is None and blocks_done < 16 and dropped == 1
+
+
+def test_a_streamed_row_gets_its_block_before_its_batch_ends_it(tmp_path):
+    """With a threshold the rows of a batch finish a block after different numbers of forwards; a
+    streamed row's block is published from inside the turn as soon as it is final (`engine.publish`),
+    and every block streamed, early or not, is the row's own final tokens as decoded alone."""
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.inference.engine import Scheduler
+    from dllmflow.models.build import build_model
+
+    tok = train_bpe_tokenizer(TEXTS * 5, 300, "<mask>", "<pad>", "<eos>")
+    tiny = {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64, "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    model = build_model(load_settings(model={"tiny": tiny}), tok)
+    with torch.no_grad():  # a fresh head is near uniform over 300 tokens: no threshold would ever pass
+        model.get_output_embeddings().weight.mul_(50)  # rows now need 1 to 4 forwards for a block
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    load_settings(model={"tiny": tiny}).write_json(tmp_path / "settings.json")
+    engine = DllmEngine(ServedModel(tmp_path, "llada", {**RECORDED, "threshold": 0.7}, "mdlm"))
+    texts = ("Hi", TEXTS[0], "What is 2 + 3?", TEXTS[1], "May", "Natalia sold 48")
+    reqs = [
+        engine.request(
+            engine.encode([{"role": "user", "content": t}], {}), {}, None, stream=True, steps_cap=64
+        )
+        for t in texts
+    ]
+    early = []
+
+    async def serve() -> list[list[list[int]]]:
+        scheduler = Scheduler(engine, max_batch_size=8, chunk_tokens=1)
+        engine.publish = lambda req, event: (early.append((req, event[1])), scheduler.publish(req, event))
+        worker = asyncio.create_task(scheduler.run())
+        for r in reqs:
+            scheduler.submit(r)
+        streamed = []
+        for r in reqs:
+            events = []
+            while (event := await r.events.get())[0] == "tokens":
+                events.append(event[1])
+            streamed.append(events)
+        worker.cancel()
+        assert scheduler.counters["batches"] == 1 and scheduler.counters["early_events"] == len(early)
+        return streamed
+
+    streamed = asyncio.run(serve())
+    assert early  # some row finished a block before the batch's slowest did
+    for req, blocks in zip(reqs, streamed):
+        alone = SAMPLERS["llada"](engine.model, engine.tokenizer, req.config).generate([req.prompt_ids])
+        assert req.tokens == alone.sequences[0]
+        assert all(alone.sequences[0][: len(b)] == b for b in blocks)  # each streamed block is final
+    for req, toks in early:
+        assert req.tokens[: len(toks)] == toks

@@ -17,7 +17,9 @@ the samplers decode a row in a batch as alone (tests/unit/test_sampler_caches.py
 does not depend on who else was served with it. A sampled request (temperature > 0 or random
 remasking) draws from a generator shared by its batch, so it decodes alone. A turn decodes ONE block of
 a batch (`Sampler.stepper`): a long request delays a short one by a block per turn, and a new request
-waits at most one block before its first block decodes. Rows leave a batch between blocks: once their
+waits at most one block before its first block decodes. Within a turn, a streamed row whose block is
+final before the batch's (with a threshold rows need different numbers of forwards for a block) is
+sent at once (`publish`, `loop.SettledRows`), not after the batch's slowest row. Rows leave a batch between blocks: once their
 answer is final (a stop token in a committed block, which never changes again) or when cancelled
 (client gone, timeout), so they cost nothing from the next block on.
 
@@ -33,6 +35,7 @@ import functools
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +185,9 @@ class DllmEngine:
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.max_length = int(max_positions(self.model) or 1 << 30)
         self.reserved_template_args = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
+        # Set by the server (`Scheduler.publish`): queues an event for a request from the worker thread
+        # mid-turn. None (in-process use): blocks are reported at the turn's end only.
+        self.publish: Callable[[DllmRequest, tuple], None] | None = None
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -264,7 +270,7 @@ class DllmEngine:
         """Decode the batch's next block; rows whose answer became final finish and leave it."""
         from dllmflow.diffusion.samplers.base import trim_at_stop
 
-        progress = decode.stepper.step()
+        progress = decode.stepper.step(on_settled=self._settled_listener(decode))
         if progress is None:  # the last block: the sampler's own trimmed result
             result = decode.stepper.result
             for req, seq, nfe in zip(decode.reqs, result.sequences, result.row_nfe):
@@ -278,6 +284,21 @@ class DllmEngine:
                 req.finish_reason = "stop"
         self.keep(decode, [i for i, r in enumerate(decode.reqs) if r.finish_reason is None])
         return decode
+
+    def _settled_listener(self, decode: DllmDecode) -> Callable[[list[int], list[list[int]]], None] | None:
+        """What streams a row's block as soon as it is final, from inside the turn (its text is final)."""
+        from dllmflow.diffusion.samplers.base import trim_at_stop
+
+        if self.publish is None or not any(r.stream for r in decode.reqs):
+            return None
+        reqs = list(decode.reqs)  # the stepper's rows, in order (rows leave only between blocks)
+
+        def settled(rows: list[int], ids: list[list[int]]) -> None:
+            for row, toks in zip(rows, ids):
+                if reqs[row].stream and not reqs[row].cancelled:
+                    self.publish(reqs[row], ("tokens", trim_at_stop(toks, self.stop_ids)))
+
+        return settled
 
     def keep(self, decode: DllmDecode, rows: list[int]) -> None:
         """Drop every other row (between blocks): it costs nothing from the next block on."""

@@ -201,6 +201,7 @@ def build_dllm_app(
     one block of one batch (the causal server's `--chunk-tokens` has no meaning here)."""
     limits = RequestLimits(max_tokens_cap, max_body_bytes, max_messages)
     scheduler = Scheduler(engine, max_batch_size, 1)
+    engine.publish = scheduler.publish  # a row's block streams as soon as it is final, mid-turn
     server = DllmServer(engine, served_model_name, scheduler, limits, request_timeout_s, api_key)
     scheduler.incoming = lambda: server.preparing
     return starlette_app(server, scheduler, completions=True)

@@ -266,7 +266,8 @@ class Scheduler:
         self.room = 0  # rows that batch can still take (0: none is being formed)
         self.active: collections.deque[Decode] = collections.deque()
         self.running: list[ChatRequest] = []  # rows of the batch taking its turn now
-        self.counters = {"batches": 0, "max_batch_size_seen": 0, "turns": 0, "dropped": 0}
+        self.counters = {"batches": 0, "max_batch_size_seen": 0, "turns": 0, "dropped": 0, "early_events": 0}
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once `run` started
 
     def submit(self, req: ChatRequest) -> None:
         self.queue.put_nowait(req)
@@ -282,7 +283,14 @@ class Scheduler:
             "queued": self.queue.qsize(),
         }
 
+    def publish(self, req: ChatRequest, event: tuple) -> None:
+        """Queue `event` for `req` from the worker thread during a turn (a dLLM row's block that is final
+        before its batch's: `DllmEngine`), in order before what the turn's end queues."""
+        self.counters["early_events"] += 1
+        self.loop.call_soon_threadsafe(req.events.put_nowait, event)
+
     async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
         while True:
             await self._admit(wait=not self.active)
             if self.active:

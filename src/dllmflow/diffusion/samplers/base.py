@@ -27,6 +27,7 @@ from torch import Tensor
 from dllmflow.errors import UserError
 
 from .configs import SamplerConfig, SamplerSettingError, build_sampler_config  # noqa: F401  (their home)
+from .loop import SETTLED_LISTENER, SettledListener
 
 # Attribute `load_for_generation` sets on a loaded model: the training Settings of its checkpoint.
 TRAINING_SETTINGS_ATTR = "dllmflow_training_settings"
@@ -228,11 +229,14 @@ class BlockStepper:
         self._keep = [self._keep[r] for r in rows] if self._keep is not None else list(rows)
         self.rows = len(rows)
 
-    def step(self) -> Any:
+    def step(self, on_settled: SettledListener | None = None) -> Any:
         """Decode the next block: a `loop.BlockProgress` of the live rows, or None once the batch is
-        decoded (then `result` holds the GenerationResult of the rows kept, trimmed at stop ids)."""
+        decoded (then `result` holds the GenerationResult of the rows kept, trimmed at stop ids).
+        `on_settled(rows, ids)` is called, from inside the block, for rows whose block became final
+        while others still decode it (`loop.SettledRows`; untrimmed ids through that block)."""
         t0 = time.perf_counter()
         keep, self._keep, self._started = self._keep, None, True
+        listening = SETTLED_LISTENER.set(on_settled)
         try:
             with torch.inference_mode():
                 return self.loop.send(keep)
@@ -242,6 +246,7 @@ class BlockStepper:
             self.result = GenerationResult(trimmed, nfe, sum(map(len, trimmed)), self.elapsed_s, row_nfe)
             return None
         finally:
+            SETTLED_LISTENER.reset(listening)
             self.elapsed_s += time.perf_counter() - t0
             if self.result is not None:
                 self.result.elapsed_s = self.elapsed_s

@@ -29,6 +29,7 @@ from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
+    SettledRows,
     block_progress,
     build_left_padded_canvas,
     commit_step,
@@ -300,6 +301,7 @@ def iter_cached_block_sampler(
         lo, hi = S + j * geometry.block_size, min(S + (j + 1) * geometry.block_size, S + G)
         block = x[:, lo:hi]  # [B, b] a view: commits land in x
         schedule = get_num_transfer_tokens(block == mask_id, geometry.steps_per_block)  # [B, spb]
+        settled = SettledRows(done)
         for i in range(geometry.steps_per_block):
             candidates = (block == mask_id) & ~done[:, None]  # [B, b]
             if not candidates.any():
@@ -309,6 +311,8 @@ def iter_cached_block_sampler(
             commit_step(source(lo, hi), candidates, block, schedule[:, i], last, cfg, mask_id, generator)
             if cfg.eos_token_id is not None:
                 done |= first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
+            if settled and not last:
+                settled.update(x, start, hi, ~(block == mask_id).any(dim=1) | done)
         if cfg.eos_token_id is not None and bool(done.all()):
             break
     x = canvas.x

@@ -45,6 +45,7 @@ from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
+    SettledRows,
     block_geometry,
     block_progress,
     build_left_padded_canvas,
@@ -146,6 +147,7 @@ def iter_refine_blocks(
         schedule = get_num_transfer_tokens(block == mask_id, spb)  # [B, spb]
         post_steps = torch.zeros(B, dtype=torch.long, device=x.device)  # [B]
         left = done.clone()  # [B] rows finished with this block
+        settled = SettledRows(done)
         for i in range(spb + cfg.max_post_steps):
             masked = block == mask_id  # [B, b]
             full = ~masked.any(dim=1)  # [B]
@@ -169,6 +171,8 @@ def iter_refine_blocks(
             if eos_id is not None:
                 done |= first_eos_done(x, start, G, eos_id, mask_id)
                 left |= done
+            if settled:  # a row that left the block never changes it again (edits included)
+                settled.update(x, start, hi, left)
         if bool(done.all()):
             break
     return source.calls, row_nfe

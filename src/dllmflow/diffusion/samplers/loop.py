@@ -10,7 +10,9 @@ block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the 
 The block loops are generators (`iter_block_sampler`, `kv.iter_cached_block_sampler`,
 `llada2.iter_refine_blocks`) that yield a `BlockProgress` between blocks and may be sent the rows to
 keep (a server drops finished or abandoned rows there); `run_*` drain them, so decoding block by block
-gives the tokens of decoding at once (`drain`).
+gives the tokens of decoding at once (`drain`). Within a block they tell a listener (`SettledRows`,
+set by `BlockStepper.step(on_settled=...)`) of each row whose block is final while others still decode
+it, so a server can stream that row's block without waiting for the batch's slowest row.
 
 Departures from the reference, on purpose (docs/strategies.md §7 caveat 6): with a threshold the last step of a
 block commits every remaining [MASK] of that block (never a stranded mask), and the EOS stop is per
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -211,6 +214,42 @@ def block_progress(x: Tensor, start: Tensor, length: int, done: Tensor, row_nfe:
     return BlockProgress(rows, done.tolist(), row_nfe.tolist())
 
 
+# Told mid-block of rows whose current block became final: (row indices among the live rows, each row's
+# generated ids through that block, untrimmed). Set by `BlockStepper.step(on_settled=...)` around the
+# loop's resumption (a generator resumes in its caller's context); None: nobody listens.
+SettledListener = Callable[[list[int], list[list[int]]], None]
+SETTLED_LISTENER: ContextVar[SettledListener | None] = ContextVar("settled_listener", default=None)
+
+
+class SettledRows:
+    """One block's watch for rows that finish it early. With a threshold (or an EOS) rows of a batch need
+    different numbers of forwards for the same block, and the batch decodes until the slowest is done;
+    a row's block is final as soon as it holds no [MASK] (or the row stopped), so it is announced then,
+    unless no row is left decoding (the block's end reports those). Costs nothing without a listener."""
+
+    def __init__(self, already: Tensor):
+        """`already` [B] bool: rows final before the block starts (stopped at an EOS): never announced."""
+        self.listener = SETTLED_LISTENER.get()
+        self.settled = already.clone() if self.listener is not None else already
+
+    def __bool__(self) -> bool:
+        return self.listener is not None
+
+    def update(self, x: Tensor, start: Tensor, stop: Tensor | int, final: Tensor) -> None:
+        """`final` [B] bool: rows whose block is final now; announces the newly final ones with their ids
+        `x[b, start_b:stop_b]` (`stop` [B] or one int) while some row still decodes the block."""
+        if self.listener is None:
+            return
+        newly = final & ~self.settled  # [B]
+        self.settled = self.settled | final
+        if bool(self.settled.all()) or not bool(newly.any()):
+            return
+        rows = newly.nonzero().flatten().tolist()
+        ends = stop.tolist() if isinstance(stop, Tensor) else [stop] * x.shape[0]
+        starts = start.tolist()
+        self.listener(rows, [x[b, starts[b] : ends[b]].tolist() for b in rows])
+
+
 def drain(loop: BlockLoop):
     """Run a block loop to its end (every row kept); its return value."""
     try:
@@ -324,6 +363,7 @@ def iter_block_sampler(
         x_kept = x[:, off:]  # [B, keep], a view: commits land in x
         in_block = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, T]
         schedule = get_num_transfer_tokens(in_block & (x == mask_id), geometry.steps_per_block)  # [B, spb]
+        settled = SettledRows(done)
         for i in range(geometry.steps_per_block):
             candidates = in_block & (x == mask_id) & ~done[:, None]  # [B, T]
             if not candidates.any():
@@ -335,6 +375,8 @@ def iter_block_sampler(
             commit_step(logits, candidates[:, off:], x_kept, schedule[:, i], last, cfg, mask_id, generator)
             if cfg.eos_token_id is not None:
                 done |= first_eos_done(x, start, geometry.gen_length, cfg.eos_token_id, mask_id)
+            if settled and not last:
+                settled.update(x, start, hi, ~(in_block & (x == mask_id)).any(dim=1) | done)
         if cfg.eos_token_id is not None and bool(done.all()):
             break
     # Finished rows stop early: their leftover masks become filler (trimmed away after the EOS).
