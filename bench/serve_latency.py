@@ -2,7 +2,7 @@
 and (dLLM section) concurrent vs one-at-a-time serving of the demo dLLM.
 
     OMP_NUM_THREADS=1 python bench/serve_latency.py [--short 12] [--short-tokens 16] [--long-tokens 1500]
-    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm [--train-steps 300] [--clients 16] [--rounds 5]
+    OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm [--train-steps 1200] [--clients 16] [--rounds 15]
     OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm --settings recorded,cache=prefix,threshold=0.9
     OMP_NUM_THREADS=1 python bench/serve_latency.py --sections dllm --client httpx   # the old instrument
 
@@ -13,61 +13,46 @@ ratio; then the same with `--chunk-tokens` as large as the long request (one tur
 run-to-completion behaviour) for comparison. Tiny random Llama whose stop token can never win, so the long request runs
 all its tokens. It does not assert.
 
-dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process), serves
-its run dir once per `--settings` entry (default "recorded,cache=dual": the sampler setting recorded
-with the model, no cache; then `dllmflow serve --sampler-setting cache=dual`, the fast-decoding issue's
-Fast-dLLM cache; a fresh server each), and sends `--clients` streamed chat completions ("What is a + b?",
-the demo's 8 new tokens in 2 blocks of 4, the served setting otherwise) first one at a time, then all at once: after a warm-up round
-of each, `--rounds` rounds, each figure the median of the rounds' ratios. Also printed: the
-batches the server formed, and one block's decode time in-process at batch 1 and at batch `--clients`
-(on a CPU a batched forward costs about as many times more as it has rows, which bounds what batching
-can give there; on an accelerator a batch of 16 costs little more than one row). Printed, measured in this one run: total throughput concurrent / sequential (goal
->= 4x), p50 time to the first streamed block concurrent / a lone request's (goal <= 1.5x), and the
-concurrent max latency / median (goal <= 3x: no request starved). The clients are one aiohttp session
-(`--client`): httpx's async pool cost the client itself 25-36 ms for 16 concurrent GET /v1/models on
-this CPU (aiohttp 2.5-5 ms, one request ~1 ms), which the first-block ratio had counted as the server's;
-the line "the client alone" prints that floor for the client used.
+dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process, on every
+core as `make demo` trains it) and gates it as the demo flow does (the recipe's sweep over the threshold on
+64 held-out problems: the run dir then records the setting the flow registers it at, the one `dllmflow
+serve` serves it with). It serves that run dir once per `--settings` entry (default
+"recorded,threshold=none,cache=dual": the gated setting; no threshold, one token per step; the
+fast-decoding issue's Fast-dLLM dual cache; a fresh server each, on its default threads) and sends
+`--clients` streamed chat completions ("What is a + b?", the demo's 8 new tokens in 2 blocks of 4, the
+served setting otherwise) first one at a time, then all at once: after a warm-up round of each, `--rounds`
+rounds, each figure the median of the rounds' ratios. Printed, measured in this one run: total throughput
+concurrent / sequential (goal >= 4x), p50 time to the first streamed block concurrent / a lone request's
+(goal <= 1.5x), and the concurrent max latency / median (goal <= 3x: no request starved); also the
+batches the server formed, the blocks it streamed before their batch's slowest row finished them, and
+one block's decode time in-process at batch 1 and at batch `--clients` (on a CPU a batched forward costs
+about as many times more as it has rows, which bounds what batching can give there; on an accelerator a
+batch of 16 costs little more than one row). The clients are one aiohttp session (`--client`): httpx's
+async pool cost the client itself 25-36 ms for 16 concurrent GET /v1/models on this CPU (aiohttp 2.5-5
+ms), which the first-block ratio had counted as the server's; "the client alone" prints that floor.
 
-Measured 2026-12-02 (dLLM section, defaults, 2 quiet AMD EPYC cores, OMP_NUM_THREADS=1), after the
-server moved to uvicorn[standard] and prepares small bodies in place:
-    aiohttp: throughput 7.24x, p50 first block 23 ms vs lone 14 ms = 1.74x (rounds 1.39-1.86), max /
-             median 1.01x; client floor 0.4 ms one GET, 2.5 ms sixteen; one block in-process 4.7 ms at
-             batch 1, 12.7 ms at batch 16 (2.7x)
-    httpx:   throughput 5.12x, first block 3.04x (rounds 2.85-3.73); client floor 1.5 ms / 25.1 ms
-A lone request's first block is ~2 ms of HTTP and preparing, the scheduler's 5 ms batching window, and
-its block (~5 ms); sixteen add ~6 ms of arrivals and the batch-16 block's extra ~7 ms of compute.
+Measured 2026-12-03 (defaults, --rounds 15, 2 quiet Intel Xeon cores; the demo gated at threshold 0.9,
+exact match 1.000 at 1.7 forwards per 8 tokens vs 1.000 at 8), first block concurrent / lone (rounds'
+range), two runs:
+    recorded (threshold 0.9):  1.39x (1.26-1.53), 1.33x (1.24-1.56); throughput 7.30x, 7.44x
+    cache=dual (+ 0.9):        1.32x (1.24-1.62), 1.50x (1.26-2.07); throughput 8.16x, 7.76x
+    threshold=none:            1.61x (1.54-16.88), 1.64x (1.58-16.66); throughput 8.29x, 8.15x
+    max latency / median 1.01x everywhere. One round per run of threshold=none stalls (~17x): the first
+    time a batch of a new size (rows leave it at a stop) meets the kernels, the median absorbs it.
+What bounds the ratio here: a lone request's first block is ~0.5 ms of HTTP and preparing, the
+scheduler's 5 ms batching window and its block; sixteen pay ~4.5 ms of arrivals (the client's and the
+server's loop, ~0.25 ms a request), then the batch-16 block: 1.5 -> 3.3 ms with the threshold, 5.2 ->
+11.4 ms with none (one token per step: 4 full forwards a block, 2.2x at 16 rows on one CPU thread).
+Two changes of 2026-12-03 count: a row's block streams as soon as it is final, not when its batch's
+slowest row finishes (with the threshold 15 of 16 rows finish the first block in one forward, the
+batch takes two), and the server's forwards leave a core to the event loop (`serve_cli.default_threads`:
+with both cores in the forwards the loop waited ~4 ms to send those blocks; threshold 0.9: 1.58x on two
+threads, 1.38x on one; no threshold: 1.59x and 1.63x).
 
-Measured 2026-12-03 (same machine and settings, three runs, the last two with --rounds 9), per setting:
-    recorded (no cache): throughput 7.96 / 8.21 / 8.10x; first block 1.67 / 1.61 / 1.61x (rounds
-             1.19-1.97); max / median 1.01x; one block 3.9-4.2 ms at batch 1, 10.9-12.5 ms at batch 16
-    dual:    throughput 9.60 / 9.18 / 9.27x; first block 1.35 / 1.33 / 1.27x (rounds 1.07-1.95);
-             max / median 1.01x; one block 3.5-5.9 ms at batch 1, 6.4-9.9 ms at batch 16
-The dual cache recomputes only the block being decoded after its first step, so a batch-16 block costs
-1.4-1.8x a lone one instead of 2.6-3.1x: what batching can give on this compute-bound CPU grows. It
-costs the demo no accuracy: fully trained (1,200 steps), 256 held-out problems in blocks of 4, exact
-match 0.949 without a cache and 0.957 with the dual cache (2.2x the tokens/s).
-The fully trained demo (--train-steps 1200 --rounds 9 --settings
-recorded,threshold=0.9,cache=dual,cache=dual+threshold=0.9), first block concurrent / lone:
-    recorded 1.74x, threshold=0.9 1.84x (the point the demo flow's sweep registers), cache=dual 1.40x,
-    cache=dual+threshold=0.9 1.62x; throughput 7.0-8.8x, max / median 1.45-1.49x (some answers stop
-    early). With a threshold a lone block takes 1-2 forwards (2.2-2.7 ms), so the fixed cost of sixteen
-    arrivals and sixteen streams (the client floor alone: 2.5 ms for sixteen GETs vs 0.3 ms for one)
-    outweighs what the batch saves.
-All of the above served on ONE torch thread: the bench ran under OMP_NUM_THREADS=1 and the server, a
-subprocess, inherited it, leaving the second core to the client. The server now runs on `--threads`
-(default: the CPUs this process may use), as it would be deployed; lone and concurrent are measured on
-the same server, so the ratio compares like with like. Measured 2026-12-03 on 2 quiet Intel Xeon cores,
---rounds 9, first block concurrent / lone (rounds' range), throughput, one block batch 16 / batch 1:
-    300-step demo, text prompts:  recorded 1.38x (1.31-1.92), threshold=0.9 1.29x, cache=dual 1.21x,
-                                  cache=dual+threshold=0.9 1.26x; throughput 9.6-10.8x; blocks 1.5-1.9x
-    300-step demo, chats:         recorded 1.49x (1.39-1.73), threshold=0.9 1.56x, cache=dual 1.41x,
-                                  cache=dual+threshold=0.9 1.50x; throughput 8.9-10.1x
-    1,200-step demo, chats:       recorded 1.69x (1.35-2.83; reruns 1.56x, 1.73x), threshold=0.9 1.45x, cache=dual 1.35x,
-                                  cache=dual+threshold=0.9 1.44x; throughput 8.3-10.5x; max / median 1.01x
-A batch-16 block now costs 1.4-1.9x a lone one (2.6-3.1x on one thread): a batch's forward spreads its
-rows over both cores, a lone small one barely does. The clients send chats since the trained demo
-answers chat-templated prompts (a raw text prompt got an empty answer from a 1,200-step demo). The
-no-cache setting stays near the 1.5x line and swings with the run; with a cache or a threshold it holds.
+History (same bench, earlier code): the model was trained on one thread (this process's
+OMP_NUM_THREADS=1; its gate keeps no threshold: another model) and served ungated (no threshold):
+1.61-1.74x on one thread (AMD EPYC), 1.38-1.73x on two (Intel Xeon), dual cache 1.21-1.41x; before
+uvicorn[standard] and preparing small bodies in place 1.74x, with the httpx client 3.04x.
 """
 
 from __future__ import annotations
@@ -84,7 +69,7 @@ from pathlib import Path
 import httpx
 
 from dllmflow.inference.engine import build_tiny_chat_lm
-from dllmflow.inference.serve_cli import local_server
+from dllmflow.inference.serve_cli import default_threads, local_server
 
 MODEL = "bench-target"
 PROMPT = [{"role": "user", "content": "Natalia sold 48 clips to her friends in April."}]
@@ -139,19 +124,25 @@ async def measure(url: str, args) -> dict[str, float]:
 # ---- dLLM section ---------------------------------------------------------------------------------
 
 
-def train_demo(root: Path, steps: int) -> Path:
-    """The demo dLLM (params/tiny_addition.yaml) trained `steps` steps in this process -> its run dir."""
+def train_demo(root: Path, steps: int, gate: bool = False) -> Path:
+    """The demo dLLM (params/tiny_addition.yaml) trained `steps` steps in this process -> its run dir.
+    `gate`: then evaluated as the demo flow's evaluate step does (`evaluate_sampler`: the recipe's sweep
+    over the threshold, 64 held-out problems), which records in the run dir the setting the flow
+    registers it at, and so the one `dllmflow serve` serves it with."""
     from dllmflow.data.prepare import prepare
     from dllmflow.settings import load_settings
     from dllmflow.training.trainer import run_training
+    from dllmflow.workflow.finetune import evaluate_sampler
 
     recipe = Path(__file__).resolve().parents[1] / "params" / "tiny_addition.yaml"
     settings = load_settings(
         recipe, dataset={"prepared_dir": str(root / "prepared")}, train={"max_steps": steps},
-        checkpoint={"every_steps": steps}, run_dir=str(root / "run"),
+        checkpoint={"every_steps": steps}, run_dir=str(root / "run"), eval={"untrained_baseline": False},
     )  # fmt: skip
     prepare(settings)
     run_training(settings, root / "run")
+    if gate:
+        evaluate_sampler(settings, str(root / "run"), "llada")
     return root / "run"
 
 
@@ -270,7 +261,8 @@ async def dllm_measure(url: str, clients: int, rounds: int, client_kind: str = "
     out = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
     out["first_x_range"] = (min(r["first_x"] for r in per_round), max(r["first_x"] for r in per_round))
     out["client_floor_s"] = floor
-    return {**out, "rounds": rounds, "batches": served["batches"], "max_batch": served["max_batch_size_seen"]}
+    return {**out, "rounds": rounds, "batches": served["batches"], "max_batch": served["max_batch_size_seen"],
+            "early": served["early_events"]}  # fmt: skip
 
 
 def block_cost(run: Path, clients: int, settings: dict | None = None) -> tuple[float, float]:
@@ -282,8 +274,11 @@ def block_cost(run: Path, clients: int, settings: dict | None = None) -> tuple[f
 
     served = served_from_path(run)
     model, tok, _ = load_for_generation(served.checkpoint, device="cpu")
-    over = {"max_new_tokens": 8, "block_size": 4, **(settings or {})}
-    config = build_sampler_config(served.sampler, over, tok, defaults=served.sampler_settings)
+    settings = settings or {}
+    # as `dllmflow serve --sampler-setting` applies them: a None sends that setting back to the preset
+    recorded = {k: v for k, v in served.sampler_settings.items() if k not in settings}
+    over = {"max_new_tokens": 8, "block_size": 4, **{k: v for k, v in settings.items() if v is not None}}
+    config = build_sampler_config(served.sampler, over, tok, defaults=recorded)
     sampler = SAMPLERS[served.sampler](model, tok, config, mask_id=model.config.mask_token_id)
     prompt = encode_prompt(tok, "What is 47 + 38?")
     out = []
@@ -297,19 +292,25 @@ def block_cost(run: Path, clients: int, settings: dict | None = None) -> tuple[f
 
 
 def dllm_section(args) -> None:
-    """The demo model served once per `--settings` entry ("recorded": the sampler setting recorded with
-    it, no cache; "cache=dual+threshold=0.9": `dllmflow serve --sampler-setting` per pair), a fresh
-    server each."""
+    """The demo model served once per `--settings` entry ("recorded": the setting its evaluation sweep
+    chose, as the demo flow registers it; "cache=dual+threshold=0.9": `dllmflow serve --sampler-setting`
+    per pair, "threshold=none" back to the preset), a fresh server each."""
     import torch
 
+    from dllmflow.inference.dllm_engine import served_from_path
     from dllmflow.inference.serve_cli import parse_sampler_settings
 
+    # Trained on every core, as `make demo` trains it (this process runs under OMP_NUM_THREADS=1): on one
+    # thread the demo's steps sum in another order, and at its lr that is another model (measured: trained
+    # on one Intel Xeon thread its gate kept no threshold, on two it chose 0.9 at exact match 1.000).
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        run = train_demo(Path(tmp), args.train_steps)
+        run = train_demo(Path(tmp), args.train_steps, gate=True)
         trained_s = time.perf_counter() - t0
-        print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained in {trained_s:.0f} s), {args.clients} "
-              f"streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
+        gated = served_from_path(run).lineage.get("setting")
+        print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained and gated in {trained_s:.0f} s; "
+              f"recorded setting: {gated}), {args.clients} streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
         for name in args.settings.split(","):
             settings = None if name == "recorded" else parse_sampler_settings(name.split("+"))
             with local_server(
@@ -317,7 +318,7 @@ def dllm_section(args) -> None:
                 threads=args.threads,
             ) as url:  # fmt: skip
                 r = asyncio.run(dllm_measure(url, args.clients, args.rounds, args.client))
-            torch.set_num_threads(args.threads)  # the in-process figures on the server's threads
+            torch.set_num_threads(args.threads or default_threads())  # in-process: the server's threads
             one, many = block_cost(run, args.clients, settings)
             print(f"setting: {name}")
             _print_dllm(r, args, one, many)
@@ -334,28 +335,34 @@ def _print_dllm(r: dict, args, one: float, many: float) -> None:
     print(f"  the client ({args.client}) alone: GET /v1/models {get_one * 1e3:.1f} ms, {args.clients} at once "
           f"{get_many * 1e3:.1f} ms (no decoding: what concurrency costs the instrument and the HTTP stack)")  # fmt: skip
     print(f"  concurrent max latency / median {r['max_over_median']:.2f}x (goal <= 3x: no starvation)")
-    print(f"  server: {r['batches']} batches in all, largest {r['max_batch']} rows; one block in-process: "
+    print(f"  server: {r['batches']} batches in all, largest {r['max_batch']} rows, {r['early']} blocks streamed "
+          "before their batch's slowest row finished them")  # fmt: skip
+    print("  one block in-process: "
           f"{one * 1e3:.1f} ms at batch 1, {many * 1e3:.1f} ms at batch {args.clients} ({many / one:.1f}x)")  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default="causal,dllm", help="comma list: causal, dllm")
-    p.add_argument("--train-steps", type=int, default=300, help="dllm: demo model training steps")
-    p.add_argument("--clients", type=int, default=16, help="dllm: concurrent clients")
-    p.add_argument("--rounds", type=int, default=5, help="dllm: measured rounds (median reported)")
     p.add_argument(
-        "--settings", default="recorded,cache=dual",
-        help="dllm: comma list of served settings: recorded (the model's own: no cache) or KEY=VALUE pairs "
-        "joined by + (e.g. cache=dual+threshold=0.9), each a `dllmflow serve --sampler-setting`",
+        "--train-steps", type=int, default=1200, help="dllm: demo model training steps (the recipe's)"
+    )
+    p.add_argument("--clients", type=int, default=16, help="dllm: concurrent clients")
+    p.add_argument("--rounds", type=int, default=15, help="dllm: measured rounds (median reported)")
+    p.add_argument(
+        "--settings", default="recorded,threshold=none,cache=dual",
+        help="dllm: comma list of served settings: recorded (what the demo's gate chose, as registered) or "
+        "KEY=VALUE pairs joined by + (e.g. cache=dual+threshold=0.9; threshold=none: no threshold), each a "
+        "`dllmflow serve --sampler-setting`",
     )  # fmt: skip
     p.add_argument(
         "--client", choices=("aiohttp", "httpx"), default="aiohttp", help="dllm: the bench's HTTP client"
     )
     p.add_argument(
-        "--threads", type=int, default=len(os.sched_getaffinity(0)),
-        help="the server's torch threads (`dllmflow serve --threads`; default: the CPUs this process may "
-        "use, whatever OMP_NUM_THREADS says: a server uses its machine)",
+        "--threads", type=int, default=None,
+        help="the server's torch threads (`dllmflow serve --threads`; default: the server's own, "
+        "`serve_cli.default_threads()`, as deployed: every core but one, whatever this process's "
+        "OMP_NUM_THREADS says)",
     )  # fmt: skip
     p.add_argument("--short", type=int, default=12, help="short requests per phase")
     p.add_argument("--short-tokens", type=int, default=16)
@@ -364,6 +371,9 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=64)
     args = p.parse_args()
+    # This process runs on one thread (its client must not spread over the server's cores); the servers
+    # it starts pick their own threads, as a deployed server does, unless --threads says.
+    os.environ.pop("OMP_NUM_THREADS", None)
     sections = set(args.sections.split(","))
     if "causal" in sections:
         causal_section(args)

@@ -290,3 +290,18 @@ def test_server_sampler_settings_and_threads_are_served_and_a_bad_one_is_exit_2(
     assert lineage["setting"] == {"threshold": None}  # still the point it was gated at
     assert answer.usage.model_extra["dllmflow"]["nfe"] == 6  # the server's 6 steps, not the recorded 12
     assert threads == 3  # --threads reached the decoding
+
+
+def test_by_default_the_forwards_leave_a_core_to_the_event_loop(server, monkeypatch):
+    """`--threads` unset: $OMP_NUM_THREADS when set, else every usable core but one (the loop reads,
+    tokenises and streams while a batch decodes)."""
+    from dllmflow.inference.serve_cli import default_threads
+
+    env = os.environ.get("OMP_NUM_THREADS")
+    assert stats(server)["threads"] == (int(env) if env else max(1, len(os.sched_getaffinity(0)) - 1))
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert default_threads() == 5
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    for cores, threads in (({0, 1, 2, 3}, 3), ({0, 1}, 1), ({0}, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: cores)
+        assert default_threads() == threads
