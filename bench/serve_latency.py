@@ -260,6 +260,8 @@ async def dllm_measure(url: str, clients: int, rounds: int, client_kind: str = "
         served = await _get_json(client, f"{url.removesuffix('/v1')}/stats")
     out = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
     out["first_x_range"] = (min(r["first_x"] for r in per_round), max(r["first_x"] for r in per_round))
+    out["first_x_rounds"] = [r["first_x"] for r in per_round]
+    out["first_together_rounds_s"] = [r["first_together_p50_s"] for r in per_round]
     out["client_floor_s"] = floor
     return {**out, "rounds": rounds, "batches": served["batches"], "max_batch": served["max_batch_size_seen"],
             "early": served["early_events"]}  # fmt: skip
@@ -331,6 +333,8 @@ def _print_dllm(r: dict, args, one: float, many: float) -> None:
     print(f"  p50 time to first block: concurrent {r['first_together_p50_s'] * 1e3:.0f} ms, lone "
           f"{r['first_alone_p50_s'] * 1e3:.0f} ms, ratio {r['first_x']:.2f}x (rounds {r['first_x_range'][0]:.2f}-"
           f"{r['first_x_range'][1]:.2f}; goal <= 1.5x)")  # fmt: skip
+    print("    each round's ratio (concurrent ms): " + ", ".join(
+        f"{x:.2f} ({t * 1e3:.0f})" for x, t in zip(r["first_x_rounds"], r["first_together_rounds_s"])))  # fmt: skip
     get_one, get_many = r["client_floor_s"]
     print(f"  the client ({args.client}) alone: GET /v1/models {get_one * 1e3:.1f} ms, {args.clients} at once "
           f"{get_many * 1e3:.1f} ms (no decoding: what concurrency costs the instrument and the HTTP stack)")  # fmt: skip

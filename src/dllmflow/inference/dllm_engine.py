@@ -19,9 +19,9 @@ remasking) draws from a generator shared by its batch, so it decodes alone. A tu
 a batch (`Sampler.stepper`): a long request delays a short one by a block per turn, and a new request
 waits at most one block before its first block decodes. Within a turn, a streamed row whose block is
 final before the batch's (with a threshold rows need different numbers of forwards for a block) is
-sent at once (`publish`, `loop.SettledRows`), not after the batch's slowest row. Rows leave a batch between blocks: once their
-answer is final (a stop token in a committed block, which never changes again) or when cancelled
-(client gone, timeout), so they cost nothing from the next block on.
+sent at once (`publish`, `loop.SettledRows`), not after the batch's slowest row. Rows leave a batch
+between blocks: once their answer is final (a stop token in a committed block, which never changes
+again) or when cancelled (client gone, timeout), so they cost nothing from the next block on.
 
 `max_tokens` is the sampler's `max_new_tokens`; when a request changes it without giving `steps`, the
 steps of samplers whose `steps` is a total (llada, idlm, ...) scale with it, keeping the recorded
