@@ -33,12 +33,15 @@ ms), which the first-block ratio had counted as the server's; "the client alone"
 
 Measured 2026-12-03 (defaults, --rounds 15, 2 quiet Intel Xeon cores; the demo gated at threshold 0.9,
 exact match 1.000 at 1.7 forwards per 8 tokens vs 1.000 at 8), first block concurrent / lone (rounds'
-range), two runs:
-    recorded (threshold 0.9):  1.39x (1.26-1.53), 1.33x (1.24-1.56); throughput 7.30x, 7.44x
-    cache=dual (+ 0.9):        1.32x (1.24-1.62), 1.50x (1.26-2.07); throughput 8.16x, 7.76x
-    threshold=none:            1.61x (1.54-16.88), 1.64x (1.58-16.66); throughput 8.29x, 8.15x
-    max latency / median 1.01x everywhere. One round per run of threshold=none stalls (~17x): the first
-    time a batch of a new size (rows leave it at a stop) meets the kernels, the median absorbs it.
+range), runs in order:
+    recorded (threshold 0.9):  1.39x (1.26-1.53), 1.33x (1.24-1.56), 1.37x (1.27-1.80), 1.36x (1.28-1.60);
+                               throughput 7.2-7.4x
+    cache=dual (+ 0.9):        1.32x (1.24-1.62), 1.50x (1.26-2.07), 1.31x (1.24-1.51); throughput 7.8-8.2x
+    threshold=none:            1.61x, 1.64x, 1.63x, 1.64x (rounds 1.53-2.21 and, before the gc.freeze below,
+                               one ~200 ms round a run); throughput 8.2-8.3x
+    max latency / median 1.01x everywhere. That ~200 ms round was this process's (the clients'): a full
+    garbage collection over the trained model, data and gate objects it holds; frozen before the rounds,
+    the next run had none (threshold=none rounds 1.59-1.75).
 What bounds the ratio here: a lone request's first block is ~0.5 ms of HTTP and preparing, the
 scheduler's 5 ms batching window and its block; sixteen pay ~4.5 ms of arrivals (the client's and the
 server's loop, ~0.25 ms a request), then the batch-16 block: 1.5 -> 3.3 ms with the threshold, 5.2 ->
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -311,6 +315,10 @@ def dllm_section(args) -> None:
         run = train_demo(Path(tmp), args.train_steps, gate=True)
         trained_s = time.perf_counter() - t0
         gated = served_from_path(run).lineage.get("setting")
+        # The clients run in this process, which now holds the trained model, its data and the gate's
+        # objects: a full garbage collection in a round stalled the round's clients ~180 ms (a 16x round).
+        gc.collect()
+        gc.freeze()
         print(f"dLLM demo (tiny_addition, {args.train_steps} steps trained and gated in {trained_s:.0f} s; "
               f"recorded setting: {gated}), {args.clients} streamed completions of <= 8 tokens in blocks of 4")  # fmt: skip
         for name in args.settings.split(","):
