@@ -10,8 +10,10 @@ Scheduling gives every active batch `--chunk-tokens` new tokens per turn, so a s
 while a long one generates waits a few turns, not for the long one to end. Printed: the p50 latency of
 short requests sent at a steady pace to an idle server, then while one long request streams, and their
 ratio; then the same with `--chunk-tokens` as large as the long request (one turn per request: the old
-run-to-completion behaviour) for comparison. Tiny random Llama whose stop token can never win, so the long request runs
-all its tokens. It does not assert.
+run-to-completion behaviour) for comparison; short requests are sent for as long as the long one runs.
+Tiny random Llama whose stop token can never win, so the long request runs all its tokens. It does not
+assert. Measured 2026-12-03 (2 Intel Xeon cores, defaults): round-robin 22 -> 32 ms (1.43x, 13 requests
+during a 1.5 s long one), run to completion 24 -> 547 ms (23.2x).
 
 dLLM section: trains the demo model (params/tiny_addition.yaml, `--train-steps` steps in-process, on every
 core as `make demo` trains it) and gates it as the demo flow does (the recipe's sweep over the threshold on
@@ -79,8 +81,11 @@ MODEL = "bench-target"
 PROMPT = [{"role": "user", "content": "Natalia sold 48 clips to her friends in April."}]
 
 
-async def short_latencies(client: httpx.AsyncClient, url: str, args) -> list[float]:
-    """`args.short` short greedy requests, one fired every `args.every_s` seconds; seconds each."""
+async def short_latencies(
+    client: httpx.AsyncClient, url: str, args, during: asyncio.Task | None = None
+) -> list[float]:
+    """Short greedy requests, one fired every `args.every_s` seconds: `args.short` of them, or (`during`)
+    as many as are fired while that task runs (at least one), however fast the machine; seconds each."""
 
     async def one() -> float:
         t0 = time.perf_counter()
@@ -89,7 +94,7 @@ async def short_latencies(client: httpx.AsyncClient, url: str, args) -> list[flo
         return time.perf_counter() - t0
 
     tasks = []
-    for _ in range(args.short):
+    while len(tasks) < args.short if during is None else not (tasks and during.done()):
         tasks.append(asyncio.create_task(one()))
         await asyncio.sleep(args.every_s)
     return list(await asyncio.gather(*tasks))
@@ -116,12 +121,13 @@ async def measure(url: str, args) -> dict[str, float]:
         await asyncio.sleep(
             0.2
         )  # let the scheduler start it (with one turn per request, no text comes sooner)
-        busy = await short_latencies(client, url, args)
+        busy = await short_latencies(client, url, args, during=task)
         await task
     return {
         "idle_p50_s": statistics.median(idle),
         "busy_p50_s": statistics.median(busy),
         "long_s": long_s[0],
+        "busy_n": len(busy),
     }
 
 
@@ -378,7 +384,7 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--short", type=int, default=12, help="short requests per phase")
     p.add_argument("--short-tokens", type=int, default=16)
-    p.add_argument("--every-s", type=float, default=0.3, help="one short request every this many seconds")
+    p.add_argument("--every-s", type=float, default=0.1, help="one short request every this many seconds")
     p.add_argument("--long-tokens", type=int, default=1500)
     p.add_argument("--chunk-tokens", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=64)
@@ -414,8 +420,8 @@ def causal_section(args) -> None:
         label = "round-robin" if chunk == args.chunk_tokens else "run-to-completion"
         print(
             f"chunk-tokens {chunk} ({label}): short p50 idle {r['idle_p50_s'] * 1e3:.0f} ms, "
-            f"while a long request runs {r['busy_p50_s'] * 1e3:.0f} ms, ratio {r['busy_p50_s'] / r['idle_p50_s']:.2f}x "
-            f"(long request {r['long_s']:.1f} s)"
+            f"while a long request runs {r['busy_p50_s'] * 1e3:.0f} ms ({r['busy_n']} requests), ratio "
+            f"{r['busy_p50_s'] / r['idle_p50_s']:.2f}x (long request {r['long_s']:.1f} s)"
         )
 
 
