@@ -281,15 +281,13 @@ def block_cost(run: Path, clients: int, settings: dict | None = None) -> tuple[f
     """Seconds of one first block (llada, the bench's settings) in-process at batch 1 and `clients`."""
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.configs import build_sampler_config
-    from dllmflow.inference.dllm_engine import served_from_path
+    from dllmflow.inference.dllm_engine import served_from_path, with_server_settings
     from dllmflow.inference.generate import encode_prompt, load_for_generation
 
     served = served_from_path(run)
     model, tok, _ = load_for_generation(served.checkpoint, device="cpu")
-    settings = settings or {}
-    # as `dllmflow serve --sampler-setting` applies them: a None sends that setting back to the preset
-    recorded = {k: v for k, v in served.sampler_settings.items() if k not in settings}
-    over = {"max_new_tokens": 8, "block_size": 4, **{k: v for k, v in settings.items() if v is not None}}
+    recorded = with_server_settings(served.sampler_settings, settings or {})  # as `dllmflow serve` does
+    over = {"max_new_tokens": 8, "block_size": 4}
     config = build_sampler_config(served.sampler, over, tok, defaults=recorded)
     sampler = SAMPLERS[served.sampler](model, tok, config, mask_id=model.config.mask_token_id)
     prompt = encode_prompt(tok, "What is 47 + 38?")

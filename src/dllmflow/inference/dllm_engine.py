@@ -95,6 +95,14 @@ def served_from_path(path: str | os.PathLike) -> ServedModel:
     return ServedModel(ckpt, sampler, sampler_settings, mode, lineage)
 
 
+def with_server_settings(recorded: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """The recorded sampler settings with a server's `--sampler-setting`s applied: a value replaces the
+    recorded one, None drops it (back to the sampler's preset)."""
+    out = {k: v for k, v in recorded.items() if k not in settings}
+    out.update({k: v for k, v in settings.items() if v is not None})
+    return out
+
+
 def _gating_eval(root: Path, ckpt: Path, sampler: str) -> dict[str, Any] | None:
     """The evaluation a run was gated with: `eval/<sampler>.json` in the nearest dir from the export
     up to `root` (a run dir, or the recipe dir above its flow runs)."""
@@ -158,8 +166,7 @@ class DllmEngine:
         # The server's own settings replace the recorded ones (None: back to the sampler's preset), checked
         # before any weight is read.
         self.settings = dict(settings or {})
-        recorded = {k: v for k, v in served.sampler_settings.items() if k not in self.settings}
-        recorded.update({k: v for k, v in self.settings.items() if v is not None})
+        recorded = with_server_settings(served.sampler_settings, self.settings)
         try:
             unset = [
                 k
