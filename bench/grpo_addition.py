@@ -153,12 +153,23 @@ def main() -> None:
     p.add_argument(
         "--skip-grpo", action="store_true", help="run only the SFT-only arm (two processes: one each)"
     )
+    p.add_argument("--seed", type=int, default=42, help="train.seed of the SFT start (its init and batches)")
+    p.add_argument(
+        "--control",
+        choices=("labelled", "subset"),
+        default="labelled",
+        help="the SFT-only arm's data: labelled = the GRPO arm's prompts (the full train pool) with their "
+        "verifiable answers as labels; subset = the SFT start's labeled rows only",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     p.add_argument(
         "--reuse", type=Path, help="a kept dir of an earlier run (--keep): its data and SFT run, not redone"
     )
+    p.add_argument("--workdir", type=Path, help="make the SFT start in this (new) dir, kept; then --reuse it")
+    p.add_argument("--start-only", action="store_true", help="prepare, SFT and score the start; no arms")
     args = p.parse_args()
-    tmp = args.reuse or Path(tempfile.mkdtemp(prefix="bench-grpo-"))
+    tmp = args.reuse or args.workdir or Path(tempfile.mkdtemp(prefix="bench-grpo-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     # this process's arms, in a dir of their own: other processes may run arms from the same start
     arms = Path(tempfile.mkdtemp(prefix="arms-", dir=tmp))
     try:
@@ -168,7 +179,7 @@ def main() -> None:
             prepare(full)
         sub_data = {"prepared_dir": str(tmp / "sub"), "limit": args.rows}
         sub = load_settings(SFT, dataset=sub_data, tokenizer={"name_or_path": str(tmp / "full" / "tokenizer")},
-                            train={"max_steps": args.sft_steps, "log_every": 250},
+                            train={"max_steps": args.sft_steps, "log_every": 250, "seed": args.seed},
                             checkpoint={"every_steps": args.sft_steps}, eval={"untrained_baseline": False})  # fmt: skip
         if not args.reuse:
             prepare(sub)
@@ -185,6 +196,8 @@ def main() -> None:
             f"SFT on {n} rows, {args.sft_steps} steps ({sft_s / 60:.1f} min): held-out EM {em_sft:.3f}",
             flush=True,
         )
+        if args.start_only:
+            return
 
         # 3) GRPO on the full pool's prompts
         grpo = load_settings(GRPO, **parse_overrides(args.set),
@@ -201,14 +214,16 @@ def main() -> None:
             em_rl = held_out_em(arms / "grpo_w", full, args.limit)
             print(f"GRPO {rl.steps} steps ({rl.elapsed / 60:.1f} min): held-out EM {em_rl:.3f}", flush=True)
 
-        # 4) SFT continued on the same subset, same wall time, at the SFT's final LR
+        # 4) SFT continued from the same start for the same wall time at the SFT's final LR, on the GRPO
+        # arm's prompts with their verifiable answers as labels (labelled) or on the start's rows (subset)
         em_more, more = float("nan"), StopAfter(0, tmp)
         if not args.skip_sft_only:
             t = sub.train
+            control_data = sub_data if args.control == "subset" else {"prepared_dir": str(tmp / "full")}
             cont = load_settings(
                 SFT,
                 model={"pretrained_model_name_or_path": str(start), "tiny": None},
-                dataset=sub_data,
+                dataset=control_data,
                 tokenizer={"name_or_path": str(tmp / "full" / "tokenizer")},
                 train={"max_steps": BIG, "lr": t.lr * t.min_lr_ratio, "lr_schedule": "constant",
                        "warmup_steps": 0, "log_every": 500, "seed": t.seed + 1},
@@ -222,14 +237,15 @@ def main() -> None:
 
         load = os.getloadavg()[0]
         print(
-            f"\nrows {n} | EM sft {em_sft:.3f} ({args.sft_steps} steps) | +grpo {em_rl:.3f} ({rl.steps} steps, "
-            f"{rl.elapsed / 60:.1f} min) | +sft-only {em_more:.3f} ({more.steps} steps, {more.elapsed / 60:.1f} "
-            f"min) | gain grpo {em_rl - em_sft:+.3f} | gain sft-only {em_more - em_sft:+.3f}   "
+            f"\nrows {n} seed {args.seed} | EM sft {em_sft:.3f} ({args.sft_steps} steps) | +grpo {em_rl:.3f} "
+            f"({rl.steps} steps, {rl.elapsed / 60:.1f} min) | +sft {args.control} {em_more:.3f} ({more.steps} "
+            f"steps, {more.elapsed / 60:.1f} min) | gain grpo {em_rl - em_sft:+.3f} | gain sft {args.control} "
+            f"{em_more - em_sft:+.3f}   "
             f"(held-out {args.limit}, load avg {load:.1f}, --set {' '.join(args.set) or '-'})",
             flush=True,
         )
     finally:
-        if args.keep or args.reuse:
+        if args.keep or args.reuse or args.workdir:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)

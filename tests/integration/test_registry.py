@@ -271,3 +271,116 @@ def test_registered_model_carries_its_own_environment_and_links_its_logged_model
     assert [(i.dataset.digest, {t.key: t.value for t in i.tags}["mlflow.data.context"]) for i in inputs] == [
         (digest, "training")
     ]
+
+
+def _measured(settings, consolidated: Path, limit: int, value: float) -> dict:
+    """A real evaluation of `consolidated` (its protocol, as the flow's evaluate step records it) with
+    the gated figure replaced by `value`: what a version measured at `value` under that protocol logs."""
+    from dllmflow.evaluation.accuracy import evaluate
+
+    result = evaluate(
+        consolidated, settings, sampler="llada", limit=limit, overrides={"steps": 4, "max_new_tokens": 4}
+    )
+    result["metrics"] = {**result["metrics"], "exact_match_flexible": value}
+    return {"llada": result}
+
+
+def _gated(s, consolidated: Path, evals: dict, key: str) -> dict:
+    run = mlflow_run.log_run(s, consolidated.parent, evals=evals, lineage={"metaflow_run": key})
+    return registry.apply_gate(
+        s, registry.register_model(s, run, consolidated, sampler="llada"), evals, "llada"
+    )
+
+
+def test_gate_compares_a_candidate_with_the_champion_only_under_one_protocol(tmp_path, consolidated):
+    """The champion's recorded figure is used only under the candidate's protocol; otherwise (another
+    limit, no figure, a NaN one) it is measured again here, or the gate refuses naming what differs."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    reg = {"tracking_uri": uri, "model_name": "reg-test", "gate": {"min_accuracy": 0.0}}
+    data = {"prepared_dir": str(consolidated.parents[1] / "prepared")}
+    s = load_settings(ROOT / "params" / "tiny_mdlm.yaml", dataset=data, registry=reg)
+    reg["gate"]["remeasure_champion"] = False
+    off = load_settings(ROOT / "params" / "tiny_mdlm.yaml", dataset=data, registry=reg)
+    client = MlflowClient(uri)
+
+    # v1 champion recorded at 0.6 on 2 rows; v2 at 0.3 under the same protocol is compared with it
+    d1 = _gated(s, consolidated, _measured(s, consolidated, 2, 0.6), "P/1")
+    assert d1["promoted"]
+    v1 = client.get_model_version("reg-test", str(d1["version"]))
+    recorded = json.loads(v1.tags["eval.protocol"])
+    assert (
+        recorded["limit"] == 2
+        and recorded["sampler_settings"]["steps"] == 4
+        and len(recorded["split_sha256"]) == 64
+    )
+    d2 = _gated(s, consolidated, _measured(s, consolidated, 2, 0.3), "P/2")
+    assert not d2["promoted"] and d2["reason"] == "exact_match_flexible 0.3000 < champion v1 0.6000 - 0.0"
+
+    # 3 rows: another protocol. Refused naming the limit when re-measuring is off ...
+    d3 = _gated(off, consolidated, _measured(off, consolidated, 3, 0.3), "P/3")
+    assert not d3["promoted"]
+    assert "champion v1 was measured under another protocol (limit: 2 -> 3)" in d3["reason"]
+    assert "remeasure_champion is off" in d3["reason"]
+    # ... else v1 is evaluated again on 3 rows: its real figure (an untrained model: 0), not 0.6
+    d4 = _gated(s, consolidated, _measured(s, consolidated, 3, 0.3), "P/4")
+    assert d4["promoted"], d4["reason"]
+    assert (
+        "(limit: 2 -> 3); re-measured under this version's protocol: exact_match_flexible 0.0000"
+        in d4["reason"]
+    )
+    champion = client.get_model_version_by_alias("reg-test", "champion")
+    assert str(champion.version) == str(d4["version"])
+
+    # A champion whose figure is NaN lets nothing through unmeasured
+    client.set_model_version_tag("reg-test", champion.version, "eval.exact_match_flexible", "nan")
+    d5 = _gated(off, consolidated, _measured(off, consolidated, 3, 0.9), "P/5")
+    assert not d5["promoted"]
+    assert f"no exact_match_flexible of champion v{champion.version} to compare with" in d5["reason"]
+    assert f"champion v{champion.version} has no exact_match_flexible figure (missing or NaN)" in d5["reason"]
+    # the rows of the protocol not on this machine: the re-measure cannot run, refused naming why
+    gone = _measured(s, consolidated, 3, 0.9)
+    gone["llada"]["protocol"]["prepared_dir"] = str(tmp_path / "not-here")
+    d6 = _gated(s, consolidated, gone, "P/6")
+    assert not d6["promoted"] and "re-measuring it under this version's protocol failed" in d6["reason"]
+    assert str(client.get_model_version_by_alias("reg-test", "champion").version) == str(champion.version)
+
+
+def test_a_grpo_version_is_gated_against_the_sft_champion(tmp_path, consolidated):
+    """GRPO's register step (workflow.grpo.register) into a model whose champion is the SFT parent: an
+    RL version worse than it under the same protocol stays candidate, a better one is promoted; both
+    carry their parent."""
+    from mlflow import MlflowClient
+
+    from dllmflow.workflow import finetune, grpo
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    reg = {"tracking_uri": uri, "model_name": "reg-rl", "gate": {"min_accuracy": 0.0, "tolerance": 0.02}}
+    data = {"prepared_dir": str(consolidated.parents[1] / "prepared")}
+    sft = load_settings(ROOT / "params" / "tiny_mdlm.yaml", dataset=data, registry=reg)
+    run_dir, training = str(consolidated.parent), {"consolidated_dir": str(consolidated)}
+    champion = finetune.register(sft, run_dir, _measured(sft, consolidated, 2, 0.6), data={}, training=training,
+                                 pathspec="SFT/1")  # fmt: skip
+    assert champion["gate_promoted"]
+
+    rl = load_settings(ROOT / "params" / "tiny_mdlm.yaml", dataset=data, registry=reg,
+                       rl={"init_from": f"models:/reg-rl/{champion['version']}"})  # fmt: skip
+    parent = {"parent_init_from": rl.rl.init_from, "parent_model": f"reg-rl/{champion['version']}"}
+    worse = grpo.register(rl, run_dir, _measured(rl, consolidated, 2, 0.5), training={**training, "parent": parent},
+                          pathspec="GRPO/1")  # fmt: skip
+    assert not worse["gate_promoted"]
+    assert (
+        worse["gate_reason"] == f"exact_match_flexible 0.5000 < champion v{champion['version']} 0.6000 - 0.02"
+    )
+    client = MlflowClient(uri)
+    assert str(client.get_model_version_by_alias("reg-rl", "champion").version) == str(champion["version"])
+    tags = client.get_model_version("reg-rl", str(worse["version"])).tags
+    assert (
+        tags["stage"] == "grpo" and tags["gate.decision"] == "rejected" and tags["parent_model"] == "reg-rl/1"
+    )
+
+    better = grpo.register(rl, run_dir, _measured(rl, consolidated, 2, 0.75), training={**training, "parent": parent},
+                           pathspec="GRPO/2")  # fmt: skip
+    assert better["gate_promoted"]
+    assert str(client.get_model_version_by_alias("reg-rl", "champion").version) == str(better["version"])

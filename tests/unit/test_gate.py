@@ -68,3 +68,42 @@ def test_speed_floor_is_off_by_default_and_names_the_setting_it_was_measured_at(
     )
     assert gate_decision(gate, 0.9, 100.0, sampler="llada", version=1, setting="threshold=0.9")[0]
     assert not gate_decision(gate, 0.9, math.nan, sampler="llada", version=1)[0]  # no speed measured
+
+
+def test_a_champion_without_a_comparable_figure_lets_nothing_through():
+    gate = _gate(tolerance=0.05)
+    for value in (math.nan, math.inf * 0):
+        promote, reason = gate_decision(
+            gate, 0.99, 50.0, sampler="llada", version=2, champion_version=1, champion_value=value,
+            champion_note="champion v1 has no exact_match_flexible figure (missing or NaN)",
+        )  # fmt: skip
+        assert not promote
+        assert reason.startswith("no exact_match_flexible of champion v1 to compare with (champion v1 has no")
+    promote, reason = gate_decision(
+        gate, 0.5, 50.0, sampler="llada", version=2, champion_version=1, champion_value=0.4,
+        champion_note="re-measured",
+    )  # fmt: skip
+    assert promote and reason.endswith("(re-measured)")
+
+
+def test_protocol_differences_name_each_part_that_differs():
+    from dllmflow.evaluation.protocol import GATE_PROTOCOL, protocol_differences, protocol_fingerprint
+
+    base = {"split_sha256": "a" * 64, "limit": 64, "n_shot": 0, "sampler": "llada", "max_new_tokens": 8,
+            "sampler_settings": {"steps": 8, "threshold": None}, "answer_parser": "p/1", "checkpoint": "x"}  # fmt: skip
+    assert set(protocol_fingerprint(base)) == set(GATE_PROTOCOL) and "checkpoint" not in protocol_fingerprint(
+        base
+    )
+    assert protocol_differences(base, {**base, "checkpoint": "elsewhere", "batch_size": 3}) == []
+    other = {
+        **base,
+        "limit": 32,
+        "split_sha256": "b" * 64,
+        "sampler_settings": {"steps": 8, "threshold": 0.9},
+    }
+    assert protocol_differences(other, base) == [
+        f"split_sha256: {'a' * 64!r} -> {'b' * 64!r}",
+        "limit: 64 -> 32",
+        "sampler_settings.threshold: None -> 0.9",
+    ]
+    assert protocol_differences(base, {}) == [f"{k}: None -> {base[k]!r}" for k in GATE_PROTOCOL]

@@ -106,3 +106,56 @@ def test_the_rollout_sampler_must_fit_the_mode_and_take_the_options():
             load_settings(GRPO, rl={"estimator": {"name": "one_step", "params": {"num_masks": 2}}})
         )
     check_rl_settings(load_settings(GRPO, rl={"sampler": "llada2", "sampler_overrides": {"steps": 4}}))
+
+
+@pytest.mark.parametrize(
+    ("rl", "field"),
+    [
+        ({"sampler_overrides": {"threshold": 0.9}}, "rl.sampler_overrides.threshold"),
+        ({"sampler_overrides": {"eos_token_id": 2}}, "rl.sampler_overrides.eos_token_id"),
+        (
+            {"sampler_overrides": {"eos_token_id": "tokenizer", "threshold": 0.5}},
+            "rl.sampler_overrides.threshold, rl.sampler_overrides.eos_token_id",
+        ),  # fmt: skip
+        ({"sampler": "llada2"}, "rl.sampler"),
+    ],
+)
+def test_fsdp2_rollouts_over_ranks_take_no_threshold_or_eos_stop(rl, field):
+    """docs/strategies.md §8.4: under FSDP2 every forward is a collective, so with 2 ranks the rollout
+    options that end a decode early on some data are refused at parse time, naming the field."""
+    fsdp2 = {"distributed": {"strategy": "fsdp2"}, "launch": {"nproc_per_node": 2}}
+    with pytest.raises(SettingsError) as err:
+        load_settings(GRPO, rl=rl, **fsdp2)
+    assert f"{field}" in str(err.value) and "same number of forwards" in str(err.value)
+    load_settings(GRPO, rl=rl, launch={"nproc_per_node": 2})  # DDP: ranks do not wait on each forward
+    load_settings(GRPO, rl=rl, distributed={"strategy": "fsdp2"})  # one rank
+    assert load_settings(GRPO, **fsdp2).rl.sampler_overrides == {}
+
+
+def test_the_uneven_samplers_are_those_whose_preset_thresholds_or_stops():
+    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS
+    from dllmflow.settings import rl as rl_settings
+
+    def preset(cfg, key):
+        field = cfg.model_fields.get(key)
+        return None if field is None else field.default
+
+    uneven = {
+        n
+        for n, c in SAMPLER_CONFIGS.items()
+        if any(preset(c, k) is not None for k in ("threshold", "eos_token_id"))
+    }
+    # llada2: eos_token_id None means the tokenizer's EOS; gemma: transformers' own adaptive stopping
+    assert set(rl_settings.UNEVEN_ROLLOUT_SAMPLERS) == uneven | {"llada2", "gemma"}
+
+
+def test_rollouts_do_not_inherit_the_eval_threshold():
+    from dllmflow.rl.rollout import rollout_sampler_config
+
+    s = load_settings(GRPO, eval={"threshold": 0.9, "steps": 4, "max_new_tokens": 4, "block_size": 4})
+    config = rollout_sampler_config(s)
+    assert config.threshold is None and config.steps == 4 and config.max_new_tokens == 4  # length knobs: yes
+    assert (
+        rollout_sampler_config(load_settings(GRPO, rl={"sampler_overrides": {"threshold": 0.7}})).threshold
+        == 0.7
+    )

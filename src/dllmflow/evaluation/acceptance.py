@@ -247,7 +247,7 @@ def evaluate_dflash(
     """Speculative decoding on the prompts of the prepared `split` vs plain greedy decoding of the
     target. -> {"metrics", "protocol", "predictions"} (metrics as `acceptance_metrics`)."""
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.evaluation.protocol import prompt_messages
+    from dllmflow.evaluation.protocol import prompt_messages, split_sha256
 
     trust = bool(settings and settings.model.trust_remote_code)  # the caller's settings only
     draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target, trust_remote_code=trust)
@@ -288,12 +288,15 @@ def evaluate_dflash(
     metrics = acceptance_metrics(spec, greedy, block_size)
     metrics["num_examples"] = len(rows)
     protocol = {
+        "sampler": "acceptance",
         "decoding": "greedy speculative (DFlash draft, target verification)",
+        "sampler_settings": {"block_size": block_size, "target_layer_ids": layer_ids},
         "block_size": block_size,
         "target_layer_ids": layer_ids,
         "max_new_tokens": max_new_tokens,
         "limit": limit,
         "split": split,
+        "split_sha256": split_sha256(prepared_dir, split),
         "checkpoint": str(checkpoint),
         "target": target or cfg.target_model_id,
     }

@@ -27,6 +27,7 @@ from dllmflow.common.files import atomic_write_json
 from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
+    ANSWER_PARSER,
     EvalRunner,
     build_eval_runner,
     eval_prompts,
@@ -34,6 +35,7 @@ from dllmflow.evaluation.protocol import (
     gsm8k_extract_flexible,
     gsm8k_extract_strict,
     resolve_prepared_dir,
+    split_sha256,
     template_hash,
 )
 
@@ -96,6 +98,8 @@ def evaluate_loaded(
         "chat_template_sha256": template_hash(loaded.tokenizer),
         "limit": limit,
         "split": split,
+        "split_sha256": split_sha256(prepared_dir, split),
+        "answer_parser": ANSWER_PARSER,
         "seed": config.seed,
         "batch_size": batch_size,
         "mask_id": runner.mask_id,

@@ -93,7 +93,7 @@ def evaluate_ar(
     "protocol", "predictions", "model"}, the shape of `evaluate`'s result."""
     from dllmflow.data.tokenizer import load_tokenizer
     from dllmflow.evaluation.accuracy import generate_in_batches, score_metrics, score_predictions
-    from dllmflow.evaluation.protocol import eval_prompts, template_hash
+    from dllmflow.evaluation.protocol import ANSWER_PARSER, eval_prompts, split_sha256, template_hash
 
     ev = settings.eval
     split = split or ev.split
@@ -116,6 +116,8 @@ def evaluate_ar(
         "chat_template_sha256": template_hash(tokenizer),
         "limit": limit,
         "split": split,
+        "split_sha256": split_sha256(prepared_dir, split),
+        "answer_parser": ANSWER_PARSER,
         "batch_size": ev.batch_size,
         "base_model": settings.model.pretrained_model_name_or_path,
         "prepared_dir": str(prepared_dir),

@@ -13,6 +13,7 @@ ignored. Both evaluators import from here, never from each other.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
@@ -56,6 +57,52 @@ def gsm8k_extract_flexible(text: str) -> str | None:
 
 def gold_answer(reference: str) -> str | None:
     return gsm8k_extract_strict(reference) or gsm8k_extract_flexible(reference)
+
+
+# The name of the extraction above: a change to `_NUMBER`, `normalize_number` or the two extractors
+# that can move a score gets a new name, so figures scored before and after it no longer compare.
+ANSWER_PARSER = "gsm8k-strict-flexible/1"
+
+
+# ---- the protocol two figures must share to compare ---------------------------------------------
+
+# What decides an exact-match figure besides the model: the rows asked (the split's content and the
+# limit), how they are asked (n-shot), how answers are decoded (sampler, its whole setting, length)
+# and read (the parser). The champion gate compares figures only when all of these are equal.
+GATE_PROTOCOL = (
+    "split_sha256", "limit", "n_shot", "sampler", "sampler_settings", "max_new_tokens", "answer_parser",
+)  # fmt: skip
+
+
+def split_sha256(prepared_dir: str | Path, split: str) -> str:
+    """sha256 of a split's content as asked and scored (each row's id, chat and reference answer, in
+    order): equal for the same held-out rows whatever tokenizer the prepared dir was made with."""
+    from dllmflow.data.dataset import PreparedDataset
+
+    h = hashlib.sha256()
+    for r in PreparedDataset(prepared_dir, split).rows(None):
+        h.update(json.dumps([r["id"], r["messages"], r["answer"]], sort_keys=True).encode() + b"\n")
+    return h.hexdigest()
+
+
+def protocol_fingerprint(protocol: dict[str, Any]) -> dict[str, Any]:
+    """The `GATE_PROTOCOL` part of an evaluation's protocol (None for a part it does not record)."""
+    return {k: protocol.get(k) for k in GATE_PROTOCOL}
+
+
+def protocol_differences(candidate: dict[str, Any], champion: dict[str, Any]) -> list[str]:
+    """'key: champion -> candidate' for every part of the two fingerprints that differs."""
+    a, b = protocol_fingerprint(candidate), protocol_fingerprint(champion)
+    out = []
+    for key in GATE_PROTOCOL:
+        if a[key] == b[key]:
+            continue
+        if isinstance(a[key], dict) and isinstance(b[key], dict):  # name the sampler options that differ
+            keys = sorted(k for k in {*a[key], *b[key]} if a[key].get(k) != b[key].get(k))
+            out += [f"{key}.{k}: {b[key].get(k)!r} -> {a[key].get(k)!r}" for k in keys]
+        else:
+            out.append(f"{key}: {b[key]!r} -> {a[key]!r}")
+    return out
 
 
 # ---- prompts ------------------------------------------------------------------------------------

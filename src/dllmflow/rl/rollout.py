@@ -9,7 +9,8 @@ its own seed `rollout_seed(train.seed, position)` from the prompt's global strea
 (diffusion/seeding.py: the corruption stream's scheme, on a stream of its own). A group's tokens
 therefore do not depend on the world size or on a restart, and a resumed run redraws them exactly.
 The sampler is the recipe's (`rl.sampler`, default the mode's default sampler) with its options: the
-preset, then the `eval:` section's generation knobs, then `rl.sampler_overrides` and `rl.temperature`
+preset, then the `eval:` section's generation knobs but its threshold (a rollout commits by a threshold
+only when `rl.sampler_overrides` sets one), then `rl.sampler_overrides` and `rl.temperature`
 (`build_sampler_config`, the path generate and the registered model use; the sampler must fit the
 mode: `check_sampler`). A completion is the response up to its stop token, plus that token (the
 chat template closes an assistant turn with EOS): what SFT supervised.
@@ -25,7 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from dllmflow.diffusion.seeding import sample_seed
+from dllmflow.errors import UserError
+from dllmflow.settings.rl import UNEVEN_ROLLOUT_OPTIONS
 
+NOT_FROM_EVAL = ("threshold",)  # eval knobs rollouts do not inherit (rl.sampler_overrides may set them)
 ROLLOUT_STREAM = 2**44  # distinct from the corruption stream (2**43) at the same index
 DRAW_STREAM = 2**45  # the estimator's noise of a group
 
@@ -64,7 +68,18 @@ def rollout_sampler_config(settings: Any, tokenizer: Any = None, *, greedy: bool
     name = sampler_name(settings)
     check_sampler(settings.dllm.mode, name)
     explicit = {**settings.rl.sampler_overrides, "temperature": 0.0 if greedy else settings.rl.temperature}
-    return build_sampler_config(name, explicit, tokenizer, defaults=eval_defaults(settings.eval, name))
+    # the eval section's length knobs, not its threshold: a rollout commits by a threshold only when
+    # `rl.sampler_overrides` says so (it changes the policy sampled, and under FSDP2 the forwards per rank)
+    defaults = {k: v for k, v in eval_defaults(settings.eval, name).items() if k not in NOT_FROM_EVAL}
+    config = build_sampler_config(name, explicit, tokenizer, defaults=defaults)
+    if settings.distributed.strategy == "fsdp2" and settings.world_size > 1:  # the preset's, past the parse
+        uneven = [k for k in UNEVEN_ROLLOUT_OPTIONS if getattr(config, k, None) is not None]
+        if uneven:
+            raise UserError(
+                f"rl.sampler={name}: its rollouts would decode with {', '.join(uneven)} set, which under FSDP2 "
+                f"with {settings.world_size} ranks gives ranks different numbers of forwards; pick llada or scdd"
+            )
+    return config
 
 
 def build_rollout_sampler(

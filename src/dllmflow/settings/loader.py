@@ -31,7 +31,7 @@ from dllmflow.errors import UserError
 
 from .dllm import DFlashSection, DLLMConfig, MDLMConfig
 from .pipeline import EvalConfig, FlowConfig, RegenerateConfig, RegistryConfig
-from .rl import RLConfig, check_rl_mode, import_reward
+from .rl import RLConfig, check_lockstep_rollouts, check_rl_mode, import_reward
 from .sections import (
     CheckpointConfig,
     DatasetConfig,
@@ -151,9 +151,10 @@ class Settings(BaseSettings):
                 "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
             )
         self.dataset.check_packing(self.dllm)
-        check_rl_mode(self.rl, self.dllm, self.launch.nnodes * self.launch.nproc_per_node)
-        gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         world = self.launch.nnodes * self.launch.nproc_per_node
+        check_rl_mode(self.rl, self.dllm, world)
+        check_lockstep_rollouts(self.rl, self.distributed.strategy, world)
+        gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         if gbs % (lbs * world) and self.rl is None:  # GRPO's batch is rl.prompts_per_step x G
             raise ValueError(
                 f"train.global_batch_size ({gbs}) must be a multiple of local_batch_size x world size ({lbs} x {world})"

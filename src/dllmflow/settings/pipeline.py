@@ -143,6 +143,11 @@ class GateConfig(Section):
     min_tau: float = Field(
         1.1, ge=1.0, description="Floor when metric is tau: >= 1 accepted draft token per 10 target forwards."
     )
+    remeasure_champion: bool = Field(
+        True,
+        description="A champion measured under another protocol (held-out rows, limit, sampler setting, "
+        "length, parser) or without the metric is evaluated again under the candidate's; off = refuse.",
+    )
 
 
 class RegistryConfig(Section):

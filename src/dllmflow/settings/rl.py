@@ -11,7 +11,8 @@ fields refused, defaults here, imports no torch:
 Checked at parse time, each naming its field: the mode has an estimator (`rl_refusal` of the mode's
 `dllm:` config class, declared once per mode, read by `ModeSpec.supports_rl`), G >= 2, estimator and
 reward names (built-in names, or a user's reward as "module:attr", imported only from the caller's
-own recipe like `plugins`), weights per reward, prompts_per_step divisible by the world size. What
+own recipe like `plugins`), weights per reward, prompts_per_step divisible by the world size, and
+under FSDP2 with more than one rank no rollout threshold or EOS stop (`check_lockstep_rollouts`). What
 needs the torch side (the rollout sampler's options and its fit to the mode, the estimator's params)
 is checked by `dllmflow.rl.config.check_rl_settings` before anything is launched.
 """
@@ -34,13 +35,31 @@ from pydantic import (
 
 from .sections import Section
 
-__all__ = ["RL_ESTIMATORS", "RL_REWARDS", "EstimatorSettings", "RLConfig", "check_rl_mode", "import_reward"]
+__all__ = [
+    "RL_ESTIMATORS",
+    "RL_REWARDS",
+    "UNEVEN_ROLLOUT_OPTIONS",
+    "UNEVEN_ROLLOUT_SAMPLERS",
+    "EstimatorSettings",
+    "RLConfig",
+    "check_lockstep_rollouts",
+    "check_rl_mode",
+    "import_reward",
+]
 
 # The names `dllmflow.rl.estimators.ESTIMATORS` and `dllmflow.rl.rewards.REWARDS` register (a unit test
 # keeps these equal to the registries, which live above settings and import torch).
 RL_ESTIMATORS: tuple[str, ...] = ("one_step", "mc_elbo", "coupled")
 RL_REWARDS: tuple[str, ...] = ("exact_match", "exact_match_strict", "format")
 _USER_REWARD = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+# Under FSDP2 every forward is a collective: each rank's rollouts must take the same number of forwards
+# (docs/strategies.md §8.4). These rollout options end a decode early on some data (a confidence
+# threshold commits several tokens per step; an EOS stop ends a row), and these samplers do so whatever
+# `rl.sampler_overrides` says (a preset threshold or EOS stop, which a null override keeps, or the
+# model's own generate loop). A unit test keeps the list equal to the sampler configs' presets.
+UNEVEN_ROLLOUT_OPTIONS: tuple[str, ...] = ("threshold", "eos_token_id")
+UNEVEN_ROLLOUT_SAMPLERS: tuple[str, ...] = ("llada2", "nemotron", "idlm", "gemma")
 
 
 class EstimatorSettings(Section):
@@ -164,4 +183,26 @@ def check_rl_mode(rl: RLConfig | None, dllm: Any, world_size: int) -> None:
         raise ValueError(
             f"rl.prompts_per_step ({rl.prompts_per_step}) must be a multiple of the world size ({world_size}): "
             "each rank decodes whole groups"
+        )
+
+
+def check_lockstep_rollouts(rl: RLConfig | None, strategy: str, world_size: int) -> None:
+    """FSDP2 with more than one rank: no rollout option or sampler that makes one rank's decode take
+    fewer forwards than another's (ValueError naming the field). The eval section's threshold is not
+    inherited by rollouts (`dllmflow.rl.rollout.rollout_sampler_config`), so only `rl:` is read."""
+    if rl is None or world_size <= 1 or strategy != "fsdp2":
+        return
+    why = f"under FSDP2 with {world_size} ranks every rank's rollouts must take the same number of forwards"
+    if rl.sampler in UNEVEN_ROLLOUT_SAMPLERS:
+        raise ValueError(
+            f"rl.sampler={rl.sampler}: {why}, and {rl.sampler} decodes with a preset confidence threshold or "
+            "EOS stop; use llada (mdlm, scdd) or scdd, or distributed.strategy: ddp"
+        )
+    uneven = [
+        f"rl.sampler_overrides.{k}" for k in UNEVEN_ROLLOUT_OPTIONS if rl.sampler_overrides.get(k) is not None
+    ]
+    if uneven:
+        raise ValueError(
+            f"{', '.join(uneven)}: {why} (a threshold commits several tokens per step, an EOS stop ends a row "
+            "early); remove it, or use distributed.strategy: ddp"
         )

@@ -26,6 +26,7 @@ from typing import Any
 
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings
+from dllmflow.tracking.champion import PROTOCOL_TAG, ChampionFigure, champion_figure, recorded_protocol
 from dllmflow.tracking.dataset_input import log_dataset_input, prepared_dataset
 from dllmflow.tracking.mlflow_run import connect
 from dllmflow.tracking.model_env import build_model_env
@@ -194,11 +195,14 @@ def gate_decision(
     champion_version: str | int | None = None,
     champion_value: float = float("nan"),
     setting: str | None = None,
+    champion_note: str = "",
 ) -> tuple[bool, str]:
     """(promote, reason) for a version scoring `value` on `gate.metric` (a `GateConfig`), against the
-    current champion (None = none yet). Checked in order: the metric exists, the speed floor, the
-    metric's absolute floor (`gate_floor`: a version below it never becomes champion, the first one
-    included), then no champion / already champion / not worse than the champion minus the tolerance.
+    current champion (None = none yet) scoring `champion_value` under the same protocol
+    (`tracking.champion`; `champion_note`: how that figure was obtained, or why there is none). Checked
+    in order: the metric exists, the speed floor, the metric's absolute floor (`gate_floor`: a version
+    below it never becomes champion, the first one included), then no champion / already champion / a
+    champion figure to compare with (none: refused) / not worse than the champion minus the tolerance.
     `setting`: the sweep point both numbers were measured at (named in the speed reason)."""
     floor = gate_floor(gate)
     if not math.isfinite(value):
@@ -218,12 +222,15 @@ def gate_decision(
         return True, f"no champion yet ({gate.metric} {value:.4f} >= floor {floor})"
     if str(champion_version) == str(version):
         return True, "already champion"
-    if not math.isfinite(champion_value) or value >= champion_value - gate.tolerance:
+    note = f" ({champion_note})" if champion_note else ""
+    if not math.isfinite(champion_value):  # nothing to compare with is no licence to replace the champion
+        return False, f"no {gate.metric} of champion v{champion_version} to compare with{note}"
+    if value >= champion_value - gate.tolerance:
         return True, (
-            f"{gate.metric} {value:.4f} >= champion v{champion_version} {champion_value:.4f} - {gate.tolerance}"
+            f"{gate.metric} {value:.4f} >= champion v{champion_version} {champion_value:.4f} - {gate.tolerance}{note}"
         )
     return False, (
-        f"{gate.metric} {value:.4f} < champion v{champion_version} {champion_value:.4f} - {gate.tolerance}"
+        f"{gate.metric} {value:.4f} < champion v{champion_version} {champion_value:.4f} - {gate.tolerance}{note}"
     )
 
 
@@ -233,7 +240,9 @@ def apply_gate(
     """Move `champion` to `version` when `gate_decision` says so (its metric at or above the absolute
     floor, not below the current champion's minus `registry.gate.tolerance`, its speed at or above
     `registry.gate.min_tokens_per_s`), all measured at the setting the model is registered at (the
-    chosen `eval.sweep` point, tag `gate.setting`). The decision and its reason are written as tags on
+    chosen `eval.sweep` point, tag `gate.setting`). The champion's figure is one measured under this
+    version's protocol (`tracking.champion`: recorded, re-measured, or none and refused); the protocol
+    is recorded as the version's `eval.protocol`. The decision and its reason are written as tags on
     the model version and on its run."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -248,10 +257,14 @@ def apply_gate(
     acc = float(metrics.get(gate.metric, float("nan")))
     speed = float(metrics.get("tokens_per_s", 0.0))
     setting = chosen_setting(evals.get(sampler, {}))
+    protocol = evals.get(sampler, {}).get("protocol", {})
     try:
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
         champion = None
+    figure = ChampionFigure(float("nan"), "")
+    if champion is not None and str(champion.version) != str(version.version):
+        figure = champion_figure(settings, champion, protocol, gate.metric)
     promote, reason = gate_decision(
         gate,
         acc,
@@ -259,10 +272,12 @@ def apply_gate(
         sampler=sampler,
         version=version.version,
         champion_version=champion.version if champion is not None else None,
-        champion_value=float(champion.tags.get(f"eval.{gate.metric}", "nan")) if champion else float("nan"),
+        champion_value=figure.value,
         setting=setting_label(setting) if setting is not None else None,
+        champion_note=figure.note,
     )
 
+    client.set_model_version_tag(name, version.version, PROTOCOL_TAG, recorded_protocol(protocol))
     client.set_model_version_tag(name, version.version, f"eval.{gate.metric}", f"{acc:.6f}")
     client.set_model_version_tag(name, version.version, "eval.tokens_per_s", f"{speed:.4f}")
     client.set_model_version_tag(

@@ -45,10 +45,10 @@ def resolve_init_from(init_from: str, settings: Settings) -> tuple[Path, dict[st
 
 
 def _registered_export(uri: str, settings: Settings) -> tuple[Path, dict[str, str]]:
-    import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    from dllmflow.tracking.champion import download_checkpoint
     from dllmflow.tracking.mlflow_run import connect
 
     connect(settings)
@@ -61,27 +61,19 @@ def _registered_export(uri: str, settings: Settings) -> tuple[Path, dict[str, st
             if alias
             else client.get_model_version(name, ref.rsplit("/", 1)[1])
         )
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version.version}"))
+        checkpoint = download_checkpoint(name, version.version)
     except (MlflowException, IndexError) as e:
         raise UserError(
             f"rl.init_from={uri!r}: no such registered model version ({str(e).splitlines()[0]}); "
             "write models:/<name>@<alias> or models:/<name>/<version>"
         ) from None
-    export = runs.resolve_checkpoint(local / _checkpoint_artifact(local))
+    export = runs.resolve_checkpoint(checkpoint)
     return export, {
         "parent_init_from": uri,
         "parent_export": str(export),
         "parent_model": f"{name}/{version.version}",
         "parent_run_id": version.run_id or "",
     }
-
-
-def _checkpoint_artifact(model_dir: Path) -> str:
-    """Where the registered pyfunc keeps its `checkpoint` artifact (tracking/registry.py), per its MLmodel."""
-    import yaml
-
-    mlmodel = yaml.safe_load((model_dir / "MLmodel").read_text())
-    return mlmodel["flavors"]["python_function"]["artifacts"]["checkpoint"]["path"]
 
 
 def starting_settings(
