@@ -56,6 +56,32 @@ class FaultInjection:
         await self.app(scope, receive, send)
 
 
+TINY_DLLM_TEXTS = [
+    "Natalia sold 48 clips in April and half as many in May. #### 72",
+    "What is 2 + 3? The answer is 5.",
+]
+
+
+def tiny_dllm_export(out: Path) -> Path:
+    """A tiny random dLLM export (mdlm, 1 layer, 2,048 positions) with its tokenizer and settings.json:
+    what `dllmflow serve --model` serves as a dLLM."""
+    import torch
+
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+    from dllmflow.models.build import build_model
+    from dllmflow.settings import load_settings
+
+    tok = train_bpe_tokenizer(TINY_DLLM_TEXTS * 5, 300, "<mask>", "<pad>", "<eos>")
+    settings = load_settings(
+        model={"tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}}
+    )
+    torch.manual_seed(0)
+    build_model(settings, tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    settings.write_json(out / "settings.json")
+    return out
+
+
 def slow_turns(app, turn_delay_s: float) -> None:
     """Every decoding step of the app's engine sleeps `turn_delay_s` first (it runs in the scheduler's
     worker thread, so the turn itself is slow, as on a loaded accelerator)."""

@@ -93,3 +93,57 @@ def test_evaluate_too_many_new_tokens(tmp_path):
         evaluate(tmp_path / "ckpt")
     with pytest.raises(UserError, match="--mask-id 5000"):
         evaluate(tmp_path / "ckpt", overrides={"mask_id": 5000, "max_new_tokens": 8})
+
+
+# What a caller asks of a sampler (a served request's overrides, `serve --sampler-setting`, `generate`'s
+# flags, the pyfunc's params) goes through one check, `diffusion.samplers.asked`: strict, then capped.
+ASKED_BAD = {
+    "steps as a string": ("llada", {"steps": "1000000000"}, "steps", "valid integer"),
+    "steps as a float": ("llada", {"steps": 1e9}, "steps", "valid integer"),
+    "steps as a bool": ("llada", {"steps": True}, "steps", "valid integer"),
+    "steps past the cap": ("llada", {"steps": 10**9}, "steps", r"cap of 1024 \(--max-tokens-cap\)"),
+    "steps past the generation": ("llada", {"steps": 129}, "steps", r"generation length \(max_new_tokens = 128\)"),
+    "llada2 steps past its block": ("llada2", {"steps": 33}, "steps", r"the block size = 32"),
+    "block past the cap": ("llada", {"block_size": 1025}, "block_size", "--max-tokens-cap"),
+    "threshold as a string": ("llada", {"threshold": "0.9"}, "threshold", "valid number"),
+    "temperature inf": ("llada", {"temperature": float("inf")}, "temperature", "finite"),
+    "temperature 3": ("llada", {"temperature": 3}, "temperature", r"outside \[0, 2\]"),
+    "scdd shape inf": ("scdd", {"schedule_shape": float("inf")}, "schedule_shape", "finite"),
+    "seed 2^70": ("llada", {"seed": 2**70}, "seed", "int64"),
+    "seed as a bool": ("llada", {"seed": False}, "seed", "valid integer"),
+    "max_new_tokens past the cap": ("llada", {"max_new_tokens": 100000}, "max_new_tokens", "--max-tokens-cap"),
+    "no_kv_cache as a string": ("idlm", {"no_kv_cache": "yes"}, "no_kv_cache", "valid boolean"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ASKED_BAD))
+def test_an_asked_sampler_value_is_parsed_strictly_and_capped(case):
+    from dllmflow.diffusion.samplers.asked import AskLimits, build_asked_config
+    from dllmflow.diffusion.samplers.configs import SamplerSettingError
+
+    sampler, asked, field, why = ASKED_BAD[case]
+    with pytest.raises(SamplerSettingError, match=f"^{field}: .*{why}") as info:
+        build_asked_config(sampler, asked, limits=AskLimits(1024))
+    assert info.value.field == field
+
+
+def test_asked_values_at_their_bounds_are_taken():
+    from dllmflow.diffusion.samplers.asked import AskLimits, build_asked_config
+
+    cfg = build_asked_config(
+        "llada", {"steps": 128, "temperature": 2, "seed": -(2**63)}, limits=AskLimits(128)
+    )
+    assert (cfg.steps, cfg.temperature, cfg.seed) == (128, 2.0, -(2**63))
+    # the recorded values are the run's own, not the caller's: a recorded 64 steps for 8 tokens stays
+    assert (
+        build_asked_config("llada", {"threshold": 0.9}, defaults={"steps": 64, "max_new_tokens": 8}).steps
+        == 64
+    )
+
+
+def test_generate_steps_past_the_generation_are_refused_naming_the_flag(ckpt, capsys):
+    code = main(["generate", "--checkpoint", str(ckpt), "--prompt", "Hi", "--max-new-tokens", "8",
+                 "--steps", "1000"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "--steps 1000 is above the generation length" in err, err
+    assert "Traceback" not in err

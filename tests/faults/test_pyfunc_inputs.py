@@ -79,3 +79,16 @@ def test_good_inputs_still_generate(generator):
     assert generator.predict(None, pd.DataFrame({0: ["What is 2 + 3?", "Natalia sold"]})) == want
     assert generator.predict(None, np.array(["What is 2 + 3?", "Natalia sold"])) == want
     assert generator.predict(None, "What is 2 + 3?") == want[:1]
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [({"steps": 1000}, "steps"), ({"steps": "3"}, "steps"), ({"temperature": float("inf")}, "temperature")],
+)
+def test_bad_params_are_refused_before_decoding(generator, params, field):
+    """The pyfunc's params go through the server's check (`diffusion.samplers.asked`): `steps` past the
+    generation length (10^9 steps tried to allocate 8 GB), a string for a number, a non-finite float."""
+    from dllmflow.tracking.pyfunc import InvalidGenerationRequest
+
+    with pytest.raises(InvalidGenerationRequest, match=f"^{field}: "):
+        generator.predict(None, ["What is 2 + 3?"], params=params)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -177,12 +179,23 @@ def test_same_settings_are_batched_and_answer_as_alone(server):
         ({"dllmflow": {"cache": "dual", "use_kv_cache": True}}, "dllmflow.use_kv_cache"),
         ({"dllmflow": {"sampler": "nope"}}, "dllmflow.sampler"),
         ({"dllmflow": {"steps": 10_000}}, "dllmflow.steps"),
+        # strict, then capped (diffusion.samplers.asked): each of these held or crashed the server
+        ({"dllmflow": {"steps": "1000000000"}}, "dllmflow.steps"),
+        ({"dllmflow": {"steps": 1e9}}, "dllmflow.steps"),
+        ({"dllmflow": {"steps": True}}, "dllmflow.steps"),
+        ({"dllmflow": {"steps": 13}, "max_tokens": 12}, "dllmflow.steps"),  # past the generation
+        ({"dllmflow": {"temperature": float("inf")}}, "temperature"),  # json sends Infinity
+        ({"dllmflow": {"seed": 2**70}}, "seed"),
+        ({"dllmflow": {"threshold": "0.9"}}, "dllmflow.threshold"),
+        ({"seed": 2**70}, "seed"),
         ({"top_p": 0.5}, "top_p"),
         ({"logprobs": True}, "logprobs"),
     ],
 )
 def test_bad_overrides_are_400_naming_the_field(server, extra, param):
-    r = httpx.post(f"{server}/chat/completions", json={"model": NAME, "messages": HI, **extra}, timeout=60)
+    body = json.dumps({"model": NAME, "messages": HI, **extra})  # inf as `Infinity`, which json.loads reads
+    headers = {"content-type": "application/json"}
+    r = httpx.post(f"{server}/chat/completions", content=body, headers=headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
@@ -265,11 +278,32 @@ def test_a_version_that_is_not_a_dllmflow_model_is_refused(registered):
     assert Path(tmp / "cache").is_dir()
 
 
+@pytest.mark.parametrize(
+    "item, named",
+    [("steps=1e9", "steps: input should be a valid integer"), ("seed=1180591620717411303424", "seed: "),
+     ("max_new_tokens=100000", "max_new_tokens: 100000 is above the cap of 1024 (--max-tokens-cap)"),
+     ("temperature=inf", "temperature: "), ("temperature=.inf", "temperature: must be a finite number"),
+     ("steps=64", "steps: 64 is above the generation length")],
+)  # fmt: skip
+def test_a_server_sampler_setting_is_checked_like_a_request(registered, item, named):
+    """`--sampler-setting` goes through the requests' check, under the server's `--max-tokens-cap`,
+    before any weight is read (the recorded setting decodes 12 tokens: 64 steps are past them)."""
+    from dllmflow.errors import UserError
+    from dllmflow.inference.dllm_engine import DllmEngine, served_from_path
+    from dllmflow.inference.serve_cli import parse_sampler_settings
+
+    _, export, _, _ = registered
+    served = dataclasses.replace(served_from_path(export), sampler_settings=RECORDED)
+    with pytest.raises(UserError, match="^" + re.escape(f"--sampler-setting {named}")):
+        DllmEngine(served, settings=parse_sampler_settings([item]), max_tokens_cap=1024)
+
+
 def test_server_sampler_settings_and_threads_are_served_and_a_bad_one_is_exit_2(registered):
     base = [sys.executable, "-m", "dllmflow.cli", "serve", "--model", f"models:/{NAME}@champion", "--port", "1"]  # fmt: skip
     bad = [
         (["--sampler-setting", "cache=triple"], "--sampler-setting cache"),
         (["--sampler-setting", "steps"], "--sampler-setting 'steps'"),
+        (["--sampler-setting", "steps=1e9"], "--sampler-setting steps: input should be a valid integer"),
         (["--threads", "0"], "--threads must be >= 1"),
     ]
     with registry_env(registered):

@@ -11,29 +11,18 @@ import json
 import pytest
 import torch
 
+from _serving import TINY_DLLM_TEXTS as TEXTS
+from _serving import tiny_dllm_export
 from dllmflow.inference.dllm_engine import DllmEngine, ServedModel, is_dllm_checkpoint, served_from_path
 from dllmflow.inference.requests import RequestError
 from dllmflow.settings import load_settings
 
-TEXTS = ["Natalia sold 48 clips in April and half as many in May. #### 72", "What is 2 + 3? The answer is 5."]
 RECORDED = {"steps": 12, "max_new_tokens": 12, "block_size": 4}
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    from dllmflow.data.tokenizer import train_bpe_tokenizer
-    from dllmflow.models.build import build_model
-
-    out = tmp_path_factory.mktemp("dllm_engine") / "export"
-    tok = train_bpe_tokenizer(TEXTS * 5, 300, "<mask>", "<pad>", "<eos>")
-    settings = load_settings(
-        model={"tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}}
-    )
-    torch.manual_seed(0)
-    build_model(settings, tok).save_pretrained(out)
-    tok.save_pretrained(out)
-    settings.write_json(out / "settings.json")
-    return out
+    return tiny_dllm_export(tmp_path_factory.mktemp("dllm_engine") / "export")
 
 
 @pytest.fixture(scope="module")

@@ -171,12 +171,13 @@ def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
 def build_runner(
     model: Any, tokenizer: Any, settings: Any, sampler: str, overrides: dict[str, Any] | None
 ) -> Any:
-    """`sampler` on a loaded model, its config from preset < settings.eval < `overrides` (strict)."""
+    """`sampler` on a loaded model, its config from preset < settings.eval < `overrides` (the caller's
+    flags or a sweep point: parsed strictly and capped, `inference.generate.flag_config`)."""
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.configs import build_sampler_config
+    from dllmflow.inference.generate import flag_config
 
     defaults = eval_defaults(settings.eval if settings is not None else None, sampler)
-    config = build_sampler_config(sampler, overrides, tokenizer, defaults=defaults)
+    config = flag_config(sampler, overrides or {}, tokenizer, defaults=defaults)
     return SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
-from dllmflow.inference.engine import ChatRequest
+from dllmflow.inference.engine import ChatRequest, DecodeAborted
 from dllmflow.inference.requests import RequestError
 from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
 
@@ -143,15 +143,20 @@ class DllmEngine:
     """A dLLM + tokenizer + recorded sampler settings, decoding batches one block per `step`; the
     interface `engine.Scheduler` drives (prefill / step / keep / result)."""
 
-    def __init__(self, served: ServedModel, dtype: str = "float32", settings: dict[str, Any] | None = None):
+    def __init__(
+        self, served: ServedModel, dtype: str = "float32", settings: dict[str, Any] | None = None,
+        max_tokens_cap: int | None = None,
+    ):  # fmt: skip
         """`settings`: what the server decodes with instead of the recorded settings (`--sampler-setting`),
-        validated for the served sampler (a UserError naming the key); requests override either."""
+        validated for the served sampler like a request's overrides, under the server's `max_tokens_cap`
+        (a UserError naming the key); requests override either."""
         import inspect
 
         import torch
 
         from dllmflow.diffusion.modes import SamplerMisfitError, check_sampler
         from dllmflow.diffusion.samplers import SAMPLER_CONFIGS, SAMPLERS
+        from dllmflow.diffusion.samplers.asked import AskLimits, build_asked_config
         from dllmflow.diffusion.samplers.base import stop_token_ids
         from dllmflow.diffusion.samplers.configs import SamplerSettingError, build_sampler_config
         from dllmflow.inference.generate import load_for_generation, resolve_default_sampler
@@ -175,9 +180,14 @@ class DllmEngine:
             ]
             if unset:
                 raise SamplerSettingError(f"sampler {self.sampler} does not take {unset[0]}", unset[0])
-            build_sampler_config(self.sampler, self.settings, None, defaults=recorded)
+            build_asked_config(
+                self.sampler, self.settings, None, defaults=recorded, limits=AskLimits(max_tokens_cap)
+            )
         except SamplerSettingError as e:
-            raise UserError(f"--sampler-setting {e.field or ''}: {e}".replace(" :", ":")) from None
+            named = e.field is None or str(e).startswith(f"{e.field}:")  # asked.py's messages lead with it
+            raise UserError(
+                f"--sampler-setting {e}" if named else f"--sampler-setting {e.field}: {e}"
+            ) from None
         served = self.served = dataclasses.replace(served, sampler_settings=recorded)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer, _ = load_for_generation(
@@ -191,6 +201,11 @@ class DllmEngine:
         self.sampler_cls = SAMPLERS[self.sampler]
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.max_length = int(max_positions(self.model) or 1 << 30)
+        # Checked before every forward (`_abort_check`): the rows of the block decoding now, and whether the
+        # server is stopping (set at its shutdown).
+        self.rows: list[DllmRequest] = []
+        self.stopping = False
+        self.model.register_forward_pre_hook(self._abort_check)
         self.reserved_template_args = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
         # Set by the server (`Scheduler.publish`): queues an event for a request from the worker thread
         # mid-turn. None (in-process use): blocks are reported at the turn's end only.
@@ -216,8 +231,9 @@ class DllmEngine:
         `steps`, `threshold`, `cache`, ...): the rules of `build_sampler_config` (the pyfunc's), refused
         as RequestError naming `dllmflow.<field>`."""
         from dllmflow.diffusion.modes import SamplerMisfitError
-        from dllmflow.diffusion.samplers import SAMPLERS
-        from dllmflow.diffusion.samplers.configs import SamplerSettingError, build_sampler_config
+        from dllmflow.diffusion.samplers import SAMPLER_CONFIGS, SAMPLERS
+        from dllmflow.diffusion.samplers.asked import AskLimits, build_asked_config
+        from dllmflow.diffusion.samplers.configs import SamplerSettingError
 
         overrides = dict(overrides)
         sampler = overrides.pop("sampler", None) or self.sampler
@@ -229,20 +245,17 @@ class DllmEngine:
             raise RequestError(str(e), "dllmflow.sampler") from None
         if max_tokens is not None:
             overrides["max_new_tokens"] = max_tokens
-            if "steps" not in overrides and not SAMPLERS[sampler].steps_per_block:
-                overrides["steps"] = max(1, math.ceil(preset.steps * max_tokens / preset.max_new_tokens))
-        try:
-            config = build_sampler_config(sampler, overrides, self.tokenizer, defaults=self.recorded)
+            if "steps" not in overrides and not SAMPLER_CONFIGS[sampler].steps_per_block:
+                scaled = math.ceil(preset.steps * max_tokens / preset.max_new_tokens)
+                overrides["steps"] = min(max_tokens, max(1, scaled))
+        try:  # strict, then capped: a forward per step, bounded like max_tokens
+            limits = AskLimits(steps_cap)
+            config = build_asked_config(
+                sampler, overrides, self.tokenizer, defaults=self.recorded, limits=limits
+            )
         except SamplerSettingError as e:
             param = e.field if e.field in ("temperature", "seed") else f"dllmflow.{e.field}"
             raise RequestError(str(e), param if e.field else "dllmflow") from None
-        for name in ("steps", "max_post_steps"):  # a forward each: bounded like max_tokens
-            if isinstance(overrides.get(name), int) and overrides[name] > steps_cap:
-                raise RequestError(
-                    f"'dllmflow.{name}' is {overrides[name]}, above this server's cap of {steps_cap} "
-                    "(--max-tokens-cap)",
-                    f"dllmflow.{name}",
-                )
         temperature = float(getattr(config, "temperature", 0.0))
         # A sampled request draws from a generator its batch shares (the draws depend on the batch); a
         # sampler without batching decodes one prompt at a time: either decodes alone.
@@ -273,11 +286,24 @@ class DllmEngine:
         decode = DllmDecode(list(reqs), runner.stepper([r.prompt_ids for r in reqs]))
         return self.step(decode, 1)
 
+    def _abort_check(self, module: Any, args: Any) -> None:
+        """Before each forward: a block whose rows are all gone, or on a stopping server, ends now rather
+        than after its last step, so a request never holds the model past its timeout and SIGTERM stops
+        the server mid-block (the Scheduler drops the batch)."""
+        if self.stopping:
+            raise DecodeAborted("the server is stopping: the batch decoding now is dropped")
+        if self.rows and all(r.cancelled for r in self.rows):
+            raise DecodeAborted(f"a batch of {len(self.rows)} stopped mid-block: its requests are gone")
+
     def step(self, decode: DllmDecode, num_blocks: int = 1) -> DllmDecode:
         """Decode the batch's next block; rows whose answer became final finish and leave it."""
         from dllmflow.diffusion.samplers.base import trim_at_stop
 
-        progress = decode.stepper.step(on_settled=self._settled_listener(decode))
+        self.rows = decode.reqs
+        try:
+            progress = decode.stepper.step(on_settled=self._settled_listener(decode))
+        finally:
+            self.rows = []
         if progress is None:  # the last block: the sampler's own trimmed result
             result = decode.stepper.result
             for req, seq, nfe in zip(decode.reqs, result.sequences, result.row_nfe):

@@ -7,9 +7,11 @@ refused by name), plus the vendor key `dllmflow` of per-request sampler override
 
     {"model": "m", "messages": [...], "max_tokens": 16, "dllmflow": {"threshold": 0.9, "cache": "dual"}}
 
-The overrides are checked by the sampler's own rules (`diffusion.samplers.base.build_sampler_config`,
-the function the registered pyfunc's params go through): an option the sampler does not take or a bad
-value is HTTP 400 naming `dllmflow.<field>`. `temperature` and `seed` are the sampler's (absent: the
+The overrides are checked by `diffusion.samplers.asked.build_asked_config` (what `serve
+--sampler-setting`, `generate`'s flags and the registered pyfunc's params go through too): each value
+parsed strictly by its field's type (no string or bool for a number, no float for an int, finite
+floats), then capped (`steps` by the generation length and `--max-tokens-cap`); an option the sampler
+does not take or a bad value is HTTP 400 naming `dllmflow.<field>`. `temperature` and `seed` are the sampler's (absent: the
 recorded ones; dLLM samplers decode greedily unless told otherwise); `top_p` has no dLLM meaning and only
 1 is accepted; `max_tokens` is the sampler's `max_new_tokens`.
 """
@@ -20,9 +22,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from dllmflow.diffusion.samplers.asked import SEED_MAX, SEED_MIN, TEMPERATURE_MAX
 from dllmflow.inference.requests import (
-    SEED_MAX,
-    SEED_MIN,
     Message,
     RequestError,
     RequestLimits,
@@ -38,7 +39,7 @@ VENDOR_KEY = "dllmflow"
 class _DllmBody(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
     top_p: float | None = Field(None, ge=1.0, le=1.0)  # a dLLM sampler has no nucleus: 1 only
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=1)

@@ -34,6 +34,11 @@ from dllmflow.runs import find_export
 log = logging.getLogger("dllmflow.inference.serve")
 
 
+class DecodeAborted(Exception):
+    """A turn stopped between two forwards: every row of its batch is gone (timed out, client gone) or
+    the server is stopping (`DllmEngine`: a dLLM block is up to --max-tokens-cap forwards)."""
+
+
 @dataclass(eq=False)
 class ChatRequest:
     """One accepted request as the scheduler sees it; `events` carries ("tokens" | "done" | "error", x)."""
@@ -108,6 +113,8 @@ def _draw(probs, generators):
 class ChatEngine:
     """A causal LM + tokenizer with a chat template, generating a batch a few tokens at a time:
     `prefill(reqs)` starts a `Decode`, `step(decode, n)` adds up to n tokens per live row."""
+
+    stopping = False  # set at the server's shutdown; a turn is only --chunk-tokens forwards: nothing waits
 
     def __init__(self, model_path: str | os.PathLike, dtype: str = "float32"):
         import torch
@@ -357,6 +364,12 @@ class Scheduler:
         self.running = reqs
         try:
             decode = await asyncio.to_thread(work)
+        except DecodeAborted as e:  # nobody waits for these rows any more: drop the batch
+            log.info("%s", e)
+            self.counters["dropped"] += len(reqs)
+            for req in reqs:
+                req.events.put_nowait(("error", e))
+            return
         except Exception as e:  # answer every waiter; the server keeps running
             log.exception("generation failed")
             for req in reqs:

@@ -265,6 +265,21 @@ def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def flag_config(sampler: str, overrides: dict[str, Any], tokenizer: Any = None, **kw: Any) -> Any:
+    """The sampler config of CLI flags (`generate`, `evaluate`): `build_asked_config`'s strict parse and
+    caps (no `--steps` beyond the generation length, a seed outside int64), refused naming the flag."""
+    from dllmflow.diffusion.samplers.asked import build_asked_config
+    from dllmflow.diffusion.samplers.configs import SamplerSettingError
+
+    try:
+        return build_asked_config(sampler, overrides, tokenizer, **kw)
+    except SamplerSettingError as e:
+        key, sep, detail = str(e).partition(": ")
+        if not sep or key != e.field:  # the sampler config's own message names its flags already
+            raise
+        raise SamplerSettingError(f"--{key.replace('_', '-')} {detail}", e.field) from None
+
+
 def validate_sampler_request(sampler: str, infill: bool = False) -> None:
     """Checks that need no model: a known sampler, and infill only where the sampler can."""
     from dllmflow.diffusion.modes import check_sampler
@@ -309,7 +324,6 @@ def cli_main(args: argparse.Namespace) -> int:
     import torch
 
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.diffusion.samplers.configs import build_sampler_config
 
     # every check that needs no model first (the load is the slow part)
     if args.sampler is None:
@@ -319,7 +333,7 @@ def cli_main(args: argparse.Namespace) -> int:
             ckpt = None
         args.sampler = resolve_default_sampler(ckpt) if ckpt is not None else "llada"
     validate_sampler_request(args.sampler, args.infill)
-    config = build_sampler_config(args.sampler, sampler_overrides(args))  # EOS "tokenizer": the sampler's
+    config = flag_config(args.sampler, sampler_overrides(args))  # EOS "tokenizer": the sampler's
     resolve_checkpoint(args.checkpoint)
     torch.manual_seed(args.seed)
     model, tokenizer, settings = load_for_generation(

@@ -20,11 +20,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dllmflow.diffusion.samplers.asked import SEED_MAX, SEED_MIN, TEMPERATURE_MAX
+
 DEFAULT_MAX_TOKENS = 256  # when a request gives neither max_tokens nor max_completion_tokens
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, above any context this server runs
 DEFAULT_MAX_MESSAGES = 256
 MAX_JSON_DEPTH = 32  # a chat body is 4 levels deep; chat_template_kwargs may nest a little
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's range for `seed` (an int64; torch takes it too)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class ChatBody(_Strict):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # the request's own sampling generator
     n: int = Field(1, ge=1, le=1)

@@ -337,6 +337,8 @@ def starlette_app(server: ChatServer, scheduler: Scheduler, *, completions: bool
     async def lifespan(app):
         worker = asyncio.create_task(scheduler.run())
         yield
+        # a dLLM turn stops at its next forward (DllmEngine._abort_check), so the process exits now
+        server.engine.stopping = True
         worker.cancel()
         server.prep_pool.shutdown(wait=False, cancel_futures=True)
 

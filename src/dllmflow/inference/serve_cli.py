@@ -33,6 +33,7 @@ from dllmflow.inference.dllm_engine import is_dllm_checkpoint, served_from_path
 from dllmflow.inference.requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
 
 log = logging.getLogger("dllmflow.inference.serve")
+GRACE_S = 2.0  # what a stopping server gives open requests to finish (SIGTERM ends it within seconds)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -155,7 +156,7 @@ def _dllm_app(args: argparse.Namespace, served, settings: dict | None = None):
     from dllmflow.inference.dllm_engine import DllmEngine
     from dllmflow.inference.dllm_serve import build_dllm_app
 
-    engine = DllmEngine(served, args.dtype, settings=settings)
+    engine = DllmEngine(served, args.dtype, settings=settings, max_tokens_cap=args.max_tokens_cap)
     name = args.served_model_name or served.lineage.get("name") or Path(args.model_path).resolve().name
     app = build_dllm_app(
         engine, name, max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
@@ -176,7 +177,11 @@ def cli_main(args: argparse.Namespace, served=None) -> int:
     # process-wide: the scheduler's decode thread inherits it
     torch.set_num_threads(getattr(args, "threads", None) or default_threads())
     log.info("serving %s as %r on http://%s:%d/v1", args.model_path, name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    # SIGTERM: requests still open after GRACE_S are cancelled, and with them the decoding turn
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+        timeout_graceful_shutdown=GRACE_S,
+    )  # fmt: skip
     return 0
 
 

@@ -31,20 +31,21 @@ def generate_texts(
     `settings` (knobs it does not take are dropped: models registered before the per-sampler configs
     recorded every knob of every sampler), then the caller's `overrides` (one it does not take is an
     error naming it). A sampler that does not fit the checkpoint's training mode, or prompts + new
-    tokens beyond the model's positions, are refused."""
+    tokens beyond the model's positions, are refused; so are overrides of the wrong type or beyond their
+    caps (`steps` past the generation length: `diffusion.samplers.asked`)."""
     import torch
 
     from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.asked import build_asked_config
     from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
-    from dllmflow.diffusion.samplers.configs import build_sampler_config
     from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
     from dllmflow.models.limits import check_generation_fits
 
     validate_sampler_request(sampler)
     trained = getattr(model, TRAINING_SETTINGS_ATTR, None)  # set by load_for_generation
     check_sampler(getattr(getattr(trained, "dllm", None), "mode", None), sampler)
-    config = build_sampler_config(sampler, overrides, tokenizer, defaults=settings)
+    config = build_asked_config(sampler, overrides, tokenizer, defaults=settings)  # strict, then capped
     torch.manual_seed(config.seed)
     runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
     ids = [encode_prompt(tokenizer, p) for p in prompts]

@@ -115,8 +115,6 @@ class Sampler(ABC):
     supports_infill: ClassVar[bool] = False
     supports_kv_cache: ClassVar[bool] = False
     supports_batching: ClassVar[bool] = True
-    # `steps` is the step budget of each block (llada2), not the total over max_new_tokens.
-    steps_per_block: ClassVar[bool] = False
     # Why a sampler has no KV-cache path (said when a cache is asked for).
     no_kv_cache_reason: ClassVar[str] = "it has no KV-cache path"
     # The grad mode `generate` runs in. GRPO's rollouts under FSDP2 set `torch.no_grad`: FSDP2 reuses

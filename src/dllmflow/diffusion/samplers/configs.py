@@ -11,7 +11,7 @@ sampler files (`llada.py`, ...) import their config from here and do the decodin
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -40,6 +40,8 @@ class SamplerConfig(BaseModel):
     preset (docs/strategies.md §3.1-3.6) as the defaults. `eos_token_id: "tokenizer"` = the tokenizer's EOS."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # `steps` is the step budget of each block (llada2), not the total over max_new_tokens.
+    steps_per_block: ClassVar[bool] = False
 
     steps: PositiveInt = 128
     max_new_tokens: PositiveInt = 128
@@ -95,6 +97,7 @@ class SCDDConfig(SamplerConfig):
 class LLaDA2Config(SamplerConfig):
     """Preset (docs/strategies.md §3.3): blocks of 32, 32 steps EACH, greedy, threshold 0.5, editing off."""
 
+    steps_per_block: ClassVar[bool] = True
     steps: PositiveInt = Field(32, description="Step budget of each block (not a total).")
     block_size: PositiveInt | None = 32
     temperature: NonNegativeFloat = 0.0

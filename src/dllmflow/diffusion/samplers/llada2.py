@@ -184,7 +184,6 @@ class LLaDA2Sampler(Sampler):
     supports_infill = False
     supports_kv_cache = True
     supports_batching = True  # a checkpoint's own generate takes one prompt: then one at a time
-    steps_per_block = True
 
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
