@@ -159,3 +159,26 @@ def test_huge_lr_fails_with_a_user_error(prepared, tmp_path):
     failed = int(str(e.value).split(":")[0].split()[1])
     assert _checkpoint_steps(run) == [f"step_{s:06d}" for s in range(1, failed)]
     assert not list(run.rglob("consolidated"))
+
+
+def test_skip_budget_spans_a_resume(prepared, tmp_path, nan_at):
+    """train.max_nonfinite_skips is a budget for the whole run: a run stopped in the middle of a skip
+    streak and resumed has the skips it already took counted (trainer_state.json carries them)."""
+    import json
+
+    from dllmflow.training.trainer import NonFiniteError, TrainerHook, run_training
+
+    class StopAt(TrainerHook):
+        def after_step(self, trainer, step):
+            if step == 2:
+                raise KeyboardInterrupt  # stands for a killed process: the step-2 checkpoint is written
+
+    nan_at(2, 3)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_training(_settings(prepared, max_nonfinite_skips=1), run, hooks=[StopAt()])
+    state = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["nonfinite_skips"] == 1 and state["samples_seen"] == 4
+    with pytest.raises(NonFiniteError, match=r"step 3: .*after 1 skipped step\(s\)"):
+        run_training(_settings(prepared, max_nonfinite_skips=1), run, resume=True)
+    assert _checkpoint_steps(run) == ["step_000001", "step_000002"]

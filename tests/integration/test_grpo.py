@@ -7,8 +7,8 @@
   checkpoint, then `--resume`: every per-step metric equals the in-process run's, bit for bit, and
   the resumed run logs live into MLflow with its SFT parent as a tag. (The same with 2 DDP ranks
   against a 2-rank reference passes too; it is left out for time: three 2-process launches.)
-* a reward returning NaN: the step is skipped and counted, then the run stops naming the prompt and
-  the error, and nothing is exported (in-process, one rank).
+* a reward returning NaN (passed in code): the step is skipped and counted, then the run stops naming
+  the prompt and the error, and nothing is exported (in-process, one rank).
 """
 
 from __future__ import annotations
@@ -144,24 +144,20 @@ def test_grpo_mechanics_and_kill9_resume_is_exact(sft, tmp_path, monkeypatch):
 
 
 def test_failing_reward_skips_then_stops_naming_the_prompt(sft, tmp_path):
+    """The failing reward is passed in code (`rewards=[...]`, next to a built-in named), not by recipe."""
+    from _rl_rewards import not_a_number
+
     from dllmflow.rl.grpo_trainer import RewardFailureError, run_grpo
     from dllmflow.workflow.grpo import starting_settings
 
     prep, sft_dir = sft
-    sys.path.insert(0, str(HERE))
-    try:
-        s = load_settings(
-            RECIPE,
-            **rl_overrides(prep, rewards=["exact_match", "_rl_rewards:not_a_number"], reward_weights=None,
-                           max_reward_failures=1, eval_every=0),
-        )  # fmt: skip
-        s, _ = starting_settings(s, str(sft_dir))
-        with pytest.raises(RewardFailureError) as err:
-            run_grpo(s, tmp_path / "run")
-    finally:
-        sys.path.remove(str(HERE))
+    s = load_settings(RECIPE, **rl_overrides(prep, rewards=["exact_match"], reward_weights=None,
+                                             max_reward_failures=1, eval_every=0))  # fmt: skip
+    s, _ = starting_settings(s, str(sft_dir))
+    with pytest.raises(RewardFailureError) as err:
+        run_grpo(s, tmp_path / "run", rewards=["exact_match", not_a_number])
     message = str(err.value)
-    assert "step 2: reward '_rl_rewards:not_a_number' failed on prompt 'What is" in message
+    assert "step 2: reward 'not_a_number' failed on prompt 'What is" in message
     assert "not a finite number" in message and "rl.max_reward_failures=1" in message
     (first,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert first["skipped"] is True and first["reward_failures"] == 1

@@ -18,6 +18,7 @@ from dllmflow.models.build import build_model
 from dllmflow.models.lora import (
     ADAPTER_DIR,
     LORA_INFO,
+    adapters_disabled,
     apply_lora,
     export_with_lora,
     has_lora,
@@ -133,6 +134,25 @@ def test_explicit_targets_and_modules_to_save(tok):
     assert "model.embed_tokens.modules_to_save.default.weight" in trainable
     with pytest.raises(UserError, match=r"peft\.modules_to_save: 'embeddings'"):
         qwen(tok, modules_to_save=["embeddings"])
+
+
+def test_adapters_disabled_computes_the_base_then_restores(tok):
+    """GRPO's KL reference with LoRA: the policy with its adapters (and a modules_to_save copy) off gives
+    the base model's logits exactly; after the block the adapters act again and only they train."""
+    base, model = qwen(tok, modules_to_save=["embed_tokens"])
+    randomize_lora_b(model)
+    with torch.no_grad():
+        model.get_input_embeddings().modules_to_save["default"].weight.mul_(1.5)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with adapters_disabled(model):
+            off = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert torch.equal(off, base(input_ids=ids).logits)
+    assert not torch.allclose(adapted, off) and torch.equal(again, adapted)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
 
 
 def test_parts_need_an_encoder_decoder_model(tok):

@@ -87,3 +87,15 @@ def test_user_rewards_only_from_the_callers_recipe():
         build_rewards(["no_such_module_x:fn"], None, import_user=True)
     with pytest.raises(UserError, match="rl.reward_weights"):
         build_rewards(["format"], [1.0, 2.0], import_user=True)
+
+
+def test_rewards_passed_in_code_need_no_import():
+    """`GRPOTrainer(..., rewards=[fn])`: a callable is taken as is (named by its own name), beside names."""
+
+    def brevity(prompt, completion, answer):
+        return 1.0 / (1 + len(completion))
+
+    rewards = build_rewards([brevity, "format"], [2.0, 1.0], import_user=False)
+    assert [r.name for r in rewards] == ["brevity", "format"]
+    batch = score(rewards, ["q", "q"], ["#### 7", "abc"], ["#### 7", "#### 7"])
+    assert batch.values.tolist() == pytest.approx([2.0 / 7 + 1.0, 2.0 / 4])

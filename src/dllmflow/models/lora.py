@@ -1,9 +1,10 @@
 """LoRA adapters (peft) for every mode: choose the targets, inject, export adapter + merged model, load.
 
-    from dllmflow.models.lora import apply_lora, export_with_lora, load_adapter
+    from dllmflow.models.lora import adapters_disabled, apply_lora, export_with_lora, load_adapter
     model = apply_lora(model, settings)        # trainer: after the build, before DDP/FSDP2; no-op without `peft:`
     export_with_lora(strategy.export, model, full_state, tokenizer, out, settings)   # rank 0, in `_exporter`
     model = load_adapter(base, "<consolidated>/adapter")  # `dllmflow generate --checkpoint BASE --adapter DIR`
+    with adapters_disabled(model): ...         # the base's outputs (GRPO's KL reference with LoRA)
 
 Injection is in place (`peft.inject_adapter_in_model`), so the model keeps its class, attributes and
 forward signature (HybridAdapter's `masked_indices`, DiffusionGemma's `block_diffusion_training`, the
@@ -315,6 +316,27 @@ def peeled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for owner, child, module in reversed(swaps):
             owner._modules[child] = module
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """The model computing as its base: every LoRA layer (and `modules_to_save` wrapper) switched off,
+    as peft's `PeftModel.disable_adapter` does for a PeftModel (our adapters are injected, so there is
+    no PeftModel to ask); switched back on after. GRPO's KL reference with LoRA is the policy so."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
+    trainable = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for param, flag in trainable:  # peft's switch sets requires_grad: keep what apply_lora chose
+            param.requires_grad_(flag)
 
 
 # ---- loading for generation ------------------------------------------------------------------------

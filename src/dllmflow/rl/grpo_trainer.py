@@ -4,11 +4,13 @@ export are the Trainer's and the Checkpointer's, unchanged.
 
     from dllmflow.rl.grpo_trainer import run_grpo
     result = run_grpo(settings, "runs/tiny_addition_grpo")     # in-process: one rank
+    result = GRPOTrainer(settings, "runs/x", rewards=[my_reward, "format"]).run()   # rewards in code
     # one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.rl --settings RUN/settings.json
 
 `settings.model.pretrained_model_name_or_path` is the starting model (`dllmflow rl` resolves
 `rl.init_from` to its export); `build` loads it as the policy (LoRA or full, DDP/FSDP2, as training
-does) and once more, frozen, as the KL reference. Per step (`train_step`):
+does); the KL reference is, with LoRA, the policy with its adapters disabled (peft's switch: no second
+model in memory), and for a full fine-tune the starting model loaded once more, frozen. Per step (`train_step`):
 
   1) this rank's prompts: global stream positions step*N .. step*N+N-1, round robin over ranks;
   2) per prompt, G rollouts decoded as one batch, seeded by the prompt's position (rollout.py);
@@ -33,11 +35,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dllmflow.errors import UserError
+from dllmflow.models.lora import adapters_disabled, has_lora
 from dllmflow.models.wrappers import unwrap
 from dllmflow.rl.prompts import PromptSet
 from dllmflow.rl.rollout import (
@@ -47,14 +50,11 @@ from dllmflow.rl.rollout import (
     masked_entropy,
     rollout_seed,
 )
-from dllmflow.training.distributed import all_reduce_sum, grad_sync
-from dllmflow.training.metrics import console_line, memory_gib
-from dllmflow.training.trainer import (
-    Trainer,
-    TrainerHook,
-    TrainResult,
-    check_finite,
-)
+from dllmflow.training.step import backward_each, reduce_sums
+from dllmflow.training.trainer import Trainer, TrainerHook, TrainResult
+
+if TYPE_CHECKING:
+    from dllmflow.rl.rewards import RewardFn
 
 
 class RewardFailureError(UserError):
@@ -68,17 +68,30 @@ def run_grpo(
     overwrite: bool = False,
     hooks: Sequence[TrainerHook] = (),
     import_user: bool = True,
+    rewards: Sequence[str | RewardFn] | None = None,
 ) -> TrainResult:
     return GRPOTrainer(
-        settings, run_dir, resume=resume, overwrite=overwrite, hooks=hooks, import_user=import_user
-    ).run()
+        settings, run_dir, resume=resume, overwrite=overwrite, hooks=hooks, import_user=import_user,
+        rewards=rewards,
+    ).run()  # fmt: skip
 
 
 class GRPOTrainer(Trainer):
     """A Trainer whose step is a GRPO step. `import_user`: import the user rewards the settings name
-    (the caller's own recipe; never a recorded settings.json of someone else)."""
+    (the caller's own recipe; never a recorded settings.json of someone else). `rewards`: in place of
+    `rl.rewards`, names and/or callables `fn(prompt, completion, answer) -> float` passed in code
+    (weighted by `rl.reward_weights`; settings.json still records `rl.rewards`, so a resume passes
+    them again)."""
 
-    def __init__(self, settings, run_dir=None, *, import_user: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        settings,
+        run_dir=None,
+        *,
+        import_user: bool = True,
+        rewards: Sequence[str | RewardFn] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if settings.rl is None:
             raise UserError(
                 "GRPO needs an `rl:` section in the settings (see params/tiny_addition_grpo.yaml)"
@@ -89,6 +102,7 @@ class GRPOTrainer(Trainer):
             )
         super().__init__(settings, run_dir, **kwargs)
         self.import_user = import_user
+        self.reward_choice = list(rewards) if rewards is not None else settings.rl.rewards
 
     # ---- build / resume -------------------------------------------------------------------------
 
@@ -102,15 +116,18 @@ class GRPOTrainer(Trainer):
         self.dataset = PromptSet(s.dataset.prepared_dir, "train", self.tokenizer, limit=rl.prompt_limit)
         self.build_model()  # the starting weights (+ fresh LoRA), optimizer, checkpointer, as SFT builds them
         self.mask_id = int(self.strategy.mask_token_id)
-        self.reference = self._build_reference()
+        # The KL reference: with LoRA the policy itself with its adapters off (its base is frozen), so
+        # no second model is held; a full fine-tune needs the starting weights kept apart.
+        self.reference = None if has_lora(unwrap(self.model)) else self._build_reference()
         self.estimator = build_estimator(rl.estimator.name, **rl.estimator.params)
-        self.rewards = build_rewards(rl.rewards, rl.reward_weights, import_user=self.import_user)
+        self.rewards = build_rewards(self.reward_choice, rl.reward_weights, import_user=self.import_user)
         self.sampler = build_rollout_sampler(unwrap(self.model), self.tokenizer, s, self.mask_id)
-        self.reward_failures = 0
+        self.samples_per_step = rl.prompts_per_step
+        self.counters["reward_failures"] = 0  # steps skipped for a failed reward, over the whole run
 
     def _build_reference(self) -> torch.nn.Module:
-        """The frozen starting model, on every rank (sharded like the policy under FSDP2). Without LoRA's
-        adapters: with LoRA it is the policy's own base, whose adapters start at zero."""
+        """The frozen starting model of a full fine-tune, on every rank (sharded like the policy under
+        FSDP2)."""
         from dllmflow.diffusion.modes import build_mode_model
         from dllmflow.training.parallelize import apply_fsdp
 
@@ -120,19 +137,6 @@ class GRPOTrainer(Trainer):
         if self.info.distributed and self.settings.distributed.strategy == "fsdp2":
             apply_fsdp(reference)
         return reference
-
-    def resume(self) -> int:
-        """The Trainer's resume, plus the count of reward-failed steps saved with the checkpoint."""
-        from dllmflow.training.checkpoint import TRAINER_STATE, read_json
-
-        start = super().resume()
-        ckpt = self.result.checkpoint_dir
-        state = read_json(ckpt / TRAINER_STATE) if ckpt is not None and start else {}
-        self.reward_failures = int(state.get("reward_failures", 0))
-        return start
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"reward_failures": self.reward_failures}
 
     # ---- one GRPO step --------------------------------------------------------------------------
 
@@ -153,7 +157,7 @@ class GRPOTrainer(Trainer):
         scored = [score(self.rewards, [pr.question] * G, g.texts, [pr.answer] * G)
                   for pr, g in zip(prompts, groups)]  # fmt: skip
         failures = [f for b in scored for f in b.failures]
-        rollout = self._reduce(
+        rollout = reduce_sums(
             {
                 "failed": float(bool(failures)),
                 "r_sum": sum(float(b.values.sum()) for b in scored),
@@ -164,10 +168,12 @@ class GRPOTrainer(Trainer):
                 "gen_tokens": float(sum(g.num_tokens for g in groups)),
                 "gen_s": sum(g.elapsed_s for g in groups),
                 "tokens": float(sum(int(g.completion_mask.sum()) for g in groups)),
-            }
+            },
+            info,
         )
         mean = rollout["r_sum"] / rollout["n"]
         record: dict[str, Any] = {
+            "stage": "grpo",
             "reward_mean": mean,
             "reward_std": math.sqrt(max(rollout["r_sq"] / rollout["n"] - mean * mean, 0.0)),
             "nfe": rollout["nfe"] / rollout["groups"],
@@ -185,23 +191,25 @@ class GRPOTrainer(Trainer):
         total_tokens = max(rollout["tokens"], 1.0)
         sums = {"loss": 0.0, "kl0": 0.0, "clipped": 0.0, "ratio": 0.0, "h_sum": h_sum, "h_n": h_n,
                 "adv_abs": adv_stats["adv_abs"], "adv_n": adv_stats["adv_n"]}  # fmt: skip
+
+        def loss_of(batch):
+            draws, adv, ref, old, mask = batch
+            logp = self.estimator.token_logp(self.model, draws)  # [G, C]
+            out = self._loss(logp, old if old is not None else logp.detach(), ref, adv, mask)
+            return out.loss_sum / total_tokens, out
+
         for it in range(rl.num_iterations):
             it_loss = 0.0
-            for j, (draws, adv, ref, old, mask) in enumerate(batches):
-                with grad_sync(self.model, enabled=j == len(batches) - 1):
-                    with self.autocast:
-                        logp = self.estimator.token_logp(self.model, draws)  # [G, C]
-                        out = self._loss(logp, old if old is not None else logp.detach(), ref, adv, mask)
-                        loss = out.loss_sum / total_tokens
-                    (loss * info.world_size).backward()
-                it_loss += float(loss.detach())
-                sums["loss"] += float(loss.detach()) / rl.num_iterations
+            for loss, out in backward_each(self.model, batches, loss_of, info, self.autocast):
+                it_loss += float(loss)
+                sums["loss"] += float(loss) / rl.num_iterations
                 sums["clipped"] += float(out.clipped_tokens) / rl.num_iterations
                 sums["ratio"] += float(out.ratio_mean) * float(out.num_tokens) / rl.num_iterations
                 if it == 0:
                     sums["kl0"] += float(out.kl_sum)
-            record.update(self._update(step, it, self._reduce({"loss": it_loss})["loss"]))
-        g = self._reduce(sums)
+            label = f" update {it + 1}"
+            record.update(self.update(reduce_sums({"loss": it_loss}, info)["loss"], step, label))
+        g = reduce_sums(sums, info)
         record.update(
             loss=g["loss"],
             kl=g["kl0"] / total_tokens,
@@ -237,7 +245,7 @@ class GRPOTrainer(Trainer):
             draws = self.estimator.draw(prompt_ids, g.completion_ids, g.completion_mask, self.mask_id, gen)
             draws = _to(draws, device)
             with torch.no_grad(), self.autocast:
-                ref = self.estimator.token_logp(self.reference, draws)  # [G, C]
+                ref = self._reference_logp(draws)  # [G, C]
                 old = self.estimator.token_logp(unwrap(self.model), draws) if rl.num_iterations > 1 else None
             batches.append((draws, adv, ref, old, g.completion_mask.to(device)))
         h_sum = h_n = 0.0
@@ -247,46 +255,42 @@ class GRPOTrainer(Trainer):
                 h_sum, h_n = h_sum + h, h_n + n
         return batches, adv_stats, h_sum, h_n
 
+    def _reference_logp(self, draws):
+        """The reference's token log-probs (no grad): the kept starting model, or with LoRA the policy
+        with its adapters disabled (in eval mode, as the kept model is)."""
+        if self.reference is not None:
+            return self.estimator.token_logp(self.reference, draws)
+        policy = unwrap(self.model)
+        policy.eval()
+        try:
+            with adapters_disabled(policy):
+                return self.estimator.token_logp(policy, draws)
+        finally:
+            policy.train()
+
     def _loss(self, logp, old, ref, adv, mask):
         from dllmflow.rl.objective import grpo_loss
 
         rl = self.settings.rl
         return grpo_loss(logp, old, ref, adv, mask, rl.clip_eps, rl.kl_beta, rl.kl_log_ratio_clip)
 
-    def _update(self, step: int, it: int, loss: float) -> dict[str, Any]:
-        """Clip, then the AdamW step (or a skipped one for a non-finite loss / norm, as SFT does). `loss`:
-        the update's global loss, so every rank decides alike."""
-        from dllmflow.training.step import clip_grad_norm
-
-        norm = clip_grad_norm(self.model, self.settings.train.max_grad_norm)
-        probe = {"loss": loss, "grad_norm": norm}
-        out: dict[str, Any] = {"grad_norm": norm}
-        if check_finite(probe, step + 1, self.skips, self.settings):
-            self.skips += 1
-            out["skipped"] = True
-            self._print(f"step {step + 1} update {it + 1}: non-finite loss/grad_norm, update skipped")
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return out
-
     def _skip_reward_step(self, step: int, failures: list, record: dict[str, Any]) -> dict[str, Any]:
         """No update this step; stop (every rank, naming the first failure of any rank) past the limit."""
         rl = self.settings.rl
-        self.reward_failures += 1
+        self.counters["reward_failures"] = failed = self.counters["reward_failures"] + 1
         first = _first_failure(failures, self.info)
-        if self.reward_failures > rl.max_reward_failures:
+        if failed > rl.max_reward_failures:
             raise RewardFailureError(
                 f"step {step + 1}: reward {first.reward!r} failed on prompt {first.prompt!r}: {first.error} "
-                f"({self.reward_failures} step(s) with failed rewards, rl.max_reward_failures="
+                f"({failed} step(s) with failed rewards, rl.max_reward_failures="
                 f"{rl.max_reward_failures}); nothing was exported. Fix the reward or raise rl.max_reward_failures"
             )
         self._print(
             f"step {step + 1}: reward {first.reward!r} failed on prompt {first.prompt!r} ({first.error}); "
-            f"step skipped ({self.reward_failures}/{rl.max_reward_failures})"
+            f"step skipped ({failed}/{rl.max_reward_failures})"
         )
         self.scheduler.step()
-        return {**record, "skipped": True, "reward_failures": self.reward_failures, "loss": float("nan")}
+        return {**record, "skipped": True, "reward_failures": failed, "loss": float("nan")}
 
     # ---- held-out accuracy ----------------------------------------------------------------------
 
@@ -311,27 +315,7 @@ class GRPOTrainer(Trainer):
         for p, seq in zip(mine, result.sequences if result else []):
             pred = gsm8k_extract_flexible(decode_response(self.tokenizer, seq))
             correct += float(pred is not None and pred == gold_answer(p.answer))
-        return self._reduce({"c": correct})["c"] / len(self._heldout)
-
-    # ---- logging --------------------------------------------------------------------------------
-
-    def log(self, record: dict[str, Any], step: int, dt: float) -> None:
-        t = self.settings.train
-        record.update(step=step, mode=self.settings.dllm.mode, stage="grpo")
-        record["epoch"] = step * self.settings.rl.prompts_per_step / len(self.dataset)
-        record["mem"] = memory_gib(self.info.device)
-        record["tps"] = record["tokens_per_step"] / dt
-        self.result.losses.append(record["loss"])
-        self.metrics.write(record)
-        line = console_line(record, t.max_steps) + f" reward {record['reward_mean']:.3f}"
-        self.bar.advance(line=line, loss=record["loss"], tok_s=record["tps"])
-        if self.live is not None:
-            self.live.log(record, step)
-
-    def _reduce(self, values: dict[str, float]) -> dict[str, float]:
-        keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.info.device)
-        return dict(zip(keys, all_reduce_sum(t).tolist()))
+        return reduce_sums({"c": correct}, info)["c"] / len(self._heldout)
 
 
 def _to(draws: Any, device: torch.device) -> Any:

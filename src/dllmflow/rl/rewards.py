@@ -3,6 +3,7 @@ reports a failing reward instead of training on it.
 
     rewards = build_rewards(["exact_match", "format"], [1.0, 0.1], import_user=True)
     rewards = build_rewards(["my_pkg.rewards:brevity"], None, import_user=True)   # a user's callable
+    rewards = build_rewards([brevity, "exact_match"], [0.5, 1.0], import_user=False)  # ... or passed in code
     batch = score(rewards, prompts, completions, answers)   # values [B], valid [B], failures
 
 Every reward is `fn(prompt: str, completion: str, answer: str) -> float`; `answer` is the reference
@@ -82,10 +83,11 @@ class RewardBatch:
 
 
 def build_rewards(
-    names_or_paths: Sequence[str], weights: Sequence[float] | None, import_user: bool
+    names_or_paths: Sequence[str | RewardFn], weights: Sequence[float] | None, import_user: bool
 ) -> list[Reward]:
-    """Resolve the recipe's `rl.rewards` (built-in names or "module:attr") with `rl.reward_weights`
-    (None = 1.0 each). A user reward is imported only when `import_user` (the caller's own recipe)."""
+    """Resolve the recipe's `rl.rewards` (built-in names or "module:attr"; or callables passed in code,
+    `GRPOTrainer(..., rewards=[fn])`) with `rl.reward_weights` (None = 1.0 each). A user reward is
+    imported only when `import_user` (the caller's own recipe)."""
     from dllmflow.common.lazy import load_object
 
     if not names_or_paths:
@@ -97,6 +99,9 @@ def build_rewards(
     out = []
     for i, name in enumerate(names_or_paths):
         weight = 1.0 if weights is None else float(weights[i])
+        if callable(name):  # the caller's own code: nothing to import
+            out.append(Reward(getattr(name, "__name__", repr(name)), name, weight))
+            continue
         if name in REWARDS:
             out.append(Reward(name, REWARDS[name], weight))
             continue

@@ -18,11 +18,13 @@ then the .torchxconfig the torchx CLI would read ($TORCHXCONFIG, e.g. infra/.tor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,31 +297,41 @@ def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.settings import load_settings
 
     settings = load_settings(*args.params, **parse_overrides(args.set))
-    # Outside a flow, `dllmflow train` owns its MLflow run (unless one was handed down in the env).
-    given = os.environ.get(RUN_ID_ENV)
-    run_id = given or _open_run(settings)
-    status = "FAILED"
-    try:
+    with owned_run(settings, {"dllmflow.source": "train"}) as run_id:
         result = launch(
             settings, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite, mlflow_run_id=run_id
         )
-        status = "FINISHED"
-    finally:
-        if run_id and not given:
-            _end_run(settings, run_id, status)
     print(f"training {result.state}: {result.run_dir}" + (f" (MLflow run {run_id})" if run_id else ""))
     return 0
 
 
-def _open_run(settings) -> str | None:
-    """A new MLflow run for this training, or None (tracking off, or the store unreachable: training
-    never waits for MLflow; `dllmflow register` can still record the run afterwards)."""
+@contextlib.contextmanager
+def owned_run(settings, tags: dict[str, str]) -> Iterator[str | None]:
+    """The MLflow run id a CLI launch (`dllmflow train`, `dllmflow rl`) logs into: the one handed down in
+    the env (a flow's), else a new run with `tags` that this launch owns and marks FINISHED or FAILED at
+    the end. None when tracking is off or the store is unreachable: training never waits for MLflow
+    (`dllmflow register` can still record the run afterwards)."""
+    given = os.environ.get(RUN_ID_ENV)
+    run_id = given or _open_run(settings, tags)
+    status = "FAILED"
+    try:
+        yield run_id
+        status = "FINISHED"
+    finally:
+        if run_id and not given:
+            try:
+                end_run(settings, run_id, status)
+            except Exception as e:  # the training result stands; only its MLflow status is stale
+                print(f"warning: could not mark MLflow run {run_id} {status}: {e}", file=sys.stderr)
+
+
+def _open_run(settings, tags: dict[str, str]) -> str | None:
     if not settings.registry.live_tracking:
         return None
     from dllmflow.training.live import resolve_tracking_uri
 
     try:
-        return create_run(settings, tags={"dllmflow.mode": settings.dllm.mode, "dllmflow.source": "train"})
+        return create_run(settings, tags={"dllmflow.mode": settings.dllm.mode, **tags})
     except Exception as e:
         print(
             f"warning: MLflow tracking at {resolve_tracking_uri(settings)} unavailable ({type(e).__name__}: "
@@ -327,10 +339,3 @@ def _open_run(settings) -> str | None:
             file=sys.stderr,
         )
         return None
-
-
-def _end_run(settings, run_id: str, status: str) -> None:
-    try:
-        end_run(settings, run_id, status)
-    except Exception as e:  # the training result stands; only its MLflow status is stale
-        print(f"warning: could not mark MLflow run {run_id} {status}: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ import torch
 
 from dllmflow.common.files import atomic_write_text
 
-CONSOLE_KEYS = ("loss", "dllm_loss", "grad_norm", "lr", "mem", "tps", "mfu")
+CONSOLE_KEYS = ("loss", "reward_mean", "dllm_loss", "grad_norm", "lr", "mem", "tps", "mfu")
 
 
 class MetricsLog:

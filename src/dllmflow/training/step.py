@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from dllmflow.training.distributed import DistInfo, all_reduce_sum, grad_sync
+
+T = TypeVar("T")
 
 
 def train_step(model, strategy, batches, step: int, settings, info: DistInfo, autocast) -> dict[str, Any]:
@@ -45,34 +48,48 @@ def train_step(model, strategy, batches, step: int, settings, info: DistInfo, au
             local[k] += float(v)
         local["__tokens"] += mb["input_ids"].numel()
         local["__supervised"] += float(mb["loss_mask"].sum())
-    counts = _reduce(local, info)
+    counts = reduce_sums(local, info)
 
-    # 3) forward/backward with global denominators; gradients sync on the last micro-batch only
+    # 3) forward/backward with global denominators
+    def loss_of(mb):
+        out = strategy.loss(model, mb)
+        terms = {k: out.weight(k) * s / max(counts[k], 1.0) for k, s in out.sums.items()}
+        return sum(terms.values()), (out, terms)
+
     loss_sums = {"loss": 0.0, "dllm_loss": 0.0}
     metric_sums: dict[str, float] = defaultdict(float)
-    for j, mb in enumerate(micro):
-        with grad_sync(model, enabled=j == len(micro) - 1):
-            with autocast:
-                out = strategy.loss(model, mb)
-                terms = {k: out.weight(k) * s / max(counts[k], 1.0) for k, s in out.sums.items()}
-                total = sum(terms.values())
-            (total * info.world_size).backward()
-        loss_sums["loss"] += float(total.detach())
+    for total, (out, terms) in backward_each(model, micro, loss_of, info, autocast):
+        loss_sums["loss"] += float(total)
         loss_sums["dllm_loss"] += float(sum(terms[k].detach() for k in out.dllm_terms if k in terms))
         for k, v in out.metric_sums.items():
             metric_sums[k] += float(v)
 
     # 4) global metrics
-    record: dict[str, Any] = _reduce(loss_sums, info)
+    record: dict[str, Any] = reduce_sums(loss_sums, info)
     if metric_sums:
-        record.update(strategy.finalize_metrics(_reduce(metric_sums, info)))
+        record.update(strategy.finalize_metrics(reduce_sums(metric_sums, info)))
     record["tokens_per_step"] = int(counts["__tokens"])
     record["supervised_tokens"] = int(counts["__supervised"])
-    record.update({k: int(v) for k, v in _reduce(packing, info).items()} if packing else {})
+    record.update({k: int(v) for k, v in reduce_sums(packing, info).items()} if packing else {})
     return record
 
 
-def _reduce(values: dict[str, float], info: DistInfo) -> dict[str, float]:
+def backward_each(
+    model, micro: Sequence[T], loss_of: Callable[[T], tuple[torch.Tensor, Any]], info: DistInfo, autocast
+) -> Iterator[tuple[torch.Tensor, Any]]:
+    """Per micro-batch: `loss, extra = loss_of(mb)` under autocast, then backward of loss x world size
+    (DDP/FSDP2 average gradients over ranks: this turns the average back into the global sum over the
+    global count the loss was divided by). Gradients sync on the last micro-batch only. Yields the
+    detached loss and `extra`."""
+    for j, mb in enumerate(micro):
+        with grad_sync(model, enabled=j == len(micro) - 1):
+            with autocast:
+                loss, extra = loss_of(mb)
+            (loss * info.world_size).backward()
+        yield loss.detach(), extra
+
+
+def reduce_sums(values: dict[str, float], info: DistInfo) -> dict[str, float]:
     """SUM over ranks of a dict of scalars, in one collective (on the device: NCCL needs CUDA tensors)."""
     keys = sorted(values)
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=info.device)

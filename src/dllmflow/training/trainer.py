@@ -13,7 +13,10 @@ local disk lost it) -> `fit`: per step `train_step` (forward/backward with globa
 step.py; clip; a NaN/inf loss or grad norm stops the run with `NonFiniteError` before the AdamW step,
 or skips it within `train.max_nonfinite_skips`), `log` (metrics.jsonl, console, live MLflow, MFU),
 `save` every `checkpoint.every_steps` (the last step always, with the consolidated `export`), then
-every hook's `after_step`.
+every hook's `after_step`. The loop's own state (the completed step, the samples consumed, the
+non-finite skips and any counter a subclass adds to `counters`) goes into each checkpoint's
+trainer_state.json (`state_dict`) and comes back on resume (`load_state_dict`), so the skip budget is
+the whole run's.
 
 Hooks (`TrainerHook`) are passed in code only, never enabled from settings, env or a checkpoint; tests
 use them to kill a run at a step (tests/_plugins). A second loop (RL) subclasses the Trainer and
@@ -154,6 +157,10 @@ class Trainer:
         self.resuming = resume
         self.overwrite = overwrite and not resume  # a resume (an elastic restart) never deletes anything
         self.hooks = list(hooks)
+        self.step = 0  # completed optimizer steps
+        # The loop's counters, saved with each checkpoint and restored on resume (`state_dict`): over
+        # the whole run, not per process. A subclass adds its own in `build`.
+        self.counters: dict[str, int] = {"samples_seen": 0, "nonfinite_skips": 0}
 
     def run(self) -> TrainResult:
         """Collective: claim the run dir, build, resume, fit."""
@@ -181,6 +188,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(prepared)
         self.dataset = PreparedDataset(prepared, "train")
         collator = build_collator(s, self.tokenizer)
+        self.samples_per_step = t.global_batch_size
         self.batches = GlobalBatches(
             self.dataset,
             collator,
@@ -218,7 +226,10 @@ class Trainer:
         state = (
             self.checkpointer.resume(self.model, self.optimizer, self.scheduler) if self.resuming else None
         )
-        start, latest = (0, None) if state is None else (state["step"], state["dir"])
+        latest = None if state is None else state["dir"]
+        if state is not None:
+            self.load_state_dict(state)
+        start = self.step
         if self.resuming and state is None:
             self._print(f"--resume: no checkpoint under {self.checkpointer.root} yet; starting from step 0")
         elif latest is not None:
@@ -240,13 +251,13 @@ class Trainer:
         self.bar = Progress(
             "train", t.max_steps, unit="steps", every=t.log_every, start=start, enabled=self.info.is_main
         )
-        self.skips = 0
         tick = time.perf_counter()
         for step in range(start, t.max_steps):
             record = self.train_step(step)
             now = time.perf_counter()
             dt, tick = now - tick, now
-            done = step + 1
+            self.step = done = step + 1
+            self.counters["samples_seen"] += self.samples_per_step
             self.log(record, done, dt)
             if self.checkpointer.due(done, last=done == t.max_steps):
                 self.save(done)
@@ -259,33 +270,40 @@ class Trainer:
         return self.result
 
     def train_step(self, step: int) -> dict[str, Any]:
-        """One optimizer update after `step` completed steps; the step's globally reduced record.
-        Every rank sees the same global loss and norm, so every rank decides the same way."""
-        t = self.settings.train
+        """One optimizer update after `step` completed steps; the step's globally reduced record."""
         record = train_step(
             self.model, self.strategy, self.batches, step, self.settings, self.info, self.autocast
         )
-        record["grad_norm"] = clip_grad_norm(self.model, t.max_grad_norm)
-        record["lr"] = self.optimizer.param_groups[0]["lr"]
-        if check_finite(record, step + 1, self.skips, self.settings):
-            self.skips += 1
-            record["skipped"] = True
+        record.update(self.update(record["loss"], step))
+        self.scheduler.step()
+        return record
+
+    def update(self, loss: float, step: int, label: str = "") -> dict[str, Any]:
+        """Clip, then the AdamW step, or none for a non-finite `loss` or grad norm within
+        `train.max_nonfinite_skips` over the run (else NonFiniteError); gradients zeroed after.
+        `loss` is the global loss: every rank sees the same loss and norm, so every rank decides the
+        same way. -> {"grad_norm", "lr"[, "skipped"]}. The LR scheduler is the caller's."""
+        t = self.settings.train
+        norm = clip_grad_norm(self.model, t.max_grad_norm)
+        out: dict[str, Any] = {"grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
+        skips = self.counters["nonfinite_skips"]
+        if check_finite({"loss": loss, "grad_norm": norm}, step + 1, skips, self.settings):
+            self.counters["nonfinite_skips"] = skips + 1
+            out["skipped"] = True
             self._print(
-                f"step {step + 1}: non-finite loss/grad_norm, update skipped "
-                f"({self.skips}/{t.max_nonfinite_skips})"
+                f"step {step + 1}{label}: non-finite loss/grad_norm, update skipped "
+                f"({skips + 1}/{t.max_nonfinite_skips})"
             )
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return record
+        return out
 
     def log(self, record: dict[str, Any], step: int, dt: float) -> None:
         """Complete the record of step `step` (took `dt` s) and write it: metrics.jsonl, console, MLflow."""
         t = self.settings.train
-        record.update(
-            step=step, epoch=step * t.global_batch_size / len(self.dataset), mode=self.settings.dllm.mode
-        )
+        epoch = self.counters["samples_seen"] / len(self.dataset)
+        record.update(step=step, epoch=epoch, mode=self.settings.dllm.mode)
         record["mem"] = memory_gib(self.info.device)
         record["tps"] = record["tokens_per_step"] / dt
         if t.peak_tflops:
@@ -304,23 +322,24 @@ class Trainer:
         `checkpoint.save_consolidated` asks for it at this step)."""
         mode, last = self.settings.checkpoint.save_consolidated, step == self.settings.train.max_steps
         export = self.export if mode == "every" or (mode == "final" and last) else None
-        samples = step * self.settings.train.global_batch_size
         self.result.checkpoint_dir = self.checkpointer.save(
-            step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            extra_state={"samples_seen": samples, **self.extra_state()},
-            export=export,
+            step, self.model, self.optimizer, self.scheduler, extra_state=self.state_dict(), export=export
         )
         if export is not None:
             self.result.consolidated_dir = export_dir(self.result.checkpoint_dir)
         return self.result.checkpoint_dir
 
-    def extra_state(self) -> dict[str, Any]:
-        """JSON-able loop state a subclass saves with each checkpoint (trainer_state.json), e.g. RL's
-        count of skipped reward steps; read back after `resume` from `result.checkpoint_dir`."""
-        return {}
+    def state_dict(self) -> dict[str, Any]:
+        """The loop state saved with each checkpoint (trainer_state.json; the model, optimizer and
+        scheduler are the Checkpointer's): the completed step, the samples consumed and every counter
+        in `self.counters` (a subclass adds its own there in `build`)."""
+        return {"step": self.step, **self.counters}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (`resume`, from the checkpoint's trainer_state.json)."""
+        self.step = int(state["step"])
+        for key in self.counters:
+            self.counters[key] = int(state.get(key, 0))
 
     def export(self, model_dir: Path) -> None:
         """Collective: the consolidated HF dir into `<model_dir>/consolidated` (rank 0 writes)."""

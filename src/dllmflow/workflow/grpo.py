@@ -21,8 +21,6 @@ the results table's "before" column.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -296,38 +294,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.settings import load_settings, parse_overrides
-    from dllmflow.training.live import RUN_ID_ENV, create_run, end_run
+    from dllmflow.training.launch import owned_run
 
     recipe = load_settings(*args.params, **parse_overrides(args.set))
     settings, parent = starting_settings(recipe, args.init_from)
     run_dir = args.run_dir or str(settings.resolved_run_dir)
-    given = os.environ.get(RUN_ID_ENV)
-    run_id = given
-    if not given and settings.registry.live_tracking:
-        try:
-            tags = {
-                "dllmflow.mode": settings.dllm.mode,
-                "dllmflow.source": "rl",
-                **{f"dllmflow.{k}": v for k, v in parent.items()},
-            }
-            run_id = create_run(settings, tags=tags)
-        except Exception as e:  # training never waits for MLflow
-            print(
-                f"warning: MLflow tracking unavailable ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr
-            )
-    status = "FAILED"
-    try:
+    tags = {"dllmflow.source": "rl", **{f"dllmflow.{k}": v for k, v in parent.items()}}
+    with owned_run(settings, tags) as run_id:
         result = train(
             settings, run_dir, parent=parent, mlflow_run_id=run_id, resume=args.resume,
             overwrite=args.overwrite,
         )  # fmt: skip
-        status = "FINISHED"
-    finally:
-        if run_id and not given:
-            try:
-                end_run(settings, run_id, status)
-            except Exception as e:
-                print(f"warning: could not mark MLflow run {run_id} {status}: {e}", file=sys.stderr)
     print(
         f"rl done: {result['run_dir']} (export {result['consolidated_dir']})"
         + (f", MLflow run {run_id}" if run_id else "")
