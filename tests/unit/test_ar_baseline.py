@@ -80,20 +80,20 @@ def prepared(tmp_path_factory):
     return s
 
 
-def test_greedy_runner_equals_a_step_by_step_argmax(prepared):
+def test_the_ar_sampler_on_the_base_equals_a_step_by_step_argmax(prepared):
     from dllmflow.data.tokenizer import load_tokenizer
-    from dllmflow.evaluation.ar_baseline import GreedyRunner, build_ar_base
+    from dllmflow.evaluation.ar_baseline import build_ar_base, build_ar_sampler
 
     tok = load_tokenizer(prepared.dataset.prepared_dir)
     model = build_ar_base(prepared, tok, device="cpu")
     prompts = [tok.encode("What is 12 + 7?"), tok.encode("What is 345 + 678 + 9?"), tok.encode("Hi")]
     assert len({len(p) for p in prompts}) == 3  # three widths: left padding is exercised
-    runner = GreedyRunner(model, tok, max_new_tokens=6)
+    runner = build_ar_sampler(model, tok, max_new_tokens=6)
     out = runner.generate(prompts)
     assert out.sequences == [_reference_greedy(model, p, 6, runner.stop_ids) for p in prompts]
-    assert (
-        out.nfe == 6 and out.row_nfe == [6, 6, 6] and out.num_generated_tokens == sum(map(len, out.sequences))
-    )
+    # a row's forwards: its answer and the stop id ending it (none when it ran to max_new_tokens)
+    assert out.row_nfe == [min(len(s) + 1, 6) for s in out.sequences] and out.nfe == max(out.row_nfe)
+    assert out.num_generated_tokens == sum(map(len, out.sequences))
 
 
 def test_the_flow_evaluates_ar_beside_the_samplers(prepared, tmp_path):

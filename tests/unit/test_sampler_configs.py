@@ -30,11 +30,13 @@ PRESETS = {
     "gemma": dict(steps=48, max_new_tokens=256),
     "idlm": dict(steps=256, max_new_tokens=256, block_size=4, threshold=0.9, eos_token_id="tokenizer",
                  use_kv_cache=True),
+    "ar": dict(max_new_tokens=128, seed=42, use_kv_cache=True),
 }  # fmt: skip
 
 # One option each sampler does not take (another sampler's knob).
 FOREIGN = {"llada": "editing_threshold", "scdd": "threshold", "llada2": "remasking",
-           "nemotron": "uniform_ratio", "gemma": "temperature", "idlm": "editing_threshold"}  # fmt: skip
+           "nemotron": "uniform_ratio", "gemma": "temperature", "idlm": "editing_threshold",
+           "ar": "threshold"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
@@ -62,7 +64,7 @@ def test_an_option_the_sampler_does_not_take_is_named(name):
         build_sampler_config(name, {option: 1})
     with pytest.raises(ValidationError, match=option):
         SAMPLERS[name].config_cls(**{option: 1})
-    if name not in ("nemotron", "llada2", "idlm"):  # the samplers with an exact KV cache
+    if name not in ("nemotron", "llada2", "idlm", "ar"):  # the samplers with an exact KV cache
         with pytest.raises(UserError, match="does not take use_kv_cache.*--no-kv-cache"):
             build_sampler_config(name, {"use_kv_cache": True})
 

@@ -572,6 +572,7 @@ CAPABILITIES = {  # docs/strategies.md §3.1-3.6
     "nemotron": dict(infill=False, kv_cache=True, batching=True),
     "gemma": dict(infill=False, kv_cache=False, batching=False),
     "idlm": dict(infill=False, kv_cache=True, batching=True),
+    "ar": dict(infill=False, kv_cache=True, batching=True),  # §3.9
 }
 
 

@@ -2,6 +2,8 @@
 the global token count (see `strategies/base.py`), so nothing here normalises.
 
     per_token_ce(logits, targets)                        -> [...] fp32 CE, no reduction
+    shifted_supervision(loss_mask, attention_mask)       -> [B, L-1]: logit i scores x[i+1]
+    loss_columns(selected)                               -> [n] positions any row selects (for the LM head)
     mdlm_loss_sum(logits, targets, noise_mask, loss_mask, p_mask)
         = Σ_i CE_i · 1[noise_i ∧ sup_i] / max(p_i, 1e-8)                             (docs/strategies.md §2.1)
     scdd_loss_sum(logits, targets, noisy_ids, loss_mask, t, mask_token_id, num_timesteps, ...)
@@ -32,6 +34,23 @@ def per_token_ce(logits: Tensor, targets: Tensor) -> Tensor:
     V = logits.shape[-1]
     ce = F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), reduction="none")
     return ce.view(targets.shape)
+
+
+def shifted_supervision(loss_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Which next-token targets a causal read scores (logit i predicts x[i+1]): [B, L-1] bool,
+    sup_i = m_sup[i+1] and valid[i+1] for i in [0, L-1)."""
+    sup = loss_mask[:, 1:] != 0
+    if attention_mask is not None:
+        sup = sup & (attention_mask[:, 1:] != 0)
+    return sup
+
+
+def loss_columns(selected: Tensor) -> Tensor:
+    """Positions [n] where any row of `selected` [B, L] is set, ascending. Never empty: a micro-batch
+    with nothing selected keeps its last column (it contributes zero) so the graph still reaches
+    every parameter."""
+    cols = selected.any(0).nonzero().squeeze(1)  # [n]
+    return cols if cols.numel() else torch.tensor([selected.shape[1] - 1], device=selected.device)
 
 
 def mdlm_loss_sum(

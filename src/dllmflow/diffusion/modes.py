@@ -28,6 +28,7 @@ from typing import Any
 from dllmflow.common.lazy import load_object
 from dllmflow.errors import UserError
 from dllmflow.settings.dllm import (
+    ARConfig,
     BlockDiffusionConfig,
     DFlashConfig,
     DLLMBaseConfig,
@@ -229,6 +230,8 @@ for _spec in (
         model_builder="dllmflow.models.dflash_target:build_dflash_draft",
     ),
     ModeSpec("idlm", IDLMConfig, f"{_S}.idlm:IDLMStrategy", samplers=("idlm",)),
+    # The AR control: the base causal LM fine-tuned next-token, decoded greedily with its KV cache.
+    ModeSpec("ar", ARConfig, f"{_S}.ar:ARStrategy", samplers=("ar",)),
 ):
     register_mode(_spec)
 del _spec

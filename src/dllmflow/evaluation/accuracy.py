@@ -105,6 +105,7 @@ def evaluate_loaded(
         "mask_id": runner.mask_id,
         "checkpoint": str(checkpoint),
         "prepared_dir": str(prepared_dir),
+        **asked.protocol(),
     }
     metrics = score_metrics(predictions, elapsed, row_nfe)
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions}

@@ -8,58 +8,21 @@ the same held-out prompts, scored by the same answer parser as every dLLM sample
 The base is `models.build.build_model(settings, tokenizer)` seeded with `train.seed`, as the trainer
 builds it before any conversion: for a pretrained recipe the checkpoint at
 `model.pretrained_model_name_or_path`, for a tiny random one the untrained base. It decodes causally
-(no bidirectional mask) with a KV cache, greedy, `eval.max_new_tokens` at most, stopping at the
-tokenizer's stop ids. The prompts (chat template + generation prompt of the prepared tokenizer), the
+(no bidirectional mask) with the `ar` sampler (diffusion/samplers/ar.py: greedy, KV cache,
+`eval.max_new_tokens` at most, a row stopping at the tokenizer's stop ids), as an `ar` export (the AR
+control) decodes. The prompts (chat template + generation prompt of the prepared tokenizer), the
 examples (`eval.limit` of the held-out split), the batch size and the metrics (exact match, tokens/s,
 NFE = forwards per example) are those of `dllmflow evaluate` (protocol.py, accuracy.py).
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dllmflow.diffusion.samplers.base import GenerationResult, stop_token_ids, trim_at_stop
 from dllmflow.settings.pipeline import AR_EVALUATION
-
-
-class GreedyRunner:
-    """Greedy cached decoding of a causal LM, batched with left padding; the `generate` interface of a
-    dLLM sampler (`GenerationResult`: generated ids cut at the first stop id, forwards, seconds)."""
-
-    def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int):
-        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
-        self.stop_ids = stop_token_ids(tokenizer)
-        fill = getattr(tokenizer, "pad_token_id", None)
-        self.fill_id = int(fill if fill is not None else tokenizer.eos_token_id)
-
-    def generate(self, prompt_ids: list[list[int]]) -> GenerationResult:
-        from transformers import GenerationConfig
-
-        device = next(self.model.parameters()).device
-        width = max(map(len, prompt_ids))
-        ids = torch.full((len(prompt_ids), width), self.fill_id, dtype=torch.long)  # [B, P]
-        mask = torch.zeros_like(ids)  # [B, P]
-        for i, p in enumerate(prompt_ids):  # left padding: every row's next token is at column P
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        config = GenerationConfig(
-            max_new_tokens=self.max_new_tokens, do_sample=False, use_cache=True,
-            pad_token_id=self.fill_id, eos_token_id=sorted(self.stop_ids) or None,
-        )  # fmt: skip
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
-            )  # [B, P + n]
-        elapsed = time.perf_counter() - t0
-        new = out[:, width:].tolist()
-        forwards = len(new[0]) if new else 0  # one forward per generated position, every row in each
-        seqs = [trim_at_stop(s, self.stop_ids) for s in new]
-        return GenerationResult(seqs, forwards, sum(map(len, seqs)), elapsed, [forwards] * len(seqs))
 
 
 def build_ar_base(settings: Any, tokenizer: Any, device: str | None = None) -> Any:
@@ -72,6 +35,15 @@ def build_ar_base(settings: Any, tokenizer: Any, device: str | None = None) -> A
     model = build_model(settings, tokenizer)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     return model.to(device=device, dtype=dtype).eval()
+
+
+def build_ar_sampler(model: Any, tokenizer: Any, max_new_tokens: int) -> Any:
+    """The `ar` sampler (greedy, KV cache, left-padded batches) on a causal LM: what decodes the AR base
+    here and an `ar` export (the AR control) everywhere else."""
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
+
+    return SAMPLERS["ar"](model, tokenizer, build_sampler_config("ar", {"max_new_tokens": max_new_tokens}))
 
 
 def ar_model_name(settings: Any) -> str:
@@ -102,7 +74,7 @@ def evaluate_ar(
     tokenizer = load_tokenizer(str(prepared_dir))
     model = model if model is not None else build_ar_base(settings, tokenizer)
     asked = eval_prompts(tokenizer, prepared_dir, split, limit, ev.n_shot)
-    runner = GreedyRunner(model, tokenizer, ev.max_new_tokens)
+    runner = build_ar_sampler(model, tokenizer, ev.max_new_tokens)
     outputs, elapsed, row_nfe = generate_in_batches(
         runner, asked.prompts, asked.order, ev.batch_size, f"evaluate {AR_EVALUATION} (greedy)"
     )
@@ -121,6 +93,7 @@ def evaluate_ar(
         "batch_size": ev.batch_size,
         "base_model": settings.model.pretrained_model_name_or_path,
         "prepared_dir": str(prepared_dir),
+        **asked.protocol(),
     }
     return {
         "metrics": score_metrics(predictions, elapsed, row_nfe),

@@ -295,6 +295,10 @@ def eval_chats(prepared_dir: Path, rows: list[dict], n_shot: int) -> list[list[d
     return [prompt_messages(r["messages"], shots) for r in rows]
 
 
+# How every evaluation reads an answer (recorded in its protocol; arms compared must share it).
+ANSWER_PARSER = "gsm8k: strict = the number after ####, flexible = the last number"
+
+
 @dataclass
 class EvalPrompts:
     """The held-out rows of one evaluation and the prompt ids each is asked with."""
@@ -303,6 +307,15 @@ class EvalPrompts:
     chats: list[list[dict]]
     prompts: list[list[int]]  # chat template + generation prompt, token ids
     order: list[int]  # row indices, shortest prompt first (a batch pads little)
+
+    @property
+    def sha256(self) -> str:
+        """Of the prompt ids asked, in row order: two evaluations with equal digests asked the same."""
+        return hashlib.sha256(repr(self.prompts).encode()).hexdigest()[:16]
+
+    def protocol(self) -> dict[str, str]:
+        """What an evaluation's protocol records of its prompts and parser."""
+        return {"prompts_sha256": self.sha256, "answer_parser": ANSWER_PARSER}
 
 
 def eval_prompts(

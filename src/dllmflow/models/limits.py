@@ -28,11 +28,11 @@ def max_positions(model: Any) -> int | None:
     return getattr(_text_config(model), "max_position_embeddings", None)
 
 
-def check_generation_fits(model: Any, prompt_length: int, max_new_tokens: int, mask_id: int) -> None:
-    """UserError naming the flag when the mask id is not a row of the embedding, or the longest
-    prompt plus `max_new_tokens` exceeds the model's positions."""
+def check_generation_fits(model: Any, prompt_length: int, max_new_tokens: int, mask_id: int | None) -> None:
+    """UserError naming the flag when the mask id is not a row of the embedding (None: a causal sampler
+    fills no mask), or the longest prompt plus `max_new_tokens` exceeds the model's positions."""
     rows = vocab_rows(model)
-    if rows is not None and not 0 <= mask_id < rows:
+    if rows is not None and mask_id is not None and not 0 <= mask_id < rows:
         raise UserError(
             f"--mask-id {mask_id} (or dllm.mask_token_id) is outside the model's vocabulary "
             f"(0..{rows - 1}); pass the mask token id the model was trained with"

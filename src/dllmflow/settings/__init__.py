@@ -3,6 +3,7 @@
 from .dllm import (
     MODE_CONFIGS,
     MODE_NAMES,
+    ARConfig,
     BlockDiffusionConfig,
     DFlashConfig,
     DFlashSection,
@@ -35,6 +36,7 @@ __all__ = (
     [
         "MODE_NAMES",
         "MODE_CONFIGS",
+        "ARConfig",
         "BlockDiffusionConfig",
         "DFlashConfig",
         "DFlashSection",

@@ -45,6 +45,9 @@ class DLLMBaseConfig(_Section):
     # Why GRPO (`rl:`) cannot train the mode; None = it can: an absorbing-mask model whose sequence
     # log-likelihood the estimators of `dllmflow.rl.estimators` bound (read as `ModeSpec.supports_rl`).
     rl_refusal: ClassVar[str | None] = "it declares no sequence log-likelihood estimator"
+    # Why `eval.ar_control` (the same-data AR fine-tune beside the run) cannot run for the mode; None =
+    # it can: the mode trains a causal LM's weights that an `ar` run can fine-tune causally instead.
+    ar_control_refusal: ClassVar[str | None] = None
 
     mask_token_id: int | None = Field(
         None, ge=0, description="Mask token id; None = resolve from the tokenizer (then the strategy)."
@@ -157,6 +160,10 @@ class BlockDiffusionConfig(DLLMBaseConfig):
     )
     packing_refusal: ClassVar[str | None] = "its encoder/decoder canvas is built around one response per row"
     response_window: ClassVar[bool] = True
+    ar_control_refusal: ClassVar[str | None] = (
+        "DiffusionGemma is an encoder-decoder with a canvas decoder: there is no causal LM to fine-tune "
+        "next-token on the same rows"
+    )
     vocab_size: PositiveInt = Field(..., description="Vocabulary the uniform corruption draws from.")
     block_size: PositiveInt = Field(256, description="Response-block size for one-canvas-per-step selection.")
     encoder_loss_weight: float = Field(1.0, ge=0.0, description="Weight on the co-trained encoder AR loss.")
@@ -176,6 +183,9 @@ class DFlashConfig(DLLMBaseConfig):
     packing_refusal: ClassVar[str | None] = (
         "its draft blocks are conditioned on the target's hidden states of one row"
     )
+    ar_control_refusal: ClassVar[str | None] = (
+        "a DFlash run trains a speculative draft for a frozen target, not a model to compare with its AR parent"
+    )
 
 
 @register_mode_config
@@ -193,6 +203,19 @@ class IDLMConfig(DLLMBaseConfig):
     )
     clean_loss_weight: float = Field(0.2, ge=0.0, description="Fixed alpha on CE_clean.")
     auto_balance_clean_loss: bool = Field(False, description="alpha = stopgrad(CE_noisy / CE_clean).")
+
+
+@register_mode_config
+class ARConfig(DLLMBaseConfig):
+    """Causal next-token SFT of the base model, the AR control of every dLLM mode (docs/strategies.md §2.7).
+    Only `mask_token_id` of the shared fields matters: it keeps the tokenizer and embedding rows those of
+    the dLLM run it controls."""
+
+    mode: Literal["ar"]
+    ar_control_refusal: ClassVar[str | None] = (
+        "the run is already the AR model; `ar_control` controls a dLLM run"
+    )
+    rl_refusal: ClassVar[str | None] = "GRPO here estimates a masked-diffusion likelihood, not a causal one"
 
 
 def _validate_dllm(value: Any, handler: ValidatorFunctionWrapHandler) -> DLLMBaseConfig:

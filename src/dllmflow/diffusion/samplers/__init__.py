@@ -21,6 +21,7 @@ SAMPLERS = LazyRegistry(
         "nemotron": f"{_P}.nemotron:NemotronSampler",
         "gemma": f"{_P}.gemma:GemmaSampler",
         "idlm": f"{_P}.idlm:IDLMSampler",
+        "ar": f"{_P}.ar:ARSampler",
     },
 )
 
@@ -32,6 +33,7 @@ SAMPLER_CONFIGS = LazyRegistry("sampler", {name: f"{_C}:{cls}" for name, cls in 
     "nemotron": "NemotronConfig",
     "gemma": "GemmaConfig",
     "idlm": "IDLMConfig",
+    "ar": "ARConfig",
 }.items()})  # fmt: skip
 
 __all__ = ["SAMPLERS", "SAMPLER_CONFIGS"]

@@ -117,6 +117,8 @@ class Sampler(ABC):
     supports_batching: ClassVar[bool] = True
     # Why a sampler has no KV-cache path (said when a cache is asked for).
     no_kv_cache_reason: ClassVar[str] = "it has no KV-cache path"
+    # Whether it fills [MASK] positions (every diffusion sampler); a causal decoder resolves no mask id.
+    uses_mask: ClassVar[bool] = True
     # The grad mode `generate` runs in. GRPO's rollouts under FSDP2 set `torch.no_grad`: FSDP2 reuses
     # its all-gather buffers, and ones made in inference mode cannot be written in the training step.
     grad_mode: Callable[[], Any] = torch.inference_mode
@@ -144,7 +146,7 @@ class Sampler(ABC):
         if training_settings is None:
             training_settings = getattr(model, TRAINING_SETTINGS_ATTR, None)
         self.training_settings = training_settings
-        self.mask_id = resolve_mask_id(mask_id, tokenizer, model)
+        self.mask_id = resolve_mask_id(mask_id, tokenizer, model) if self.uses_mask else None
         fill = getattr(tokenizer, "eos_token_id", None)
         self.fill_id = int(fill if fill is not None else getattr(tokenizer, "pad_token_id", 0) or 0)
         self.stop_ids = stop_token_ids(tokenizer)

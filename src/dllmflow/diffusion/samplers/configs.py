@@ -134,6 +134,13 @@ class IDLMConfig(BlockConfig):
     use_kv_cache: bool = True
 
 
+class ARConfig(SamplerConfig):
+    """Greedy next-token decoding of a causal LM with its KV cache (docs/strategies.md §3.9): one forward
+    per token, a row stops at its first stop id. `steps` is not read (one token per forward)."""
+
+    use_kv_cache: bool = Field(True, description="Exact cache of the prompt and the tokens so far.")
+
+
 class GemmaConfig(SamplerConfig):
     """Preset (docs/strategies.md §3.5): 48 denoising steps, 256 new tokens; every other knob is upstream's."""
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from dllmflow.diffusion.corruption import corrupt_all_masked, per_sample
-from dllmflow.diffusion.losses import per_token_ce
+from dllmflow.diffusion.losses import per_token_ce, shifted_supervision
 from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention, right_padded
 from dllmflow.errors import UserError
 from dllmflow.models.attention import mask_dtype
@@ -162,14 +162,6 @@ class IDLMStrategy(Strategy):
         if attn == SPLIT_ATTENTION and right_padded(attention_mask):  # else: dense, through plain sdpa
             return {"split_attention": idlm_split_attention(attention_mask, self.block_length, dtype)}
         return {"attention_mask": idlm_dense_mask(attention_mask, self.block_length, dtype=dtype)}
-
-
-def shifted_supervision(loss_mask: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """sup_i = m_sup[i+1] and valid[i+1] for i in [0, L-1): [B, L-1] bool."""
-    sup = loss_mask[:, 1:] != 0
-    if attention_mask is not None:
-        sup = sup & (attention_mask[:, 1:] != 0)
-    return sup
 
 
 def resolve_block_length(settings: Settings) -> int:

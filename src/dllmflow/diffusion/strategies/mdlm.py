@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from dllmflow.diffusion.corruption import corrupt_batch, corrupt_uniform
-from dllmflow.diffusion.losses import mdlm_loss_sum
+from dllmflow.diffusion.losses import loss_columns, mdlm_loss_sum
 from dllmflow.diffusion.seeding import restream
 from dllmflow.errors import UserError
 from dllmflow.models.doc_attention import check_key_filter, forward_bidirectional_batch
@@ -92,14 +92,6 @@ def annealed_keys(future: Tensor) -> Tensor:
     L = future.shape[-1]
     past = torch.ones(L, L, dtype=torch.bool, device=future.device).tril()  # k <= q
     return past | future
-
-
-def loss_columns(selected: Tensor) -> Tensor:
-    """Positions [n] where any row of `selected` [B, L] is set, ascending. Never empty: a micro-batch
-    with nothing selected keeps its last column (it contributes zero) so the graph still reaches
-    every parameter."""
-    cols = selected.any(0).nonzero().squeeze(1)  # [n]
-    return cols if cols.numel() else torch.tensor([selected.shape[1] - 1], device=selected.device)
 
 
 def require_mask_id(strategy: Strategy) -> int:
