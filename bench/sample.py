@@ -14,10 +14,16 @@
    context on in both: tokens/s ratio and whether the outputs are identical token for token; on the
    checkpoint, and on a random Qwen3 of `--kv_hidden` x `--kv_layers` (no EOS stop: the whole window
    is decoded, and the forward's arithmetic outweighs its Python overhead).
+5. stopping at EOS (`--eos_only`, through `dllmflow evaluate`): llada at `--max_new_tokens` in blocks of
+   `--cache_block` and in one block, without a stop (the base), with the exact per-row EOS stop, and
+   with EoTP truncation (`eos_truncate`): positions computed per answer, effective-token ratio,
+   seconds per answer and NFE as ratios to the base, exact match, and the share of answers identical
+   to the run without truncation (the stop is exact: 1.0 asserted; truncation is approximate).
 
     OMP_NUM_THREADS=1 python bench/sample.py                       # trains a tiny overfit checkpoint (~30 s)
     OMP_NUM_THREADS=1 python bench/sample.py --cache_only          # table 4 only
     OMP_NUM_THREADS=2 python bench/sample.py --long_demo --max_new_tokens 256 --cache_block 16 --limit 64 --em_only
+    OMP_NUM_THREADS=2 python bench/sample.py --long_demo --max_new_tokens 256 --limit 32 --eos_only   # table 5
     python bench/sample.py --checkpoint runs/tiny_mdlm/checkpoints --split eval --limit 32
 
 Without `--checkpoint` a tiny mdlm model is trained in-process on 16 short GSM-style chats and scored
@@ -255,6 +261,47 @@ def print_em_table(ckpt, split: str, results: dict[str, dict], args, block: int)
     print_table(title, results, "one_per_step", KEYS)
 
 
+EOS_KEYS = ("positions_per_answer", "effective_token_ratio", "s_per_answer", "nfe", "exact_match_flexible")
+
+
+def eos_runs(ckpt, split: str, limit: int, n: int, block: int) -> tuple[dict, dict]:
+    """Table 5: llada with and without the EOS stop and EoTP truncation at n new tokens, in blocks of
+    `block` and in one block. -> (metrics by label, answers by label)."""
+    from dllmflow.evaluation.accuracy import evaluate
+
+    stop, cut = {"eos_token_id": "tokenizer"}, {"eos_token_id": "tokenizer", "eos_truncate": True}
+    runs = {}
+    for b in dict.fromkeys((block, n)):
+        base = {"max_new_tokens": n, "steps": n, "block_size": b}  # one token per step, no cache
+        runs |= {f"blocks {b}: no stop (base)": base, f"blocks {b}: EOS stop": {**base, **stop},
+                 f"blocks {b}: EOS stop + eos_truncate": {**base, **cut}}  # fmt: skip
+    runs |= {f"blocks {block}: thr 0.9 + stop + truncate": {**runs[f"blocks {block}: no stop (base)"],
+                                                            **cut, "threshold": 0.9}}  # fmt: skip
+    evaluate(ckpt, split=split, limit=2, overrides=runs[f"blocks {block}: EOS stop"])  # warm-up
+    metrics, answers = {}, {}
+    for label, over in runs.items():
+        res = evaluate(ckpt, split=split, limit=limit, overrides=over)
+        m, preds = res["metrics"], res["predictions"]
+        elapsed = sum(p["num_tokens"] for p in preds) / max(m["tokens_per_s"], 1e-9)
+        metrics[label] = {**m, "s_per_answer": elapsed / len(preds)}
+        answers[label] = [p["prediction"] for p in preds]
+    return metrics, answers
+
+
+def print_eos_table(metrics: dict, answers: dict, title: str) -> None:
+    """Table 5, one part per block size: ratios to its no-stop base, and each run's agreement with the
+    exact (stopped, untruncated) answers."""
+    for prefix in dict.fromkeys(label.split(":")[0] for label in metrics):
+        part = {k: v for k, v in metrics.items() if k.startswith(prefix + ":")}
+        base = f"{prefix}: no stop (base)"
+        exact = answers[f"{prefix}: EOS stop"]
+        assert exact == answers[base], f"{prefix}: the EOS stop changed an answer"
+        print_table(f"{title}, {prefix} (base: no EOS stop)", part, base, EOS_KEYS)
+        for label in part:
+            same = sum(a == b for a, b in zip(answers[label], exact)) / len(exact)
+            print(f"    {label:<44} answers identical to the exact run: {same:.3f}")
+
+
 def main() -> None:
     from dllmflow.evaluation.accuracy import evaluate
 
@@ -273,6 +320,7 @@ def main() -> None:
     p.add_argument("--cache_sharpen", type=float, default=100.0, help="LM-head scale of the cache-only model")
     p.add_argument("--cache_only", action="store_true", help="only table 4, on a random Qwen3")
     p.add_argument("--em_only", action="store_true", help="only table 1 (exact match and speed per point)")
+    p.add_argument("--eos_only", action="store_true", help="only table 5 (stopping at EOS, EoTP truncation)")
     p.add_argument(
         "--long_demo", action="store_true",
         help="instead of --checkpoint: the demo trained, then continued on --max_new_tokens canvases",
@@ -290,6 +338,11 @@ def main() -> None:
         split = args.split or ("eval" if args.checkpoint or args.long_demo else "train")
         n, thr = args.max_new_tokens, args.threshold
         block = args.cache_block if n % args.cache_block == 0 else n
+        if args.eos_only:
+            metrics, answers = eos_runs(ckpt, split, args.limit, n, block)
+            return print_eos_table(
+                metrics, answers, f"llada on {ckpt} ({split}, {args.limit} prompts, {n} new tokens)"
+            )
         base = {"max_new_tokens": n, "steps": n, "block_size": block}  # one token per step, no cache
         runs = {"one_per_step": base, "prefix": {**base, "cache": "prefix"}, "dual": {**base, "cache": "dual"},
                 f"threshold_{thr}": {**base, "threshold": thr},

@@ -76,6 +76,11 @@ def test_evaluate_records_metrics_protocol_predictions(setup):
     assert m["exact_match_flexible"] == sum(p["correct_flexible"] for p in preds) / 3
     assert all(p["answer"] is not None and "," not in p["answer"] for p in preds)
     assert 1 <= m["nfe"] <= 4 and m["tokens_per_s"] >= 0 and m["tokens_per_forward"] >= 0
+    # per answer: its forwards and positions; the ratio over all answers is tokens / positions
+    assert m["nfe"] == sum(p["nfe"] for p in preds) / 3 and all(p["positions"] > 0 for p in preds)
+    tokens = sum(p["num_tokens"] for p in preds)
+    assert m["effective_token_ratio"] == tokens / sum(p["positions"] for p in preds)
+    assert all(p["effective_token_ratio"] == p["num_tokens"] / p["positions"] for p in preds)
     assert proto["sampler"] == "llada" and proto["split"] == "eval" and proto["limit"] == 3
     s = proto["sampler_settings"]
     assert (s["max_new_tokens"], s["steps"], s["threshold"], s["block_size"]) == (8, 4, 0.9, 128)

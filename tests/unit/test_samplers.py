@@ -63,15 +63,24 @@ class Recorder:
         return self.forward(x, attn)
 
 
-def scripted_forward(table):
-    """A fake model: logits[b, p] = table[b][p] (a dict pos -> (token, logit)) on a flat background."""
+def scripted_forward(table, prompts=None):
+    """A fake model: logits[b, p] = table[b][p] (a dict pos -> (token, logit)) on a flat background.
+    With `prompts` (row b's prompt), a forward's row is told by its prompt (the longest that matches):
+    a forward computes only the rows still decoding."""
+
+    def row_of(ids: list[int], b: int) -> int:
+        if prompts is None:
+            return b
+        order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
+        return next(k for k in order if ids[: len(prompts[k])] == prompts[k])
 
     def forward(x, attn):
         logits = torch.zeros(*x.shape, 40, dtype=torch.float64)
         logits[..., 30] = 0.5  # background favourite: a plain token (not mask/eos/pad)
-        for b, row in enumerate(table):
-            for p, (tok_id, value) in row.items():
-                logits[b, p, tok_id] = value
+        for b in range(x.shape[0]):
+            for p, (tok_id, value) in table[row_of(x[b].tolist(), b)].items():
+                if p < x.shape[1]:
+                    logits[b, p, tok_id] = value
         return logits
 
     return forward
@@ -200,9 +209,12 @@ def test_no_mask_left_prompt_unchanged_and_blocks_in_order(model, tok):
     ps = prompts(tok)
     geo = block_geometry(12, 4, 12, False)
     canvas = build_canvas(ps, geo.gen_length, sampler.mask_id, sampler.fill_id, "cpu")
-    x, nfe, row_nfe = run_block_sampler(rec, canvas, sampler.config, geo, sampler.mask_id, sampler.fill_id)
+    x, nfe, row_nfe, positions = run_block_sampler(
+        rec, canvas, sampler.config, geo, sampler.mask_id, sampler.fill_id
+    )
     m = sampler.mask_id
     assert nfe == 12 and row_nfe.tolist() == [12, 12]
+    assert positions.tolist() == [12 * (len(p) + 12) for p in ps]  # each forward: its prompt and window
     for b, p in enumerate(ps):
         assert x[b, : len(p)].tolist() == p
         assert not (x[b, : len(p) + 12] == m).any()
@@ -238,7 +250,7 @@ def test_threshold_parallel_commit_with_scripted_model():
     table = [{p: (7, 20.0) for p in range(3, 7)}, {5: (9, 1.0)}]
     cfg = build_sampler_config("llada", dict(steps=4, max_new_tokens=4, block_size=4, threshold=0.9))
     tok = _FakeTok()
-    s = LLaDASampler(None, tok, cfg, forward=scripted_forward(table))
+    s = LLaDASampler(None, tok, cfg, forward=scripted_forward(table, [[11, 12, 13], [11, 12]]))
     out = s.generate([[11, 12, 13], [11, 12]])
     assert out.sequences[0] == [7, 7, 7, 7] and out.nfe == 4
     # row 0 committed everything in one forward; the batch continued for row 1
@@ -261,7 +273,7 @@ def test_eos_per_row_on_ragged_batch():
         {q: (22 + q % 3, 5.0) for q in range(5, 11)},
     ]
     cfg = build_sampler_config("llada", dict(steps=6, max_new_tokens=6, block_size=6, eos_token_id=1))
-    s = LLaDASampler(None, _FakeTok(), cfg, forward=scripted_forward(table))
+    s = LLaDASampler(None, _FakeTok(), cfg, forward=scripted_forward(table, [p0, p1]))
     out = s.generate([p0, p1])
     assert out.sequences[0] == [20]
     assert out.sequences[1] == [22 + q % 3 for q in range(5, 11)]

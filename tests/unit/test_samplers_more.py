@@ -337,7 +337,8 @@ def test_llada2_batch_with_editing_and_eos_decodes_each_row_as_alone(model, tok)
     finally:
         handle.remove()
     alone = [sampler.generate([p]) for p in ps]
-    assert all(c.shape[0] == 3 for c in seen[: out.nfe])
+    batch = [c.shape[0] for c in seen[: out.nfe]]  # a row stopped at its EOS leaves the forwards
+    assert batch[0] == 3 and batch[-1] < 3 and batch == sorted(batch, reverse=True)
     assert out.sequences == [a.sequences[0] for a in alone]
     assert out.row_nfe == [a.nfe for a in alone] and out.nfe == max(out.row_nfe)
     assert len(set(out.row_nfe)) == 3  # the rows really leave at different forwards
@@ -470,10 +471,10 @@ def test_idlm_forward_is_causal(model, tok):
 
 
 def test_idlm_per_row_eos():
-    def fwd(x, attn):  # row 0 says EOS (1) for position 3 (logit at 2); row 1 never
+    def fwd(x, attn):  # row 0 (prompt 11 12 13) says EOS (1) for position 3 (logit at 2); row 1 never
         logits = torch.zeros(*x.shape, 40, dtype=torch.float64)
         logits[..., 30] = 0.5
-        logits[0, 2, 1] = 9.0
+        logits[x[:, 2] == 13, 2, 1] = 9.0  # a forward holds only the rows still decoding
         return logits
 
     cfg = build_sampler_config("idlm", dict(max_new_tokens=8, steps=8, block_size=4), _FakeTok())

@@ -9,7 +9,10 @@ Prompts and reference answers come from the prepared data's held-out split (`dat
 split `eval`): the prompt is the chat without its last assistant turn, rendered with the
 checkpoint's chat template and the generation prompt. Scores: strict (the number after `####`) and
 flexible (the last number in the text), commas and `$` ignored. Speed: tokens/s over generated
-(trimmed) tokens, NFE = forward passes per example, tokens per forward. The protocol (sampler and all
+(trimmed) tokens, NFE = forward passes per example, tokens per forward, and where the sampler counts
+them the positions computed per answer and the effective-token ratio (answer tokens ÷ positions
+computed: what padding and re-computed prompts cost); each prediction carries its own NFE, tokens per
+forward, positions and ratio. The protocol (sampler and all
 its settings, generation length, n-shot, chat template hash, limit, split, seed) is returned with the
 metrics and the predictions. In Python: `evaluate(checkpoint, settings, sampler="llada", limit=8)`.
 `--harness gsm8k` scores the same rows through lm-evaluation-harness instead (harness.py). The prompts,
@@ -88,8 +91,11 @@ def evaluate_loaded(
     check_generation_fits(loaded.model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
 
     # 3) generate in batches, 4) score
-    outputs, elapsed, row_nfe = generate_in_batches(runner, prompts, order, batch_size, f"evaluate {sampler}")
-    predictions = score_predictions(rows, chats, outputs, loaded.tokenizer)
+    costs: dict[int, tuple[int, int | None]] = {}
+    outputs, elapsed, row_nfe = generate_in_batches(
+        runner, prompts, order, batch_size, f"evaluate {sampler}", costs=costs
+    )
+    predictions = attach_costs(score_predictions(rows, chats, outputs, loaded.tokenizer), costs)
     protocol = {
         "sampler": sampler,
         "sampler_settings": config.model_dump(mode="json"),
@@ -162,10 +168,16 @@ def run_sweep(
 
 
 def generate_in_batches(
-    runner: Any, prompts: list[list[int]], order: list[int], batch_size: int, label: str
+    runner: Any,
+    prompts: list[list[int]],
+    order: list[int],
+    batch_size: int,
+    label: str,
+    costs: dict[int, tuple[int, int | None]] | None = None,
 ) -> tuple[dict[int, list[int]], float, int]:
     """Generate for `prompts` in `order`, `batch_size` at a time. -> (generated ids by prompt index,
-    seconds spent generating, forwards summed over rows)."""
+    seconds spent generating, forwards summed over rows). `costs`, when given, receives each prompt
+    index's (forwards, positions computed or None where the sampler does not count them)."""
     outputs: dict[int, list[int]] = {}
     elapsed, row_nfe = 0.0, 0
     with Progress(label, len(order), unit="examples", every=batch_size) as bar:
@@ -174,9 +186,24 @@ def generate_in_batches(
             result = runner.generate([prompts[i] for i in idx])
             outputs.update(zip(idx, result.sequences))
             elapsed += result.elapsed_s
-            row_nfe += sum(result.row_nfe) if result.row_nfe else result.nfe * len(idx)
+            nfes = result.row_nfe or [result.nfe] * len(idx)
+            row_nfe += sum(nfes)
+            if costs is not None:
+                positions = getattr(result, "row_positions", None) or [None] * len(idx)
+                costs.update(zip(idx, zip(nfes, positions)))
             bar.advance(len(idx))
     return outputs, elapsed, row_nfe
+
+
+def attach_costs(predictions: list[dict[str, Any]], costs: dict[int, tuple[int, int | None]]) -> list[dict]:
+    """Each prediction's decoding cost (row i = prompt index i): NFE, tokens per forward, positions
+    computed and the effective-token ratio (answer tokens ÷ positions; None when not counted)."""
+    for i, p in enumerate(predictions):
+        nfe, positions = costs[i]
+        tokens = p["num_tokens"]
+        p.update(nfe=nfe, tokens_per_forward=tokens / max(nfe, 1), positions=positions,
+                 effective_token_ratio=None if not positions else tokens / positions)  # fmt: skip
+    return predictions
 
 
 def score_predictions(
@@ -201,10 +228,12 @@ def score_predictions(
 
 
 def score_metrics(predictions: list[dict[str, Any]], elapsed: float, row_nfe: int) -> dict[str, Any]:
-    """Exact match (strict, flexible) beside speed: tokens/s, forwards per example, tokens per forward."""
+    """Exact match (strict, flexible) beside speed: tokens/s, forwards per example, tokens per forward,
+    and where every prediction counts its positions computed (`attach_costs`), their mean per answer
+    and the effective-token ratio (answer tokens ÷ positions computed, over all answers)."""
     n = len(predictions)
     tokens = sum(p["num_tokens"] for p in predictions)
-    return {
+    metrics = {
         "exact_match_strict": sum(p["correct_strict"] for p in predictions) / n,
         "exact_match_flexible": sum(p["correct_flexible"] for p in predictions) / n,
         "tokens_per_s": tokens / max(elapsed, 1e-9),
@@ -212,6 +241,11 @@ def score_metrics(predictions: list[dict[str, Any]], elapsed: float, row_nfe: in
         "tokens_per_forward": tokens / max(row_nfe, 1),
         "num_examples": n,
     }
+    positions = [p.get("positions") for p in predictions]
+    if all(positions):
+        metrics["positions_per_answer"] = sum(positions) / n
+        metrics["effective_token_ratio"] = tokens / sum(positions)
+    return metrics
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

@@ -123,6 +123,7 @@ class DllmRequest(ChatRequest):
     sampler: str = "llada"
     config: Any = None  # the sampler's SamplerConfig
     nfe: int = 0  # forwards its row took part in
+    positions: int = 0  # the positions those forwards computed for its row (0: not counted)
     alone: bool = False  # decoded in a batch of its own (module docstring)
 
     def batch_key(self) -> tuple:
@@ -306,13 +307,17 @@ class DllmEngine:
             self.rows = []
         if progress is None:  # the last block: the sampler's own trimmed result
             result = decode.stepper.result
-            for req, seq, nfe in zip(decode.reqs, result.sequences, result.row_nfe):
-                req.tokens, req.nfe = list(seq), int(nfe)
+            positions = result.row_positions or [0] * len(decode.reqs)
+            for req, seq, nfe, pos in zip(decode.reqs, result.sequences, result.row_nfe, positions):
+                req.tokens, req.nfe, req.positions = list(seq), int(nfe), int(pos)
                 req.finish_reason = "length" if len(seq) >= req.config.max_new_tokens else "stop"
             decode.reqs = []
             return decode
-        for req, toks, done, nfe in zip(decode.reqs, progress.tokens, progress.done, progress.row_nfe):
-            req.tokens, req.nfe = trim_at_stop(toks, self.stop_ids), int(nfe)
+        positions = progress.row_positions or [0] * len(decode.reqs)
+        for req, toks, done, nfe, pos in zip(
+            decode.reqs, progress.tokens, progress.done, progress.row_nfe, positions
+        ):
+            req.tokens, req.nfe, req.positions = trim_at_stop(toks, self.stop_ids), int(nfe), int(pos)
             if done or len(req.tokens) < len(toks):  # a stop in a committed block: the answer is final
                 req.finish_reason = "stop"
         self.keep(decode, [i for i, r in enumerate(decode.reqs) if r.finish_reason is None])
@@ -361,5 +366,7 @@ class DllmEngine:
                 "sampler": req.sampler,
                 "nfe": req.nfe,
                 "tokens_per_forward": round(completion / req.nfe, 4) if req.nfe else 0.0,
+                "positions": req.positions,
+                "effective_token_ratio": round(completion / req.positions, 4) if req.positions else None,
             },
         }

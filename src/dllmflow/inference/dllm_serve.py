@@ -12,7 +12,8 @@ one per committed block as it is committed, ending in `data: [DONE]`), `GET /v1/
 name plus its lineage under `dllmflow`: registered name, version, alias, run id, sampler, the settings
 it decodes with, the sweep setting it was gated at, and what `--sampler-setting` changed from it),
 `GET /health`, `GET /stats`. `usage` carries `prompt_tokens`, `completion_tokens`, `total_tokens` and
-`dllmflow: {nfe, tokens_per_forward, sampler}` (forwards the request's row took part in). Per-request
+`dllmflow: {nfe, tokens_per_forward, positions, effective_token_ratio, sampler}` (forwards the
+request's row took part in, the positions they computed for it, completion tokens ÷ positions). Per-request
 sampler overrides go under the `dllmflow` key (`inference/dllm_requests.py`), e.g.
 `{"dllmflow": {"threshold": 0.9, "cache": "dual"}}`; with the openai client:
 `extra_body={"dllmflow": {...}}`.

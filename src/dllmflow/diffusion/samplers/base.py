@@ -97,13 +97,28 @@ def native_generate(model: Any, *names: str) -> Callable | None:
 @dataclass
 class GenerationResult:
     """sequences: generated ids only, cut at the first stop id (for infill: the whole filled sequence).
-    nfe: model forward calls; row_nfe: forwards each row took part in (speed per sequence)."""
+    nfe: model forward calls; row_nfe: forwards each row took part in (speed per sequence);
+    row_positions: the positions those forwards computed for each row (its prompt, window or cached
+    query span; padding excluded), empty when the sampler does not count them. answer tokens ÷ positions
+    is the effective-token ratio (`effective_token_ratio`)."""
 
     sequences: list[list[int]]
     nfe: int
     num_generated_tokens: int
     elapsed_s: float
     row_nfe: list[int] = field(default_factory=list)
+    row_positions: list[int] = field(default_factory=list)
+
+
+def effective_token_ratio(tokens: int, positions: int) -> float | None:
+    """Answer tokens per position computed (1.0: every position computed is an answer token, as a
+    KV-cached AR decoder's); None when the positions were not counted."""
+    return tokens / positions if positions > 0 else None
+
+
+def _decoded(out: tuple) -> tuple[list[list[int]], int, list[int], list[int]]:
+    """A `_generate` tuple with its row positions ([] where the sampler returns three fields)."""
+    return (*out, []) if len(out) == 3 else out
 
 
 class Sampler(ABC):
@@ -175,21 +190,21 @@ class Sampler(ABC):
         t0 = time.perf_counter()
         with self.grad_mode():
             if self.supports_batching:
-                seqs, nfe, row_nfe = self._generate(prompt_ids)
+                seqs, nfe, row_nfe, positions = _decoded(self._generate(prompt_ids))
             else:  # one prompt at a time
-                seqs, nfe, row_nfe = [], 0, []
+                seqs, nfe, row_nfe, positions = [], 0, [], []
                 for p in prompt_ids:
-                    s, n, r = self._generate([p])
-                    seqs += s
-                    nfe += n
-                    row_nfe += r
+                    s, n, r, q = _decoded(self._generate([p]))
+                    seqs, nfe, row_nfe, positions = seqs + s, nfe + n, row_nfe + r, positions + q
         trimmed = [trim_at_stop(s, self.stop_ids) for s in seqs]
         elapsed = time.perf_counter() - t0
-        return GenerationResult(trimmed, nfe, sum(map(len, trimmed)), elapsed, row_nfe)
+        positions = positions if len(positions) == len(trimmed) else []
+        return GenerationResult(trimmed, nfe, sum(map(len, trimmed)), elapsed, row_nfe, positions)
 
     @abstractmethod
-    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
-        """-> (generated ids per row, untrimmed; forward calls; forwards per row)."""
+    def _generate(self, prompt_ids: list[list[int]]) -> tuple:
+        """-> (generated ids per row, untrimmed; forward calls; forwards per row[; positions computed
+        per row]): the fourth field is optional (no effective-token ratio without it)."""
 
     def _iter_generate(self, prompt_ids: list[list[int]]) -> Generator[Any, list[int] | None, tuple]:
         """`_generate` block by block (a `loop.BlockLoop`: yields a `loop.BlockProgress` between blocks,
@@ -241,9 +256,11 @@ class BlockStepper:
             with torch.inference_mode():
                 return self.loop.send(keep)
         except StopIteration as stop:
-            seqs, nfe, row_nfe = stop.value
+            seqs, nfe, row_nfe, positions = _decoded(stop.value)
             trimmed = [trim_at_stop(s, self.sampler.stop_ids) for s in seqs]
-            self.result = GenerationResult(trimmed, nfe, sum(map(len, trimmed)), self.elapsed_s, row_nfe)
+            self.result = GenerationResult(
+                trimmed, nfe, sum(map(len, trimmed)), self.elapsed_s, row_nfe, positions
+            )
             return None
         finally:
             SETTLED_LISTENER.reset(listening)

@@ -21,6 +21,7 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from dllmflow.errors import UserError
@@ -60,6 +61,22 @@ class BlockConfig(SamplerConfig):
     )
 
 
+# EoTP-style truncation of the full-canvas samplers (docs/strategies.md §3.0 "Stopping at EOS").
+EOS_TRUNCATE = (
+    "Positions after a committed EOS become filler and leave the forwards, and a row whose window holds "
+    "an EOS with no [MASK] before it stops (EOS: eos_token_id, else the tokenizer's). Approximate: "
+    "with bidirectional attention the dropped positions changed the others' logits."
+)
+
+
+def _refuse_truncate_with_cache(config) -> None:
+    if config.eos_truncate and config.cache != "none":
+        raise ValueError(
+            f"eos_truncate shortens the full-canvas forwards of cache 'none'; cache {config.cache!r} "
+            "forwards cached spans: set cache 'none' or drop eos_truncate"
+        )
+
+
 class LLaDAConfig(BlockConfig):
     """Preset (docs/strategies.md §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
     remasking, no threshold, no EOS stop (the output is trimmed afterwards), no cache; the rest as
@@ -67,6 +84,12 @@ class LLaDAConfig(BlockConfig):
 
     block_size: PositiveInt | None = 128
     cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
+    eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
+
+    @model_validator(mode="after")
+    def _truncate_without_cache(self):
+        _refuse_truncate_with_cache(self)
+        return self
 
 
 class SCDDConfig(SamplerConfig):
@@ -82,6 +105,12 @@ class SCDDConfig(SamplerConfig):
     cache_refresh: PositiveInt = Field(
         16, description="Steps between the full forwards refreshing the cache."
     )
+    eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
+
+    @model_validator(mode="after")
+    def _truncate_without_cache(self):
+        _refuse_truncate_with_cache(self)
+        return self
 
     @field_validator("cache")
     @classmethod

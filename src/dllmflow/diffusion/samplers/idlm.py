@@ -56,7 +56,7 @@ class IDLMSampler(Sampler):
         if self.cached:
             return (yield from self._iter_cached(prompt_ids, geometry))
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
-        x, nfe, row_nfe = yield from iter_block_sampler(
+        x, nfe, row_nfe, positions = yield from iter_block_sampler(
             self._forward,
             canvas,
             cfg,
@@ -68,7 +68,7 @@ class IDLMSampler(Sampler):
         )
         G = geometry.gen_length
         seqs = [x[b, int(s) : int(s) + G].tolist() for b, s in enumerate(canvas.gen_start)]  # kept rows
-        return seqs, nfe, row_nfe.tolist()
+        return seqs, nfe, row_nfe.tolist(), positions.tolist()
 
     def _iter_cached(self, prompt_ids, geometry: BlockGeometry) -> BlockLoop:
         canvas = build_left_padded_canvas(
@@ -76,7 +76,7 @@ class IDLMSampler(Sampler):
         )
         check_cache_fits(self.model, canvas.x.shape[1], self.name, "the KV cache (use_kv_cache)")
         source = CausalShiftCache(self.model, canvas)
-        nfe, row_nfe = yield from iter_cached_block_sampler(
+        nfe, row_nfe, positions = yield from iter_cached_block_sampler(
             source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
         )
-        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist()
+        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist(), positions.tolist()

@@ -4,9 +4,12 @@ dual caches for the bidirectional `llada` and `scdd`.
 
 Every source here decodes a left-padded canvas (`loop.build_left_padded_canvas`): block j is the same
 slice of every row, position ids restart at each row's first real token and padded keys are blocked,
-so a row decodes as it would alone. A source is called `source(lo, hi)` -> logits [B, hi-lo, V] of
-the canvas positions [lo, hi) (idlm: the logits that fill them, read one position earlier) and counts
-its model forwards in `calls`.
+so a row decodes as it would alone. A source is called `source(lo, hi, rows)` -> logits [R, hi-lo, V]
+of the canvas positions [lo, hi) of the canvas rows `rows` [R] (idlm: the logits that fill them, read
+one position earlier; rows None: every row), counts its model forwards in `calls` and leaves the
+canvas span its forward computed in `span`. Its cache holds the rows it is called with, in that order:
+rows leave it through `select_rows` (the block loop's `LiveRows`: a row stopped at its EOS is computed
+no more).
 
     source = CausalShiftCache(model, canvas)               # idlm, exact
     nfe, row_nfe = run_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator)
@@ -29,6 +32,7 @@ from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
+    LiveRows,
     SettledRows,
     block_progress,
     build_left_padded_canvas,
@@ -37,6 +41,11 @@ from .loop import (
     first_eos_done,
     get_num_transfer_tokens,
 )
+
+
+def on_rows(t: Tensor, rows: Tensor | None) -> Tensor:
+    """The canvas rows `rows` of `t` [B, ...] (None: all of it)."""
+    return t if rows is None else t[rows]
 
 
 def check_cache_fits(model: Any, length: int, sampler: str, what: str) -> None:
@@ -117,11 +126,7 @@ class ModelCache:
         return out.logits if self.keep_arg else out.logits[:, lo:hi]  # [B, hi-lo, V]
 
     def select_rows(self, index: Tensor) -> None:
-        """Keep the batch rows `index` [B'] of every cached layer (an empty layer too: the next forward
-        appends to it)."""
-        for layer in self.cache.layers:
-            if isinstance(getattr(layer, "keys", None), Tensor):
-                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        select_cache_rows(self.cache, index)
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached positions."""
@@ -133,6 +138,14 @@ class ModelCache:
         for layer in self.cache.layers:
             layer.keys = torch.cat([layer.keys[..., :lo, :], layer.keys[..., hi:, :]], dim=-2)
             layer.values = torch.cat([layer.values[..., :lo, :], layer.values[..., hi:, :]], dim=-2)
+
+
+def select_cache_rows(cache, index: Tensor) -> None:
+    """Keep the batch rows `index` [B'] of every layer of an HF DynamicCache (an empty layer too: the
+    next forward appends to it)."""
+    for layer in cache.layers:
+        if isinstance(getattr(layer, "keys", None), Tensor):
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
 
 
 def key_mask(key_valid: Tensor, num_queries: int, dtype: torch.dtype) -> Tensor:
@@ -163,12 +176,15 @@ class CausalShiftCache:
     def select_rows(self, index: Tensor) -> None:
         self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
 
-    def __call__(self, lo: int, hi: int) -> Tensor:
+    def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, start, end = self.c, self.kv.length, hi - 1  # forward [start, end)
+        valid = on_rows(c.valid, rows)
         # every position is "prefix" of a causal mask: k <= q, valid keys, a padded query keeps its diagonal
-        mask = block_causal_mask(c.valid[:, :end], end, 1, True, self.kv.dtype, start, end - start)
+        mask = block_causal_mask(valid[:, :end], end, 1, True, self.kv.dtype, start, end - start)
         Q = end - start  # its last hi - lo positions are [lo-1, hi-1)
-        logits = self.kv.forward(c.x[:, start:end], mask, c.position_ids[:, start:end], Q - (hi - lo), Q)
+        ids, positions = on_rows(c.x, rows)[:, start:end], on_rows(c.position_ids, rows)[:, start:end]
+        logits = self.kv.forward(ids, mask, positions, Q - (hi - lo), Q)
+        self.span = (start, end)
         self.kv.truncate(lo - 1)  # the block (and the last committed token) are re-fed next time
         return logits  # [B, hi-lo, V]
 
@@ -188,12 +204,15 @@ class BlockCausalCache:
     def select_rows(self, index: Tensor) -> None:
         self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
 
-    def __call__(self, lo: int, hi: int) -> Tensor:
+    def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, start = self.c, self.kv.length
+        valid = on_rows(c.valid, rows)
         mask = block_causal_mask(
-            c.valid[:, :hi], c.prefix_len, self.bs, False, self.kv.dtype, start, hi - start
+            valid[:, :hi], c.prefix_len, self.bs, False, self.kv.dtype, start, hi - start
         )
-        logits = self.kv.forward(c.x[:, start:hi], mask, c.position_ids[:, start:hi], lo - start, hi - start)
+        ids, positions = on_rows(c.x, rows)[:, start:hi], on_rows(c.position_ids, rows)[:, start:hi]
+        logits = self.kv.forward(ids, mask, positions, lo - start, hi - start)
+        self.span = (start, hi)
         self.kv.truncate(lo)
         return logits  # [B, hi-lo, V]
 
@@ -226,14 +245,16 @@ class FastDLLMCache:
     def select_rows(self, index: Tensor) -> None:
         self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
 
-    def refresh(self, lo: int, hi: int) -> Tensor:
-        """Full forward over the canvas; cache [0, a) (+ [hi, T) for dual); logits [B, hi-lo, V]."""
+    def refresh(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
+        """Full forward over the canvas; cache [0, a) (+ [hi, T) for dual); logits [R, hi-lo, V]."""
         from dllmflow.models.attention import bidirectional_mask
 
         c, a = self.c, lo - self.shift
         self.kv.truncate(0)
-        mask = bidirectional_mask(c.valid, self.kv.dtype)  # [B, 1, T, T]; padded queries keep a diagonal
-        logits = self.kv.forward(c.x, mask, c.position_ids, a, a + hi - lo)
+        valid = on_rows(c.valid, rows)
+        mask = bidirectional_mask(valid, self.kv.dtype)  # [R, 1, T, T]; padded queries keep a diagonal
+        logits = self.kv.forward(on_rows(c.x, rows), mask, on_rows(c.position_ids, rows), a, a + hi - lo)
+        self.span = (0, c.x.shape[1])
         if self.mode == "dual":
             self.kv.drop(a, hi)
         else:
@@ -241,18 +262,20 @@ class FastDLLMCache:
         self.block = (lo, hi)
         return logits
 
-    def __call__(self, lo: int, hi: int) -> Tensor:
+    def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         if self.block != (lo, hi):
-            return self.refresh(lo, hi)
+            return self.refresh(lo, hi, rows)
         c, total, a = self.c, self.c.x.shape[1], lo - self.shift
         end = hi if self.mode == "dual" else total
-        cached = self.kv.length
-        keys = torch.cat([c.valid[:, :a], c.valid[:, hi:]], 1) if self.mode == "dual" else c.valid[:, :a]
-        keys = torch.cat([keys, c.valid[:, a:end]], dim=1)  # [B, cached + Q] in cache order
-        mask = key_mask(keys, end - a, self.kv.dtype)  # [B, 1, Q, K]
-        logits = self.kv.forward(c.x[:, a:end], mask, c.position_ids[:, a:end], 0, hi - lo)
+        cached, valid = self.kv.length, on_rows(c.valid, rows)
+        keys = torch.cat([valid[:, :a], valid[:, hi:]], 1) if self.mode == "dual" else valid[:, :a]
+        keys = torch.cat([keys, valid[:, a:end]], dim=1)  # [R, cached + Q] in cache order
+        mask = key_mask(keys, end - a, self.kv.dtype)  # [R, 1, Q, K]
+        ids, positions = on_rows(c.x, rows)[:, a:end], on_rows(c.position_ids, rows)[:, a:end]
+        logits = self.kv.forward(ids, mask, positions, 0, hi - lo)
         self.kv.truncate(cached)
-        return logits  # [B, hi-lo, V]
+        self.span = (a, end)
+        return logits  # [R, hi-lo, V]
 
 
 # ---- the block loop over a cached source -------------------------------------------------------------
@@ -266,10 +289,10 @@ def run_cached_block_sampler(
     mask_id: int,
     fill_id: int,
     generator: torch.Generator | None = None,
-) -> tuple[int, Tensor]:
+) -> tuple[int, Tensor, Tensor]:
     """The block sampler of `loop.run_block_sampler` on a left-padded canvas, logits from `source`
     (same schedule, selection, threshold, last-step commit and per-row EOS stop), in place on
-    `canvas.x`. -> (nfe, row_nfe [B])."""
+    `canvas.x`. -> (nfe, row_nfe [B], positions [B] computed per row)."""
     return drain(iter_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator))
 
 
@@ -283,38 +306,53 @@ def iter_cached_block_sampler(
     generator: torch.Generator | None = None,
 ) -> BlockLoop:
     """`run_cached_block_sampler` one block at a time (a `loop.BlockLoop`); kept rows are selected in
-    the canvas and the source's cache."""
+    the canvas and the source's cache. A row that stops at its EOS leaves the forwards (and the cache)
+    at once; a row done with its block while others are not stays in them until the block ends (its
+    cached keys are the batch's)."""
     S, G = canvas.prefix_len, geometry.gen_length
     B, device = canvas.x.shape[0], canvas.x.device
     start = torch.full((B,), S, device=device)  # [B]
     done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
     row_nfe = torch.zeros(B, dtype=torch.long, device=device)
+    live = LiveRows(B, device)
     for j in range(geometry.num_blocks):
         if j:
-            rows = yield block_progress(canvas.x, start, j * geometry.block_size, done, row_nfe)
+            rows = yield block_progress(
+                canvas.x, start, j * geometry.block_size, done, row_nfe, live.positions
+            )
             if rows is not None:
                 index = torch.tensor(rows, dtype=torch.long, device=device)
+                source.select_rows(live.keep(index))
                 canvas.select_rows(index)
-                source.select_rows(index)
                 start, done, row_nfe = start[index], done[index], row_nfe[index]
+        if not len(live):
+            break
         x = canvas.x
         lo, hi = S + j * geometry.block_size, min(S + (j + 1) * geometry.block_size, S + G)
         block = x[:, lo:hi]  # [B, b] a view: commits land in x
         schedule = get_num_transfer_tokens(block == mask_id, geometry.steps_per_block)  # [B, spb]
         settled = SettledRows(done)
         for i in range(geometry.steps_per_block):
-            candidates = (block == mask_id) & ~done[:, None]  # [B, b]
+            r = live.index  # [R] the rows the source holds
+            candidates = block[r] == mask_id  # [R, b]
             if not candidates.any():
                 break
-            row_nfe += candidates.any(dim=1).long()
+            row_nfe[r] += candidates.any(dim=1).long()
             last = i == geometry.steps_per_block - 1
-            commit_step(source(lo, hi), candidates, block, schedule[:, i], last, cfg, mask_id, generator)
+            logits = source(lo, hi, r)  # [R, b, V]
+            live.computed(r, canvas.valid[r, source.span[0] : source.span[1]])
+            sub = block[r]  # [R, b] a copy: written back below
+            commit_step(logits, candidates, sub, schedule[r, i], last, cfg, mask_id, generator)
+            block[r] = sub
             if cfg.eos_token_id is not None:
                 done |= first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
             if settled and not last:
                 settled.update(x, start, hi, ~(block == mask_id).any(dim=1) | done)
-        if cfg.eos_token_id is not None and bool(done.all()):
-            break
+            stay = live.retire(done)
+            if stay is not None:
+                source.select_rows(stay)
+            if not len(live):
+                break
     x = canvas.x
     x[:, S:][x[:, S:] == mask_id] = fill_id  # rows stopped at an EOS keep masks after it
-    return source.calls, row_nfe
+    return source.calls, row_nfe, live.positions

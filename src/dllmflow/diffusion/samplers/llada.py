@@ -46,6 +46,14 @@ class LLaDASampler(Sampler):
     supports_kv_cache = False
     supports_batching = True
 
+    def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
+        super().__init__(model, tokenizer, config, mask_id, forward, **kw)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if self.config.eos_truncate and self.config.eos_token_id is None:  # truncation needs an EOS
+            if eos is None:
+                raise UserError("sampler llada with eos_truncate needs eos_token_id or a tokenizer EOS")
+            self.config = self.config.model_copy(update={"eos_token_id": int(eos)})
+
     def model_forward(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0) -> Tensor:
         from dllmflow.models.attention import forward_bidirectional
 
@@ -60,20 +68,20 @@ class LLaDASampler(Sampler):
         if cfg.cache != "none":
             return (yield from self._iter_cached(prompt_ids, geometry))
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
-        x, nfe, row_nfe = yield from iter_block_sampler(
+        x, nfe, row_nfe, positions = yield from iter_block_sampler(
             self._forward, canvas, cfg, geometry, self.mask_id, self.fill_id, self.generator()
         )
         G = geometry.gen_length
         seqs = [x[b, int(s) : int(s) + G].tolist() for b, s in enumerate(canvas.gen_start)]  # kept rows
-        return seqs, nfe, row_nfe.tolist()
+        return seqs, nfe, row_nfe.tolist(), positions.tolist()
 
     def _iter_cached(self, prompt_ids: list[list[int]], geometry: BlockGeometry) -> BlockLoop:
         canvas = fast_dllm_canvas(self, prompt_ids, geometry.gen_length, self.config.cache)
         source = FastDLLMCache(self.model, canvas, self.config.cache)
-        nfe, row_nfe = yield from iter_cached_block_sampler(
+        nfe, row_nfe, positions = yield from iter_cached_block_sampler(
             source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
         )
-        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist()
+        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist(), positions.tolist()
 
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         """Fill the [MASK] positions of whole sequences; returns the full filled sequences (untrimmed)."""

@@ -40,11 +40,12 @@ from dllmflow.models.logit_shift import refuse_shifted
 
 from .base import Sampler, native_generate
 from .configs import LLaDA2Config
-from .kv import BlockCausalCache, check_cache_fits
+from .kv import BlockCausalCache, check_cache_fits, on_rows
 from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
+    LiveRows,
     SettledRows,
     block_geometry,
     block_progress,
@@ -90,11 +91,14 @@ class CanvasBlockCausal:
     def __init__(self, forward: RefineForward, canvas: LeftPaddedCanvas, block_size: int, dtype: torch.dtype):
         self.forward, self.c, self.bs, self.dtype, self.calls = forward, canvas, block_size, dtype, 0
 
-    def __call__(self, lo: int, hi: int) -> Tensor:
+    def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, n = self.c, hi - lo
-        mask = block_causal_mask(c.valid[:, :hi], c.prefix_len, self.bs, False, self.dtype)  # [B, 1, hi, hi]
-        self.calls += 1
-        return self.forward(c.x[:, :hi], mask, c.position_ids[:, :hi], n)[:, -n:]
+        valid = on_rows(c.valid, rows)
+        mask = block_causal_mask(valid[:, :hi], c.prefix_len, self.bs, False, self.dtype)  # [R, 1, hi, hi]
+        self.calls, self.span = self.calls + 1, (0, hi)
+        return self.forward(on_rows(c.x, rows)[:, :hi], mask, on_rows(c.position_ids, rows)[:, :hi], n)[
+            :, -n:
+        ]
 
     def select_rows(self, index: Tensor) -> None:
         pass  # no state of its own: the canvas is shared with the loop, which selects it
@@ -108,12 +112,13 @@ def refine_blocks(
     mask_id: int,
     eos_id: int | None,
     generator: torch.Generator | None = None,
-) -> tuple[int, Tensor]:
+) -> tuple[int, Tensor, Tensor]:
     """LLaDA2 block refinement of a batch, in place on `canvas.x` (module docstring). Every row does
     what it would alone: it leaves a block once it is full (or, with editing, once a post-step edits
-    nothing or `max_post_steps` ran), and stops at its EOS; the batch moves on when no row is left.
-    `source(lo, hi)` -> logits [B, hi-lo, V] of the block (`CanvasBlockCausal`, `kv.BlockCausalCache`).
-    -> (nfe = forward calls, row_nfe [B] = forwards each row took part in)."""
+    nothing or `max_post_steps` ran), and stops at its EOS (then leaves the forwards); the batch moves
+    on when no row is left. `source(lo, hi, rows)` -> logits [R, hi-lo, V] of the block
+    (`CanvasBlockCausal`, `kv.BlockCausalCache`). -> (nfe = forward calls, row_nfe [B] = forwards each
+    row took part in, positions [B] = positions they computed for it)."""
     return drain(iter_refine_blocks(source, canvas, cfg, geometry, mask_id, eos_id, generator))
 
 
@@ -133,14 +138,17 @@ def iter_refine_blocks(
     start = torch.full((B,), S, device=device)  # [B]
     done = torch.zeros(B, dtype=torch.bool, device=device)  # [B] stopped at an EOS
     row_nfe = torch.zeros(B, dtype=torch.long, device=device)
+    live = LiveRows(B, device)
     for j in range(geometry.num_blocks):
         if j:
-            rows = yield block_progress(canvas.x, start, j * bs, done, row_nfe)
+            rows = yield block_progress(canvas.x, start, j * bs, done, row_nfe, live.positions)
             if rows is not None:
                 index = torch.tensor(rows, dtype=torch.long, device=device)
+                source.select_rows(live.keep(index))
                 canvas.select_rows(index)
-                source.select_rows(index)
                 start, done, row_nfe = start[index], done[index], row_nfe[index]
+        if not len(live):
+            break
         x, B = canvas.x, canvas.x.shape[0]
         lo, hi = S + j * bs, min(S + (j + 1) * bs, S + G)
         block = x[:, lo:hi]  # [B, b] a view: writes land in x
@@ -157,25 +165,48 @@ def iter_refine_blocks(
             if not active.any():
                 break
             post_steps += (full & active).long()
-            logits = source(lo, hi).float()  # [B, b, V]
-            logits[..., mask_id] = -math.inf
             row_nfe += active.long()
-            x0 = gumbel_argmax(logits, cfg.temperature, generator=generator)  # [B, b]
-            conf = torch.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # [B, b]
+            r = live.index  # [R] the rows the source holds (every row not stopped at its EOS)
+            logits = source(lo, hi, r).float()  # [R, b, V]
+            live.computed(r, canvas.valid[r, source.span[0] : source.span[1]])
+            x0, conf = _proposals(logits, cfg.temperature, mask_id, generator, B, r)  # [R, b] each
             last = i >= spb - 1  # the step budget is spent: commit the rest
-            k = masked.sum(dim=1) if last else schedule[:, i]  # [B]
-            transfer = refine_transfer(conf, masked & active[:, None], k, None if last else cfg.threshold)
-            edits = edit_index(x0, conf, block, ~masked & active[:, None], cfg.editing_threshold)  # [B, b]
-            block[transfer | edits] = x0[transfer | edits].to(x.dtype)
-            left |= active & full & ~edits.any(dim=1)  # a post-step that edited nothing ends the block
+            k = masked[r].sum(dim=1) if last else schedule[r, i]  # [R]
+            sub, act = block[r], active[r, None]  # [R, b] a copy (written back), [R, 1]
+            transfer = refine_transfer(conf, masked[r] & act, k, None if last else cfg.threshold)
+            edits = edit_index(x0, conf, sub, ~masked[r] & act, cfg.editing_threshold)  # [R, b]
+            sub[transfer | edits] = x0[transfer | edits].to(x.dtype)
+            block[r] = sub
+            left[r] |= (
+                act[:, 0] & full[r] & ~edits.any(dim=1)
+            )  # a post-step that edited nothing ends the block
             if eos_id is not None:
                 done |= first_eos_done(x, start, G, eos_id, mask_id)
                 left |= done
             if settled:  # a row that left the block never changes it again (edits included)
                 settled.update(x, start, hi, left)
-        if bool(done.all()):
+            stay = live.retire(done)
+            if stay is not None:
+                source.select_rows(stay)
+        if not len(live):
             break
-    return source.calls, row_nfe
+    return source.calls, row_nfe, live.positions
+
+
+def _proposals(
+    logits: Tensor, temperature: float, mask_id: int, generator, batch: int, rows: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(proposal, its confidence) [R, b] each from the live rows' logits [R, b, V] (the [MASK] column
+    never proposed). The Gumbel noise is drawn for the whole batch of `batch` rows and read at `rows`,
+    so a stopped row leaving the forwards does not move the others' draws."""
+    logits[..., mask_id] = -math.inf
+    uniform = None
+    if temperature > 0:
+        shape = (batch, *logits.shape[1:])
+        uniform = torch.rand(shape, generator=generator, device=logits.device, dtype=torch.float64)[rows]
+    x0 = gumbel_argmax(logits, temperature, uniform)  # [R, b]
+    conf = torch.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)  # [R, b]
+    return x0, conf
 
 
 class LLaDA2Sampler(Sampler):
@@ -233,12 +264,12 @@ class LLaDA2Sampler(Sampler):
             source = BlockCausalCache(self.model, canvas, geometry.block_size)
         else:
             source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, self._mask_dtype())
-        nfe, row_nfe = yield from iter_refine_blocks(
+        nfe, row_nfe, positions = yield from iter_refine_blocks(
             source, canvas, cfg, geometry, self.mask_id, self._eos_id(), self.generator()
         )
         gen = canvas.x[:, canvas.prefix_len :]  # [B, G]
         gen[gen == self.mask_id] = self.fill_id  # after an early EOS stop
-        return gen.tolist(), nfe, row_nfe.tolist()
+        return gen.tolist(), nfe, row_nfe.tolist(), positions.tolist()
 
     def _mask_dtype(self) -> torch.dtype:
         if self.model is None:  # a scripted forward in tests

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -201,6 +201,7 @@ class BlockProgress:
     tokens: list[list[int]]
     done: list[bool]
     row_nfe: list[int]
+    row_positions: list[int] = field(default_factory=list)  # positions computed for the row so far
 
 
 # A block loop: yields BlockProgress between blocks, is sent None or the indices of the rows to keep
@@ -208,10 +209,49 @@ class BlockProgress:
 BlockLoop = Generator[BlockProgress, "list[int] | None", tuple]
 
 
-def block_progress(x: Tensor, start: Tensor, length: int, done: Tensor, row_nfe: Tensor) -> BlockProgress:
+def block_progress(
+    x: Tensor, start: Tensor, length: int, done: Tensor, row_nfe: Tensor, positions: Tensor
+) -> BlockProgress:
     """Each row's `length` generated ids from its own window start ([B] `start`) on."""
     rows = [x[b, int(s) : int(s) + length].tolist() for b, s in enumerate(start)]
-    return BlockProgress(rows, done.tolist(), row_nfe.tolist())
+    return BlockProgress(rows, done.tolist(), row_nfe.tolist(), positions.tolist())
+
+
+class LiveRows:
+    """The canvas rows a block loop still decodes (`index` [R], ascending). A row leaves the moment it
+    stops at its EOS (`retire`), so no later forward computes it (its tokens are final: stopping is
+    exact); a cached source holds its rows in this order and is selected alike (`source.select_rows`).
+    `positions` [B]: the canvas positions each row's forwards computed (padding excluded)."""
+
+    def __init__(self, batch: int, device):
+        self.index = torch.arange(batch, device=device)  # [R]
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def computed(self, rows: Tensor, valid: Tensor) -> None:
+        """A forward computed the canvas rows `rows` [R]; `valid` [R, Q] marks their real query positions."""
+        self.positions[rows] += valid.sum(dim=1).to(self.positions.dtype)
+
+    def retire(self, done: Tensor) -> Tensor | None:
+        """Drop the live rows `done` [B] marks; -> which of the live rows stay ([R'] positions in the old
+        `index`, to select a cache with), None when none left."""
+        stay = (~done[self.index]).nonzero().flatten()  # [R']
+        if len(stay) == len(self.index):
+            return None
+        self.index = self.index[stay]
+        return stay
+
+    def keep(self, kept: Tensor) -> Tensor:
+        """The caller kept the canvas rows `kept` [B'] (the canvas is re-indexed by it): -> which of the
+        live rows stay ([R'] positions in the old `index`)."""
+        new = torch.full_like(self.positions, -1)  # [B] old canvas row -> new, -1 dropped
+        new[kept] = torch.arange(len(kept), device=kept.device)
+        moved = new[self.index]  # [R]
+        stay = (moved >= 0).nonzero().flatten()
+        self.index, self.positions = moved[stay], self.positions[kept]
+        return stay
 
 
 # Told mid-block of rows whose current block became final: (row indices among the live rows, each row's
@@ -315,12 +355,26 @@ def run_block_sampler(
     fill_id: int,
     generator: torch.Generator | None = None,
     logit_shift: int = 0,
-) -> tuple[Tensor, int, Tensor]:
+) -> tuple[Tensor, int, Tensor, Tensor]:
     """Semi-autoregressive block decoding without a KV cache (docs/strategies.md §3.0 step 4, no-cache path), in place
     on `canvas.x`. Block j of row b covers [P_b + j*bs, P_b + min((j+1)*bs, G)). Returns (x [B, T],
-    nfe = forward calls, row_nfe [B] = forwards made while the row still had masks to fill).
+    nfe = forward calls, row_nfe [B] = forwards made while the row still had masks to fill, positions
+    [B] = canvas positions those forwards computed for the row).
     logit_shift: position p reads logits[p - shift] (I-DLM's next-token checkpoints: 1)."""
     return drain(iter_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator, logit_shift))
+
+
+def truncate_after_eos(x: Tensor, attention_mask: Tensor, gen_start: Tensor, gen_length: int, eos_id: int,
+                       fill_id: int) -> None:  # fmt: skip
+    """EoTP (`eos_truncate`), in place: in each row the window positions after its first committed EOS
+    become filler and leave the forwards (attention 0); the trim cuts them anyway. x, attention_mask
+    [B, T] (a row's attention a prefix of it), gen_start [B]."""
+    pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
+    window = (pos >= gen_start[:, None]) & (pos < (gen_start + gen_length)[:, None])  # [B, T]
+    first = torch.where(window & (x == eos_id), pos, x.shape[1]).min(dim=1).values  # [B] T: none
+    after = pos > first[:, None]  # [B, T]
+    x[after & window] = fill_id
+    attention_mask[after] = 0
 
 
 def iter_block_sampler(
@@ -333,46 +387,58 @@ def iter_block_sampler(
     generator: torch.Generator | None = None,
     logit_shift: int = 0,
 ) -> BlockLoop:
-    """`run_block_sampler` one block at a time (a `BlockLoop`)."""
+    """`run_block_sampler` one block at a time (a `BlockLoop`). Each forward runs on the rows that still
+    have masks in their block (a row stopped at its EOS, or done with the block while others are not,
+    is not computed) and only as wide as the longest of them needs."""
     bsz, total = canvas.x.shape
     keep_kw_ok = takes_logits_to_keep(forward)
+    truncate = getattr(cfg, "eos_truncate", False) and cfg.eos_token_id is not None
     pos = torch.arange(total, device=canvas.x.device)[None, :]  # [1, T]
     done = torch.zeros(bsz, dtype=torch.bool, device=canvas.x.device)  # [B]
     nfe, row_nfe = 0, torch.zeros(bsz, dtype=torch.long, device=canvas.x.device)
+    live = LiveRows(bsz, canvas.x.device)
     for j in range(geometry.num_blocks):
         if j:
             upto = min(j * geometry.block_size, geometry.gen_length)
-            rows = yield block_progress(canvas.x, canvas.gen_start, upto, done, row_nfe)
+            rows = yield block_progress(canvas.x, canvas.gen_start, upto, done, row_nfe, live.positions)
             if rows is not None:
                 index = torch.tensor(rows, dtype=torch.long, device=canvas.x.device)
+                live.keep(index)
                 canvas.select_rows(index)
                 done, row_nfe = done[index], row_nfe[index]
         x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start
-        gen_end = start + geometry.gen_length  # [B]
         lo = start + j * geometry.block_size  # [B]
-        hi = torch.minimum(lo + geometry.block_size, gen_end)  # [B]
-        # Only the rows' blocks [lo_b, hi_b) are filled now, and with prompts left-aligned and filler
-        # after, their union lies in the suffix from the earliest block start on (plus the `logit_shift`
-        # positions read from before it): logits for that suffix alone, through the forward's
-        # `logits_to_keep` when it takes one (the LM head then skips the prompts and the committed
-        # blocks: at 256 new tokens in blocks of 32 it runs on 144 positions a step on average, not 256).
-        # Same commits: candidates keep their order.
-        keep = min(total, total - int(lo.min()) + logit_shift)
-        off = total - keep
-        keep_kw = {"logits_to_keep": keep} if keep_kw_ok else {}
-        x_kept = x[:, off:]  # [B, keep], a view: commits land in x
+        hi = torch.minimum(lo + geometry.block_size, start + geometry.gen_length)  # [B]
         in_block = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, T]
         schedule = get_num_transfer_tokens(in_block & (x == mask_id), geometry.steps_per_block)  # [B, spb]
         settled = SettledRows(done)
         for i in range(geometry.steps_per_block):
             candidates = in_block & (x == mask_id) & ~done[:, None]  # [B, T]
-            if not candidates.any():
+            needs = candidates.any(dim=1)  # [B]
+            if not needs.any():
                 break
-            logits = shift_logits(forward(x, attn, **keep_kw)[:, -keep:], logit_shift)  # [B, keep, V]
+            r = needs.nonzero().flatten()  # [R] the rows this forward computes
+            ends = attn[r].sum(dim=1)  # [R] each row's attention is [0, end)
+            width = int(ends.max())
+            # Only the rows' blocks [lo_b, hi_b) are filled now, and with prompts left-aligned and filler
+            # after, their union lies in the suffix from the earliest block start on (plus the
+            # `logit_shift` positions read from before it): logits for that suffix alone, through the
+            # forward's `logits_to_keep` when it takes one (the LM head then skips the prompts and the
+            # committed blocks). Same commits: candidates keep their order.
+            keep = min(width, width - int(lo[r].min()) + logit_shift)
+            off = width - keep
+            keep_kw = {"logits_to_keep": keep} if keep_kw_ok else {}
+            sub = x[r, :width]  # [R, W] a copy: written back below
+            logits = shift_logits(forward(sub, attn[r, :width], **keep_kw)[:, -keep:], logit_shift)
             nfe += 1
-            row_nfe += candidates.any(dim=1).long()  # forwards a row needed, not the batch's
+            row_nfe[r] += 1  # forwards a row needed, not the batch's
+            live.computed(r, attn[r, :width])
             last = i == geometry.steps_per_block - 1
-            commit_step(logits, candidates[:, off:], x_kept, schedule[:, i], last, cfg, mask_id, generator)
+            commit_step(logits, candidates[r, off:width], sub[:, off:], schedule[r, i], last, cfg, mask_id,
+                        generator)  # fmt: skip
+            x[r, :width] = sub
+            if truncate:
+                truncate_after_eos(x, attn, start, geometry.gen_length, cfg.eos_token_id, fill_id)
             if cfg.eos_token_id is not None:
                 done |= first_eos_done(x, start, geometry.gen_length, cfg.eos_token_id, mask_id)
             if settled and not last:
@@ -384,7 +450,7 @@ def iter_block_sampler(
     gen_end = start + geometry.gen_length  # [B]
     leftover = (x == mask_id) & (pos >= start[:, None]) & (pos < gen_end[:, None])  # [B, T]
     x[leftover] = fill_id
-    return x, nfe, row_nfe
+    return x, nfe, row_nfe, live.positions
 
 
 def run_infill(

@@ -37,9 +37,11 @@ from dllmflow.diffusion.masks.block_causal import block_causal_mask
 
 from .base import Sampler, native_generate
 from .configs import NemotronConfig
+from .kv import select_cache_rows
 from .loop import (
     BlockGeometry,
     LeftPaddedCanvas,
+    LiveRows,
     block_geometry,
     build_left_padded_canvas,
     first_eos_done,
@@ -50,11 +52,13 @@ from .loop import (
 
 
 class _BlockCausalForward:
-    """Logits of the canvas under the block-causal mask, with or without a KV cache.
+    """Logits of the canvas under the block-causal mask, with or without a KV cache, for the canvas
+    rows `rows` [R] (the rows its cache holds, in order; `select_rows` drops some of them).
 
-    `prefix()` -> [B, V] logit of the last prompt position; `block(lo, hi)` -> [B, hi-lo, V] logits of
-    one block; `commit(lo, hi)` -> [B, V] logit of the block's last position once it is final (with
-    the cache this also appends the block). `calls` counts model forwards."""
+    `prefix(rows)` -> [R, V] logit of the last prompt position; `block(lo, hi, rows)` -> [R, hi-lo, V]
+    logits of one block; `commit(lo, hi, rows)` -> [R, V] logit of the block's last position once it
+    is final (with the cache this also appends the block). `calls` counts model forwards, `span` is the
+    canvas span the last one computed."""
 
     def __init__(
         self, model, canvas: LeftPaddedCanvas, block_size: int, causal_prefix: bool, use_cache: bool
@@ -69,42 +73,50 @@ class _BlockCausalForward:
 
             self.cache = DynamicCache(config=model.config)
         self.keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.calls = 0
+        self.calls, self.span = 0, (0, 0)
 
-    def _mask(self, q_start: int, q_end: int) -> Tensor:
-        keys = self.c.valid[:, :q_end] if self.cache is not None else self.c.valid
+    def select_rows(self, index: Tensor) -> None:
+        if self.cache is not None:
+            select_cache_rows(self.cache, index)
+
+    def _mask(self, q_start: int, q_end: int, rows: Tensor) -> Tensor:
+        valid = self.c.valid[rows]
+        keys = valid[:, :q_end] if self.cache is not None else valid
         return block_causal_mask(
             keys, self.c.prefix_len, self.bs, self.causal, self.dtype, q_start, q_end - q_start
         )
 
-    def _logits(self, lo: int, hi: int, append: bool) -> Tensor:
-        """Logits [B, hi-lo, V] of positions [lo, hi)."""
+    def _logits(self, lo: int, hi: int, append: bool, rows: Tensor) -> Tensor:
+        """Logits [R, hi-lo, V] of positions [lo, hi)."""
         self.calls += 1
-        c = self.c
+        ids, positions = self.c.x[rows], self.c.position_ids[rows]  # [R, T]
         if self.cache is None:  # the whole canvas, every forward
-            kwargs = {"logits_to_keep": torch.arange(lo, hi, device=c.x.device)} if self.keep_arg else {}
-            out = self.model(input_ids=c.x, attention_mask=self._mask(0, c.x.shape[1]), position_ids=c.position_ids,
+            T = ids.shape[1]
+            kwargs = {"logits_to_keep": torch.arange(lo, hi, device=ids.device)} if self.keep_arg else {}
+            out = self.model(input_ids=ids, attention_mask=self._mask(0, T, rows), position_ids=positions,
                              use_cache=False, **kwargs)  # fmt: skip
+            self.span = (0, T)
             return out.logits if self.keep_arg else out.logits[:, lo:hi]
-        out = self.model(input_ids=c.x[:, lo:hi], attention_mask=self._mask(lo, hi),
-                         position_ids=c.position_ids[:, lo:hi], cache=self.cache, use_cache=True)  # fmt: skip
+        out = self.model(input_ids=ids[:, lo:hi], attention_mask=self._mask(lo, hi, rows),
+                         position_ids=positions[:, lo:hi], cache=self.cache, use_cache=True)  # fmt: skip
+        self.span = (lo, hi)
         if not append:  # the forward appended this block's provisional keys/values: drop them
             self.cache.crop(-(hi - lo))
         return out.logits
 
-    def prefix(self) -> Tensor:
+    def prefix(self, rows: Tensor) -> Tensor:
         S = self.c.prefix_len
         if self.cache is not None:
-            return self._logits(0, S, append=True)[:, -1]
-        return self._logits(S - 1, S, append=False)[:, -1]
+            return self._logits(0, S, True, rows)[:, -1]
+        return self._logits(S - 1, S, False, rows)[:, -1]
 
-    def block(self, lo: int, hi: int) -> Tensor:
-        return self._logits(lo, hi, append=False)
+    def block(self, lo: int, hi: int, rows: Tensor) -> Tensor:
+        return self._logits(lo, hi, False, rows)
 
-    def commit(self, lo: int, hi: int) -> Tensor:
+    def commit(self, lo: int, hi: int, rows: Tensor) -> Tensor:
         if self.cache is not None:
-            return self._logits(lo, hi, append=True)[:, -1]
-        return self._logits(hi - 1, hi, append=False)[:, -1]
+            return self._logits(lo, hi, True, rows)[:, -1]
+        return self._logits(hi - 1, hi, False, rows)[:, -1]
 
 
 def decode_block_causal(
@@ -115,19 +127,22 @@ def decode_block_causal(
     mask_id: int,
     fill_id: int,
     generator: torch.Generator | None = None,
-) -> tuple[int, Tensor]:
-    """Fill `canvas.x` in place, block by block (module docstring). -> (nfe, row_nfe [B])."""
+) -> tuple[int, Tensor, Tensor]:
+    """Fill `canvas.x` in place, block by block (module docstring); a row stopped at its EOS leaves the
+    forwards (and the cache). -> (nfe, row_nfe [B], positions [B] computed per row)."""
     x, S, bs = canvas.x, canvas.prefix_len, geometry.block_size
-    G = geometry.gen_length
+    G, B = geometry.gen_length, x.shape[0]
     source = _BlockCausalForward(model, canvas, bs, cfg.causal_context, cfg.use_kv_cache)
-    start = torch.full((x.shape[0],), S, device=x.device)  # [B]
-    done = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)  # [B]
+    start = torch.full((B,), S, device=x.device)  # [B]
+    done = torch.zeros(B, dtype=torch.bool, device=x.device)  # [B]
     row_nfe = torch.zeros_like(start)
+    live = LiveRows(B, x.device)
 
     def forward(fn, *args):
-        nonlocal row_nfe
-        row_nfe = row_nfe + (~done).long()  # forwards a row took part in while unfinished
-        logits = fn(*args).float()
+        r = live.index  # [R] every row not stopped at its EOS
+        row_nfe[r] += 1
+        logits = fn(*args, r).float()
+        live.computed(r, canvas.valid[r, source.span[0] : source.span[1]])
         logits[..., mask_id] = -math.inf  # a committed position must never hold [MASK]
         return logits
 
@@ -135,38 +150,49 @@ def decode_block_causal(
         nonlocal done
         if cfg.eos_token_id is not None:
             done = done | first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
+            stay = live.retire(done)
+            if stay is not None:
+                source.select_rows(stay)
 
     # the prompt pass: fills the cache, and gives block 0's AR seed
-    seed_logits = forward(source.prefix) if (cfg.use_kv_cache or cfg.causal_context) else None  # [B, V]
+    seed_logits = forward(source.prefix) if (cfg.use_kv_cache or cfg.causal_context) else None  # [R, V]
     for j in range(geometry.num_blocks):
         lo, hi = S + j * bs, S + (j + 1) * bs
         block = x[:, lo:hi]  # [B, bs] a view: writes land in x
         if cfg.causal_context:  # AR seed: the causal logit of the position before the block
-            seed = gumbel_argmax(seed_logits, cfg.temperature, generator=generator)  # [B]
-            put = ~done & (block[:, 0] == mask_id)
-            block[put, 0] = seed[put].to(x.dtype)
+            r = live.index
+            uniform = None  # drawn for the whole batch: a stopped row does not move the others' draws
+            if cfg.temperature > 0:
+                shape, dev = (B, seed_logits.shape[-1]), x.device
+                uniform = torch.rand(shape, generator=generator, device=dev, dtype=torch.float64)[r]
+            seed = gumbel_argmax(seed_logits, cfg.temperature, uniform)  # [R]
+            put = block[r, 0] == mask_id  # [R]
+            x[r[put], lo] = seed[put].to(x.dtype)
             check_eos()
         schedule = get_num_transfer_tokens(block == mask_id, geometry.steps_per_block)  # [B, spb]
         for i in range(geometry.steps_per_block):
-            candidates = (block == mask_id) & ~done[:, None]  # [B, bs]
+            r = live.index
+            candidates = block[r] == mask_id  # [R, bs]
             if not candidates.any():
                 break
-            logits = forward(source.block, lo, hi)  # [B, bs, V]
+            logits = forward(source.block, lo, hi)  # [R, bs, V]
             last = i == geometry.steps_per_block - 1  # commit the rest: never strand a mask
-            k = candidates.sum(dim=1) if last else schedule[:, i]
+            k = candidates.sum(dim=1) if last else schedule[r, i]
             threshold = None if last else cfg.threshold
+            sub = block[r]  # [R, bs] a copy: written back below
             x0, transfer = get_transfer_index(
-                logits, cfg.temperature, cfg.remasking, candidates, block, k, threshold, generator
+                logits, cfg.temperature, cfg.remasking, candidates, sub, k, threshold, generator
             )
-            block[transfer] = x0[transfer]
+            sub[transfer] = x0[transfer]
+            block[r] = sub
             check_eos()
-        if bool(done.all()) or j == geometry.num_blocks - 1:
+        if not len(live) or j == geometry.num_blocks - 1:
             break
         if cfg.use_kv_cache or cfg.causal_context:
             seed_logits = forward(source.commit, lo, hi)
     # rows that stopped at an EOS keep masks after it: filler (trimmed away with the EOS)
     x[:, S:][x[:, S:] == mask_id] = fill_id
-    return source.calls, row_nfe
+    return source.calls, row_nfe, live.positions
 
 
 class NemotronSampler(Sampler):
@@ -185,11 +211,11 @@ class NemotronSampler(Sampler):
         canvas = build_left_padded_canvas(
             prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
-        nfe, row_nfe = decode_block_causal(
+        nfe, row_nfe, positions = decode_block_causal(
             self.model, canvas, cfg, geometry, self.mask_id, self.fill_id, self.generator()
         )
         S = canvas.prefix_len
-        return canvas.x[:, S:].tolist(), nfe, row_nfe.tolist()
+        return canvas.x[:, S:].tolist(), nfe, row_nfe.tolist(), positions.tolist()
 
     def _generate_native(self, native, prompt_ids, geometry: BlockGeometry):
         """The checkpoint's own generate, one prompt at a time (it takes a [1, P] prompt)."""

@@ -15,6 +15,9 @@ Each row draws from its own RNG stream (seeded alike), so a batch never changes 
 `cache` 'prefix' (Fast-dLLM, approximate): prompts left-padded, each step forwards only the window
 against the prompt's cached keys, refreshed by a full forward every `cache_refresh` steps ('dual' is
 refused: every window position changes at every step, so no suffix keeps its keys).
+`eos_truncate` (approximate, cache 'none'): positions after the first EOS of a row's window become
+filler and leave the forwards, and a row whose window holds an EOS with no [MASK] before it stops
+(no further redraws, no noise-removal pass), so a short answer costs about its own length.
 The schedule (`uniform_ratio`, `schedule_shape`, `schedule_peak`) must be the training one: unset
 flags take the checkpoint's settings.json values, an explicit flag that differs warns.
 
@@ -37,7 +40,7 @@ from dllmflow.errors import UserError
 from .base import GenerationResult, Sampler
 from .configs import SCDDConfig
 from .kv import FastDLLMCache, fast_dllm_canvas
-from .loop import build_canvas
+from .loop import build_canvas, first_eos_done, truncate_after_eos
 
 SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
 
@@ -120,6 +123,9 @@ class SCDDSampler(Sampler):
         self.config, mismatches = resolve_scdd_schedule(config, self.training_settings)
         for msg in mismatches:
             warnings.warn(f"scdd schedule does not match training: {msg}", UserWarning, stacklevel=2)
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        if self.config.eos_truncate and self.eos_id is None:
+            raise UserError("sampler scdd with eos_truncate needs a tokenizer with an EOS token")
 
     def model_forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         from dllmflow.models.attention import forward_bidirectional
@@ -156,10 +162,12 @@ class SCDDSampler(Sampler):
             lambda i: (source.refresh if i % cfg.cache_refresh == 0 else source)(S, S + G),
         )
 
-    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+    def _generate(self, prompt_ids: list[list[int]]) -> tuple:
         cfg, B, G = self.config, len(prompt_ids), self.config.max_new_tokens
         # One RNG stream per row, each seeded alike: a batch never changes a row's draws.
         gens = [self.generator() for _ in prompt_ids]
+        if cfg.eos_truncate:
+            return self._generate_truncated(prompt_ids, gens)
         x, rows, cols, window = self._window_logits(prompt_ids)
         ts = torch.linspace(1.0, cfg.eps, cfg.steps + 1, dtype=torch.float64).tolist()
         for i in range(cfg.steps):
@@ -180,7 +188,53 @@ class SCDDSampler(Sampler):
         logits[:, self.mask_id] = -math.inf
         x[rows, cols] = logits.argmax(-1).to(x.dtype)
         nfe = cfg.steps + 1
-        return x[rows, cols].view(B, G).tolist(), nfe, [nfe] * B
+        return x[rows, cols].view(B, G).tolist(), nfe, [nfe] * B, self._positions(prompt_ids).tolist()
+
+    def _positions(self, prompt_ids: list[list[int]]) -> Tensor:
+        """[B] positions the steps + 1 forwards computed per row: the prompt and window, or with the
+        prefix cache, the window plus the prompt at each refresh."""
+        cfg, G = self.config, self.config.max_new_tokens
+        lengths = torch.tensor([len(p) for p in prompt_ids])  # [B]
+        refreshes = len(range(0, cfg.steps + 1, cfg.cache_refresh)) if cfg.cache != "none" else cfg.steps + 1
+        return refreshes * lengths + (cfg.steps + 1) * G
+
+    def _generate_truncated(self, prompt_ids: list[list[int]], gens: list[torch.Generator]) -> tuple:
+        """`_generate` with `eos_truncate` (cache 'none'): each forward runs on the rows not stopped,
+        as wide as the longest of them still is; only window positions before a row's cut are redrawn."""
+        cfg, G, mask = self.config, self.config.max_new_tokens, self.mask_id
+        canvas = build_canvas(prompt_ids, G, mask, self.fill_id, self.device)
+        x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start  # [B, T], [B, T], [B]
+        pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
+        window = (pos >= start[:, None]) & (pos < (start + G)[:, None])  # [B, T]
+        done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=x.device)  # [B]
+        row_nfe, positions = torch.zeros_like(start), torch.zeros_like(start)  # [B] each
+        ts = torch.linspace(1.0, cfg.eps, cfg.steps + 1, dtype=torch.float64).tolist()
+        nfe = 0
+        for i in range(cfg.steps + 1):
+            r = (~done).nonzero().flatten()  # [R]
+            if not len(r):
+                break
+            width = int(attn[r].sum(dim=1).max())
+            logits = self._forward(x[r, :width], attn[r, :width])  # [R, W, V]
+            nfe, row_nfe[r], positions[r] = nfe + 1, row_nfe[r] + 1, positions[r] + attn[r, :width].sum(1)
+            rr, cc = (window & attn.bool())[r, :width].nonzero(as_tuple=True)  # [N] each
+            logits, at = logits[rr, cc].float(), r[rr]  # [N, V], [N] canvas rows
+            if i == cfg.steps:  # noise removal, as `_generate`
+                logits[:, mask] = -math.inf
+                x[at, cc] = logits.argmax(-1).to(x.dtype)
+                break
+            probs = scdd_step_probs(self._denoiser_log_probs(logits), x[at, cc], mask, ts[i], ts[i + 1], cfg)
+            alive = probs.sum(dim=-1) > 0  # [N]
+            for k, b in enumerate(r.tolist()):
+                sel = (rr == k) & alive
+                if sel.any():
+                    draw = torch.multinomial(probs[sel], 1, generator=gens[b]).squeeze(-1)  # [N_b]
+                    x[at[sel], cc[sel]] = draw.to(x.dtype)
+            truncate_after_eos(x, attn, start, G, self.eos_id, self.fill_id)
+            done |= first_eos_done(x, start, G, self.eos_id, mask)
+        x[window & (x == mask)] = self.fill_id  # a stopped row's masks after its EOS
+        seqs = [x[b, int(s) : int(s) + G].tolist() for b, s in enumerate(start)]
+        return seqs, nfe, row_nfe.tolist(), positions.tolist()
 
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         raise UserError(
