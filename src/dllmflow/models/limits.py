@@ -20,7 +20,13 @@ def vocab_rows(model: Any) -> int | None:
     try:
         return int(model.get_input_embeddings().num_embeddings)
     except (AttributeError, NotImplementedError):
-        return getattr(_text_config(model), "vocab_size", None)
+        return config_vocab_size(model)
+
+
+def config_vocab_size(model: Any) -> int | None:
+    """`vocab_size` of the model's (text) config, what the strategies check `dllm.*` ids against; None
+    for a model without a config."""
+    return getattr(_text_config(model), "vocab_size", None)
 
 
 def max_positions(model: Any) -> int | None:

@@ -35,11 +35,10 @@ from dllmflow.runs import (
     step_dir_name,
     write_latest,
 )
-from dllmflow.training.checkpoint import file_owner
+from dllmflow.training.checkpoint import TRAINER_STATE, file_owner  # written and uploaded last: completeness
 from dllmflow.training.distributed import DistInfo, barrier, shares_rank0_disk
 
 ENDPOINT_ENVS = ("DLLMFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
-STATE_FILE = "trainer_state.json"  # written last by save_checkpoint and uploaded last: completeness
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -102,7 +101,7 @@ def mirror_step_dir(
     else:
         chosen = [f for f in files if f in owned] + [f for f in files if f not in owned]
     # The state file marks the step dir complete: it goes up after everything else.
-    chosen.sort(key=lambda f: f == STATE_FILE)
+    chosen.sort(key=lambda f: f == TRAINER_STATE)
     fs, base = remote_fs(remote)
     target = f"{base}/{name}"
     try:
@@ -137,10 +136,10 @@ def remote_latest(remote: str) -> str | None:
     try:
         if fs.exists(f"{base}/{LATEST}"):
             name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
-            if fs.exists(f"{base}/{name}/{STATE_FILE}"):
+            if fs.exists(f"{base}/{name}/{TRAINER_STATE}"):
                 return name
         for _, name in reversed(_remote_steps(fs, base)):
-            if fs.exists(f"{base}/{name}/{STATE_FILE}"):
+            if fs.exists(f"{base}/{name}/{TRAINER_STATE}"):
                 return name
     except Exception as e:
         raise _store_error(remote, "reading LATEST", e) from None
@@ -178,12 +177,12 @@ def download_step_dir(remote: str, name: str, ckpt_root: str | os.PathLike) -> P
     shutil.rmtree(tmp, ignore_errors=True)
     fs, base = remote_fs(remote)
     try:
-        complete = fs.exists(f"{base}/{name}/{STATE_FILE}")
+        complete = fs.exists(f"{base}/{name}/{TRAINER_STATE}")
     except Exception as e:
         raise _store_error(remote, f"download of {name}", e) from None
     if not complete:
         raise UserError(
-            f"checkpoint.remote_dir {remote}: holds no complete {name} (no {STATE_FILE}); its LATEST is "
+            f"checkpoint.remote_dir {remote}: holds no complete {name} (no {TRAINER_STATE}); its LATEST is "
             f"{remote_latest(remote)}. A node without that step dir on its disk cannot resume from it"
         )
     try:

@@ -47,8 +47,6 @@ from dllmflow.settings import Settings
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_PREFIX = "embedded:"
-TINY_TARGET_PREFIX = "tiny:"  # same prefix as dllmflow.models.dflash_target (imported lazily: torch)
 DEFAULT_LOCAL_MODEL = "dflash-target"
 # Handed to `regenerate` when every shard is already on disk: it sends no request, so nothing listens.
 NO_SERVER_URL = "http://no-server.invalid/v1"
@@ -87,6 +85,7 @@ def export_source(settings: Settings) -> str:
     """Path of the chat rows to regenerate: embedded data written as JSONL (rewritten only when its
     bytes change), else `regenerate.input_data` unchanged."""
     from dllmflow.data.chat import EMBEDDED
+    from dllmflow.data.gsm8k import EMBEDDED_PREFIX
 
     s = check_settings(settings)
     spec = s.regenerate.input_data
@@ -134,7 +133,7 @@ def local_target_path(settings: Settings, source: str | None = None) -> str:
     if s.dflash is None:
         raise UserError("no dflash: section: set dflash.target_model_id, or regenerate.target_server")
     target_id = s.dflash.target_model_id
-    from dllmflow.models.dflash_target import resolve_target_path
+    from dllmflow.models.dflash_target import TINY_TARGET_PREFIX, resolve_target_path
 
     if not target_id.startswith(TINY_TARGET_PREFIX):
         return resolve_target_path(target_id, None)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dllmflow.errors import UserError
+from dllmflow.models.mask_id import resolve_mask_id
 
 from .configs import SamplerConfig, SamplerSettingError, build_sampler_config  # noqa: F401  (their home)
 from .loop import SETTLED_LISTENER, SettledListener
@@ -40,19 +41,6 @@ def sampler_supports(name: str, feature: Literal["infill", "kv_cache", "batching
 
     check_sampler(None, name)
     return bool(getattr(SAMPLERS[name], f"supports_{feature}"))
-
-
-def resolve_mask_id(explicit: int | None, tokenizer: Any, model: Any = None) -> int:
-    """docs/strategies.md §3.0 priority: explicit (`--mask_id`) > tokenizer.mask_token_id > model.config.mask_token_id."""
-    for candidate in (explicit, getattr(tokenizer, "mask_token_id", None)):
-        if candidate is not None:
-            return int(candidate)
-    config_id = getattr(getattr(model, "config", None), "mask_token_id", None)
-    if config_id is not None:
-        return int(config_id)
-    raise UserError(
-        "no mask token id: the tokenizer has no mask token and model.config.mask_token_id is unset; pass --mask-id"
-    )
 
 
 def stop_token_ids(tokenizer: Any) -> set[int]:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dllmflow.errors import UserError
+from dllmflow.models.limits import config_vocab_size
 from dllmflow.models.mask_id import find_mask_id
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class Strategy(ABC):
                 f"dllm.mask_token_id is not set and the tokenizer has no mask token (mode {self.name}); "
                 "set dllm.mask_token_id or add a mask token to the tokenizer"
             )
-        vocab = _model_vocab_size(model)
+        vocab = config_vocab_size(model)
         if vocab is not None and not 0 <= self.mask_token_id < vocab:
             raise UserError(
                 f"dllm.mask_token_id={self.mask_token_id} is outside the model vocabulary [0, {vocab})"
@@ -177,11 +178,3 @@ def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
         data_content_hash=manifest.get("content_hash"),
         target_model=settings.dflash.target_model_id if settings.dflash is not None else None,
     )
-
-
-def _model_vocab_size(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "vocab_size", None)

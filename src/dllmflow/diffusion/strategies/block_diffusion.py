@@ -38,10 +38,11 @@ from dllmflow.diffusion.masks.block_diffusion import (
 )
 from dllmflow.diffusion.seeding import restream
 from dllmflow.errors import UserError
+from dllmflow.models.limits import config_vocab_size
 from dllmflow.models.mask_id import find_mask_id
 from dllmflow.models.wrappers import unwrap
 
-from .base import Batch, LossOutput, Strategy, _model_vocab_size
+from .base import Batch, LossOutput, Strategy
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -166,7 +167,7 @@ class BlockDiffusionStrategy(Strategy):
                 f"dllm.mode=block_diffusion needs a DiffusionGemma model (encoder + decoder), got "
                 f"{type(inner).__name__}; set model.pretrained_model_name_or_path to a DiffusionGemma checkpoint"
             )
-        vocab = _model_vocab_size(inner)
+        vocab = config_vocab_size(inner)
         if vocab != self.cfg.vocab_size:
             raise UserError(
                 f"dllm.vocab_size={self.cfg.vocab_size} does not match the model vocabulary ({vocab}); "

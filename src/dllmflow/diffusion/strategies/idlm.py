@@ -40,10 +40,11 @@ from dllmflow.diffusion.losses import per_token_ce, shifted_supervision
 from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention, right_padded
 from dllmflow.errors import UserError
 from dllmflow.models.attention import mask_dtype
+from dllmflow.models.limits import config_vocab_size
 from dllmflow.models.split_attention import SPLIT_ATTENTION, use_split_attention
 from dllmflow.models.wrappers import unwrap
 
-from .base import Batch, LossOutput, Strategy, _model_vocab_size
+from .base import Batch, LossOutput, Strategy
 
 if TYPE_CHECKING:
     from dllmflow.settings import Settings
@@ -97,7 +98,7 @@ class IDLMStrategy(Strategy):
             config._attn_implementation = "flex_attention"
         if self.mask_token_id is None:
             raise UserError("dllm.mode=idlm needs an explicit dllm.mask_token_id (I-DLM does not infer one)")
-        vocab = _model_vocab_size(model)
+        vocab = config_vocab_size(model)
         if vocab is not None and not 0 <= self.mask_token_id < vocab:
             raise UserError(
                 f"dllm.mask_token_id={self.mask_token_id} is outside the model vocabulary [0, {vocab}); "

@@ -19,9 +19,10 @@ from dllmflow.diffusion.corruption import corrupt_batch, corrupt_scdd
 from dllmflow.diffusion.losses import scdd_loss_sum
 from dllmflow.errors import UserError
 from dllmflow.models.doc_attention import forward_bidirectional_batch
+from dllmflow.models.limits import config_vocab_size
 from dllmflow.models.wrappers import unwrap
 
-from .base import Batch, LossOutput, Strategy, _model_vocab_size, denoiser_keys
+from .base import Batch, LossOutput, Strategy, denoiser_keys
 from .mdlm import require_mask_id
 
 
@@ -34,7 +35,7 @@ class SCDDStrategy(Strategy):
 
     def setup(self, model: nn.Module, tokenizer, device: torch.device) -> None:
         super().setup(model, tokenizer, device)
-        vocab = _model_vocab_size(unwrap(model))
+        vocab = config_vocab_size(unwrap(model))
         if vocab is not None and vocab != self.cfg.vocab_size:
             raise SCDDConfigError(
                 f"dllm.vocab_size={self.cfg.vocab_size} does not match the model's vocabulary size {vocab}; "
