@@ -97,3 +97,28 @@ def test_the_callers_recipe_and_the_torchrun_entry_do_import(marker, tmp_path):
     sys.modules.pop(name)
     load_settings(ROOT / "params" / "tiny_mdlm.yaml", plugins=[name])  # the caller's own recipe
     assert trace.read_text() == "ran"
+
+
+def test_coerce_of_a_dict_imports_nothing_unless_asked(marker):
+    """`Settings.coerce(dict)` (a flow step's artifact, any dict a caller hands in) and `model_validate`
+    keep `plugins` and user reward modules as data: importing is one switch, default off; only the
+    caller's own recipe load and the torchrun entry turn it on."""
+    from dllmflow.settings import Settings, importing_plugins
+
+    name, trace = marker
+    recorded = {"plugins": [name]}
+    assert Settings.coerce(recorded).plugins == [name]
+    assert Settings.model_validate(recorded).plugins == [name]
+    assert Settings.coerce({"rl": {"rewards": [f"{name}:reward"]}}).rl.rewards == [f"{name}:reward"]
+    assert not trace.exists()
+    with importing_plugins():
+        Settings.model_validate(recorded)
+    assert trace.exists()  # the switch is what imports
+
+
+def test_coerce_opts_in_for_a_dict_its_caller_wrote(marker):
+    from dllmflow.settings import Settings
+
+    name, trace = marker
+    Settings.coerce({"plugins": [name]}, import_plugins=True)
+    assert trace.exists()

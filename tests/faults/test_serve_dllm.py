@@ -257,6 +257,50 @@ def test_a_bad_registry_uri_is_one_line_and_exit_2(registered):
         resolve_registered("models:/nothing/3", uri, str(tmp / "cache"))
 
 
+def test_a_recorded_trust_is_refused_without_the_callers_flag(registered):
+    """A version registered with `trust_remote_code: true` is served only with `--trust-remote-code`:
+    the record asks, the one who starts the server decides (one line, exit 2, before any port opens)."""
+    from dllmflow.errors import UserError
+    from dllmflow.tracking.registry import register_model
+    from dllmflow.tracking.serve_model import resolve_registered
+
+    uri, export, run_id, tmp = registered
+    trusting = load_settings(
+        model={
+            "tiny": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64},
+            "trust_remote_code": True,
+        },
+        registry={"tracking_uri": uri, "model_name": f"{NAME}-trusting"},
+    )
+    register_model(trusting, run_id, export, sampler="llada", sampler_settings=RECORDED)
+    target = f"models:/{NAME}-trusting/1"
+    with pytest.raises(UserError, match=r"registered with trust_remote_code.*pass --trust-remote-code"):
+        resolve_registered(target, uri, str(tmp / "cache"))
+    assert resolve_registered(target, uri, str(tmp / "cache"), trust_remote_code=True).trust_remote_code
+    # the flag alone decides for a version recorded without it, too
+    assert not resolve_registered(f"models:/{NAME}/1", uri, str(tmp / "cache")).trust_remote_code
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")}
+    cmd = [sys.executable, "-m", "dllmflow.cli", "serve", "--model", target, "--port", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "--trust-remote-code" in out.stderr.strip().splitlines()[-1], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_the_loaded_pyfunc_refuses_a_nested_list(registered):
+    """Through `mlflow.pyfunc.load_model` (MLflow's input handling included), `[["a", "b"]]` is refused
+    naming the row, not answered as "a" (the column schema kept the first column); a list still works."""
+    import mlflow
+
+    from dllmflow.errors import UserError
+
+    uri, _, _, _ = registered
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}/1")
+    with pytest.raises(UserError, match="row 0: list, not a prompt string"):
+        model.predict([["What is 2 + 3?", "and 4 + 4?"]])
+    assert len(model.predict(["What is 2 + 3?", "Hi"], params={"max_new_tokens": 4, "steps": 4})) == 2
+
+
 def test_a_version_that_is_not_a_dllmflow_model_is_refused(registered):
     import mlflow
     from mlflow import MlflowClient

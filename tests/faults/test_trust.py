@@ -117,6 +117,41 @@ def test_the_flag_is_the_callers_way_in(remote, tmp_path):
     assert marker.exists()
 
 
+def test_a_recorded_trust_is_not_consent_in_the_pyfunc(remote, tmp_path, monkeypatch):
+    """A registered version whose generation.json says `trust_remote_code: true` loads only when the
+    caller consents (a load argument, or the env var for `mlflow models serve`); without it, one line
+    naming both, and the checkpoint's module never ran."""
+    from dllmflow.tracking.pyfunc import DllmGenerator
+    from dllmflow.tracking.pyfunc_runtime import TRUST_ENV
+
+    ckpt, marker = remote
+    gen = tmp_path / "generation.json"
+    gen.write_text(
+        json.dumps({"sampler": "llada", "sampler_settings": {}, "mode": "mdlm", "trust_remote_code": True})
+    )
+    artifacts = {"checkpoint": str(ckpt), "generation": str(gen)}
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    for config in (None, {}, {"trust_remote_code": False}):
+        with pytest.raises(
+            UserError, match=f'model_config=.*"trust_remote_code": True.*{TRUST_ENV}=1'
+        ) as info:
+            DllmGenerator().load_context(SimpleNamespace(artifacts=artifacts, model_config=config))
+        assert "\n" not in str(info.value)
+    assert not marker.exists()
+    # with consent transformers imports the module (a subprocess: its modules cache under tmp_path);
+    # the stub model class cannot load after that: the point is who decided
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    code = (
+        "import sys, json; from types import SimpleNamespace; from dllmflow.tracking.pyfunc import DllmGenerator; "
+        "DllmGenerator().load_context(SimpleNamespace(artifacts=json.loads(sys.argv[1]), "
+        "model_config={'trust_remote_code': True}))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, json.dumps(artifacts)], env=env, capture_output=True, timeout=300
+    )
+    assert marker.exists()
+
+
 def test_evaluate_takes_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["evaluate", "--help"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -94,6 +95,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "cache=dual, threshold=0.9, steps=64; validated like a request's `dllmflow` overrides. Requests "
         "may still override it.",
     )  # fmt: skip
+    add_flag(
+        p, "--trust-remote-code", action="store_true",
+        help="dLLM: run the checkpoint's own Python code (auto_map); only for checkpoints you trust. A "
+        "registered version recorded with trust_remote_code is refused without it.",
+    )  # fmt: skip
     add_flag(p, "--log-level", default="INFO")
 
 
@@ -138,7 +144,12 @@ def app_from_args(args: argparse.Namespace, served=None):
         raise UserError(f"--model {args.model_path}: a registry URI is resolved by `dllmflow serve`")
     settings = parse_sampler_settings(getattr(args, "sampler_setting", None))
     if served is not None or is_dllm_checkpoint(args.model_path):
-        return _dllm_app(args, served or served_from_path(args.model_path), settings)
+        served = served or served_from_path(args.model_path)
+        # the caller's flag, never the checkpoint or the registry, decides (docs/security.md)
+        served = dataclasses.replace(
+            served, trust_remote_code=bool(getattr(args, "trust_remote_code", False))
+        )
+        return _dllm_app(args, served, settings)
     if settings:
         raise UserError(f"--sampler-setting: {args.model_path} is a causal LM; only a dLLM has a sampler")
     engine = ChatEngine(args.model_path, args.dtype)

@@ -13,11 +13,12 @@ Imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,21 @@ ENV_DELIMITER = "__"
 
 # The merged YAML of the load in progress; pydantic-settings asks sources for data with no arguments.
 _YAML_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_YAML_DATA", default=None)
-# False while validating settings read back from a file someone else may have written (a checkpoint's or
-# an export's settings.json): its `plugins` are kept as data, never imported.
-_IMPORT_PLUGINS: contextvars.ContextVar[bool] = contextvars.ContextVar("_IMPORT_PLUGINS", default=True)
+# The one switch for importing `plugins` and user reward modules while settings validate. Off unless a
+# caller turns it on: the loads of the caller's own recipe, overrides and env (`_load`), and the torchrun
+# entry reading the settings.json its own launcher wrote. A dict or settings.json validated any other way
+# (`Settings.coerce`, `model_validate`, a checkpoint's or export's file) keeps them as data.
+_IMPORT_PLUGINS: contextvars.ContextVar[bool] = contextvars.ContextVar("_IMPORT_PLUGINS", default=False)
+
+
+@contextlib.contextmanager
+def importing_plugins(on: bool = True) -> Iterator[None]:
+    """Settings validated inside the block import their `plugins` and user reward modules (`on`)."""
+    token = _IMPORT_PLUGINS.set(on)
+    try:
+        yield
+    finally:
+        _IMPORT_PLUGINS.reset(token)
 
 
 class SettingsError(UserError, ValueError):
@@ -162,13 +175,16 @@ class Settings(BaseSettings):
         return self
 
     @classmethod
-    def coerce(cls, value: Settings | Mapping[str, Any]) -> Settings:
-        """A `Settings` as is; a dict (a Metaflow artifact, a settings.json) validated once. Call it
-        where a dict crosses into the library (the top of a flow step), then pass `Settings` down."""
+    def coerce(cls, value: Settings | Mapping[str, Any], *, import_plugins: bool = False) -> Settings:
+        """A `Settings` as is; a dict (a Metaflow artifact) validated once. Call it where a dict crosses
+        into the library (the top of a flow step), then pass `Settings` down. Its `plugins` and reward
+        modules are data unless `import_plugins` (only for a dict this process's caller wrote: a
+        recorded dict must not run code here; the flow's own recipe parse imported them already)."""
         if isinstance(value, cls):
             return value
         try:
-            return cls.model_validate(value)
+            with importing_plugins(import_plugins):
+                return cls.model_validate(value)
         except ValidationError as e:
             raise SettingsError(format_validation_error(e, {})) from None
 
@@ -268,7 +284,8 @@ def _load(documents: list[tuple[str, dict[str, Any]]], overrides: dict[str, Any]
     origins = _origins(documents, expanded)
     token = _YAML_DATA.set(merged)
     try:
-        return Settings(**expanded)
+        with importing_plugins():  # the caller's own recipe, overrides and env
+            return Settings(**expanded)
     except ValidationError as e:
         raise SettingsError(format_validation_error(e, origins)) from None
     finally:
@@ -299,17 +316,15 @@ def load_settings_json(path: str | os.PathLike, import_plugins: bool = False) ->
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise SettingsError(f"{path}: invalid JSON ({e})") from None
-    token = _IMPORT_PLUGINS.set(import_plugins)
     try:
-        return Settings.model_validate(data)
+        with importing_plugins(import_plugins):
+            return Settings.model_validate(data)
     except ValidationError as e:
         message = format_validation_error(e, {k: str(path) for k in _flatten(data, False)})
         plugins = data.get("plugins") if isinstance(data, dict) else None
         if plugins and not import_plugins:
             message += f" (its plugins {plugins} are not imported from a recorded file: import them yourself)"
         raise SettingsError(message) from None
-    finally:
-        _IMPORT_PLUGINS.reset(token)
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

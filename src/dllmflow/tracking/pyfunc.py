@@ -7,8 +7,14 @@
 
 Artifacts: `checkpoint` (the consolidated HF dir) and `generation` (sampler name + settings recorded at
 training/evaluation time). Logged by `dllmflow.tracking.registry.register_model`. The checkpoint's own
-code (`auto_map`) runs only if the registering run trusted it (`trust_remote_code` in `generation`,
-written at registration), never because of the settings.json inside the checkpoint.
+code (`auto_map`) runs only when the caller consents:
+
+    mlflow.pyfunc.load_model(uri, model_config={"trust_remote_code": True})
+    DLLMFLOW_TRUST_REMOTE_CODE=1 mlflow models serve -m models:/...     # where no load argument reaches
+
+A version registered with `trust_remote_code: true` (in `generation`) loads only with that consent (a
+one-line refusal naming it otherwise); the record, and the settings.json inside the checkpoint, never
+turn it on.
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ class DllmGenerator(PythonModel):
     one is an error naming it)."""
 
     def load_context(self, context):
+        from dllmflow.tracking.pyfunc_runtime import TRUST_ENV, caller_trusts, check_recorded_trust
+
         self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
-        trust = bool(self.generation.get("trust_remote_code", False))
+        trust = caller_trusts(getattr(context, "model_config", None))
+        how = f'load it with model_config={{"trust_remote_code": True}} (or {TRUST_ENV}=1)'
+        check_recorded_trust(self.generation, trust, "registered model", how)
         if self.generation["sampler"] == SPECULATIVE:  # a DFlash draft + its frozen target
             from dllmflow.evaluation.acceptance import load_dflash_pair
 
@@ -92,7 +102,8 @@ class DllmGenerator(PythonModel):
         )
 
 
-# A list becomes a DataFrame with column 0 under MLflow's signature (one unnamed string column).
+# The column of prompts in a DataFrame: `prompt`, or 0 (a list framed by pandas, as the signature of
+# versions registered before the input schema was dropped made of a list).
 PROMPT_COLUMNS = ("prompt", 0)
 
 

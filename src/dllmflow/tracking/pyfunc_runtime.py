@@ -54,6 +54,33 @@ def generate_texts(
     return [decode_response(tokenizer, seq) for seq in result.sequences]
 
 
+TRUST_ENV = "DLLMFLOW_TRUST_REMOTE_CODE"  # the pyfunc's consent where no load argument reaches it
+
+
+def caller_trusts(model_config: dict[str, Any] | None) -> bool:
+    """The caller's consent to run a registered checkpoint's own code: `trust_remote_code` in the
+    `model_config` of `mlflow.pyfunc.load_model(uri, model_config={"trust_remote_code": True})`, else
+    ${TRUST_ENV}=1 (for `mlflow models serve`). Never the registered record."""
+    import os
+
+    given = (model_config or {}).get("trust_remote_code")
+    if given is not None:
+        return given is True or str(given).lower() in ("1", "true")
+    return os.environ.get(TRUST_ENV, "").lower() in ("1", "true")
+
+
+def check_recorded_trust(generation: dict[str, Any], trusted: bool, what: str, how: str) -> None:
+    """UserError when the registered `generation` was recorded with `trust_remote_code: true` and the
+    caller did not consent (`how` says how to): the record asks, only the caller decides."""
+    from dllmflow.errors import UserError
+
+    if generation.get("trust_remote_code") and not trusted:
+        raise UserError(
+            f"{what}: this version was registered with trust_remote_code (its checkpoint runs its own "
+            f"Python code); {how} to allow it, only for a model you trust"
+        )
+
+
 def recorded_params(sampler: str, sampler_settings: dict[str, Any]) -> dict[str, Any]:
     """What a registered model generates with (its signature's param defaults): the sampler and its
     preset under the recorded settings."""
@@ -130,8 +157,10 @@ def build_signature(sampler: str, sampler_settings: dict[str, Any]):
     for name, dtype in _PARAM_TYPES.items():
         value = recorded.get(name)
         params.append(ParamSpec(name, dtype, _UNSET[dtype] if value is None else value))
+    # No input schema: MLflow's column enforcement kept the first column of a nested list (`[["a", "b"]]`
+    # answered "a"); `pyfunc.prompts_of` checks the input as given, refusing what is not one prompt per row.
     return ModelSignature(
-        inputs=Schema([ColSpec("string")]),  # a plain list of prompts
+        inputs=None,
         outputs=Schema([ColSpec("string", "text")]),
         params=ParamSchema(params),
     )

@@ -9,7 +9,9 @@ cache), then serve it as `inference/serve_cli.py` serves a local dir.
 
 A URI that does not parse, a model, version or alias the registry does not hold, or a version that is not
 a dllmflow model (no `checkpoint` and `generation` artifacts, as `tracking/registry.py` logs them) is one
-line naming it and exit 2, before any port opens. The tracking server is `--tracking-uri`, else
+line naming it and exit 2, before any port opens. So is a version recorded with `trust_remote_code:
+true` when the caller did not pass `--trust-remote-code`: a registered checkpoint's code runs only with
+the consent of whoever starts the server. The tracking server is `--tracking-uri`, else
 $MLFLOW_TRACKING_URI, else MLflow's default. Downloads go to `$DLLMFLOW_MODEL_CACHE` (default
 `~/.cache/dllmflow/models`), one dir per tracking URI, model and version, reused when complete.
 """
@@ -29,6 +31,7 @@ from typing import Any
 from dllmflow.errors import UserError
 from dllmflow.inference import serve_cli
 from dllmflow.inference.dllm_engine import ServedModel
+from dllmflow.tracking.pyfunc_runtime import check_recorded_trust
 
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
 _COMPLETE = ".dllmflow-complete"
@@ -47,7 +50,9 @@ def cli_main(args: argparse.Namespace) -> int:
     served = None
     serve_cli.parse_sampler_settings(args.sampler_setting)  # a malformed one fails before any download
     if str(args.model_path).startswith("models:/"):
-        served = resolve_registered(args.model_path, args.tracking_uri)
+        served = resolve_registered(
+            args.model_path, args.tracking_uri, trust_remote_code=args.trust_remote_code
+        )
     return serve_cli.cli_main(args, served)
 
 
@@ -62,9 +67,15 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
 
 
 def resolve_registered(
-    uri: str, tracking_uri: str | None = None, cache_dir: str | None = None
+    uri: str,
+    tracking_uri: str | None = None,
+    cache_dir: str | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> ServedModel:
-    """The registered version `uri` names, downloaded (cached) -> what to serve, with its lineage."""
+    """The registered version `uri` names, downloaded (cached) -> what to serve, with its lineage.
+    `trust_remote_code`: the caller's consent (`--trust-remote-code`); a version recorded with
+    `trust_remote_code: true` is refused without it, and the record never turns it on."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -87,6 +98,7 @@ def resolve_registered(
     gen = json.loads(generation.read_text())
     if gen.get("sampler") == "acceptance":
         raise UserError(f"--model {uri}: a DFlash draft decodes only with its target; it is not served here")
+    check_recorded_trust(gen, trust_remote_code, f"--model {uri}", "pass --trust-remote-code")
     setting = mv.tags.get("setting")
     lineage: dict[str, Any] = {
         "name": name,
@@ -104,7 +116,7 @@ def resolve_registered(
         sampler_settings=dict(gen.get("sampler_settings") or {}),
         mode=gen.get("mode"),
         lineage=lineage,
-        trust_remote_code=bool(gen.get("trust_remote_code", False)),
+        trust_remote_code=trust_remote_code,
     )
 
 

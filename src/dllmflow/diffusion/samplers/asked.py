@@ -91,7 +91,9 @@ def check_asked(config: SamplerConfig, asked: set[str], limits: AskLimits = AskL
     # a block past the generation is one block (llada's preset block of 128 decodes 8 tokens too), but a
     # cached sampler's canvas is a whole block: a server caps it like max_new_tokens
     if "block_size" in asked and cap is not None and block > cap:
-        raise SamplerSettingError(f"block_size: {block} is above the cap of {cap} ({limits.flag})", "block_size")
+        raise SamplerSettingError(
+            f"block_size: {block} is above the cap of {cap} ({limits.flag})", "block_size"
+        )
     # a forward each: past the tokens they can commit they decode nothing; a server caps them as it caps
     # max_new_tokens
     per_block = type(config).steps_per_block
