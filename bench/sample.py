@@ -272,7 +272,7 @@ def eos_runs(ckpt, split: str, limit: int, n: int, block: int) -> tuple[dict, di
     stop, cut = {"eos_token_id": "tokenizer"}, {"eos_token_id": "tokenizer", "eos_truncate": True}
     runs = {}
     for b in dict.fromkeys((block, n)):
-        base = {"max_new_tokens": n, "steps": n, "block_size": b}  # one token per step, no cache
+        base = {"max_new_tokens": n, "steps": n, "block_size": b, "cache": "none"}  # one token per step
         runs |= {f"blocks {b}: no stop (base)": base, f"blocks {b}: EOS stop": {**base, **stop},
                  f"blocks {b}: EOS stop + eos_truncate": {**base, **cut}}  # fmt: skip
     runs |= {f"blocks {block}: thr 0.9 + stop + truncate": {**runs[f"blocks {block}: no stop (base)"],

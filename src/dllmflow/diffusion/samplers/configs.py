@@ -20,8 +20,8 @@ from pydantic import (
     NonNegativeFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from dllmflow.errors import UserError
@@ -69,12 +69,14 @@ EOS_TRUNCATE = (
 )
 
 
-def _refuse_truncate_with_cache(config) -> None:
-    if config.eos_truncate and config.cache != "none":
+def _refuse_truncate_with_cache(cls, eos_truncate: bool, info: ValidationInfo) -> bool:
+    cache = info.data.get("cache", "none")
+    if eos_truncate and cache != "none":
         raise ValueError(
-            f"eos_truncate shortens the full-canvas forwards of cache 'none'; cache {config.cache!r} "
+            f"eos_truncate shortens the full-canvas forwards of cache 'none'; cache {cache!r} "
             "forwards cached spans: set cache 'none' or drop eos_truncate"
         )
+    return eos_truncate
 
 
 class LLaDAConfig(BlockConfig):
@@ -86,10 +88,7 @@ class LLaDAConfig(BlockConfig):
     cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
     eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
 
-    @model_validator(mode="after")
-    def _truncate_without_cache(self):
-        _refuse_truncate_with_cache(self)
-        return self
+    _truncate_without_cache = field_validator("eos_truncate")(classmethod(_refuse_truncate_with_cache))
 
 
 class SCDDConfig(SamplerConfig):
@@ -107,10 +106,7 @@ class SCDDConfig(SamplerConfig):
     )
     eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
 
-    @model_validator(mode="after")
-    def _truncate_without_cache(self):
-        _refuse_truncate_with_cache(self)
-        return self
+    _truncate_without_cache = field_validator("eos_truncate")(classmethod(_refuse_truncate_with_cache))
 
     @field_validator("cache")
     @classmethod
