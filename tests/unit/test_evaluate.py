@@ -95,4 +95,8 @@ def test_evaluate_cli_writes_results(setup, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["metrics"]["num_examples"] == 2 and res["protocol"]["sampler_settings"]["steps"] == 2
     assert "exact_match_strict" in capsys.readouterr().out
+    args = ["evaluate", "--checkpoint", str(ckpt), "--limit", "1", "--output", str(out), "--eos-truncate"]
+    assert main(args + ["--eos-token-id", "tokenizer"]) == 0, capsys.readouterr().err
+    s = json.loads(out.read_text())["protocol"]["sampler_settings"]
+    assert s["eos_truncate"] is True and isinstance(s["eos_token_id"], int)
     assert main(["evaluate", "--checkpoint", str(ckpt), "--sampler", "nope"]) == 2

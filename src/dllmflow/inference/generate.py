@@ -249,13 +249,35 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
         action="store_true",
         help="exact caches (llada2, idlm, nemotron) off; also the causal context",
     )
+    add_flag(
+        g,
+        "--eos-token-id",
+        type=_eos_id,
+        help="stop each row at this EOS with no mask before it (exact); 'tokenizer': its EOS",
+    )
+    add_flag(
+        g,
+        "--eos-truncate",
+        action="store_const",
+        const=True,
+        help="llada, scdd (cache none): drop the positions after a committed EOS from the forwards (approximate)",
+    )
     add_flag(g, "--mask-id", type=int)
     add_flag(g, "--seed", type=int, default=seed_default)
 
 
+def _eos_id(value: str) -> int | str:
+    if value == "tokenizer":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token id or 'tokenizer', got {value!r}") from None
+
+
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
                  "uniform_ratio", "schedule_shape", "schedule_peak", "editing_threshold", "max_post_steps",
-                 "cache", "seed")  # fmt: skip
+                 "cache", "eos_token_id", "eos_truncate", "seed")  # fmt: skip
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
