@@ -295,10 +295,6 @@ def eval_chats(prepared_dir: Path, rows: list[dict], n_shot: int) -> list[list[d
     return [prompt_messages(r["messages"], shots) for r in rows]
 
 
-# How every evaluation reads an answer (recorded in its protocol; arms compared must share it).
-ANSWER_PARSER = "gsm8k: strict = the number after ####, flexible = the last number"
-
-
 @dataclass
 class EvalPrompts:
     """The held-out rows of one evaluation and the prompt ids each is asked with."""
@@ -314,8 +310,8 @@ class EvalPrompts:
         return hashlib.sha256(repr(self.prompts).encode()).hexdigest()[:16]
 
     def protocol(self) -> dict[str, str]:
-        """What an evaluation's protocol records of its prompts and parser."""
-        return {"prompts_sha256": self.sha256, "answer_parser": ANSWER_PARSER}
+        """What an evaluation's protocol records of the prompts it asked."""
+        return {"prompts_sha256": self.sha256}
 
 
 def eval_prompts(
