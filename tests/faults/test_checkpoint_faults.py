@@ -125,14 +125,10 @@ def _flip_byte(path: Path, offset: int = 100) -> None:
 # ---- 1, 2) poisoned files run no code ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["safetensors", "legacy-pt"])
-def test_poisoned_rng_file_runs_no_code(run, prepared, tmp_path, legacy):
+def test_poisoned_rng_file_runs_no_code(run, prepared, tmp_path):
     marker = tmp_path / "pwned"
     step = _ckpts(run) / "step_000004"
-    good = step / "rng" / "rank_00000.safetensors"
-    target = good.with_suffix(".pt") if legacy else good
-    if legacy:
-        good.unlink()
+    target = step / "rng" / "rank_00000.safetensors"
     _poison(target, marker)
     ckfiles.write_manifest(step)  # an attacker who can write the dir rewrites the manifest too
     with pytest.raises(UserError, match=rf"{target.name}: unreadable RNG state"):

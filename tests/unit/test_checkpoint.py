@@ -133,7 +133,7 @@ def test_file_owner_names_the_rank_that_wrote_each_file():
         "model/__1_0.distcp": 1,
         "optim/__0_3.distcp": 0,
         "rng/rank_00001.safetensors": 1,
-        "rng/rank_00000.pt": 0,
+        "rng/rank_00000.safetensors": 0,
         "model/.metadata": None,
         "trainer_state.json": None,
         "model/consolidated/model.safetensors": None,

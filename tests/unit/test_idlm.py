@@ -16,7 +16,6 @@ from dllmflow.diffusion.masks import idlm as idlm_masks
 from dllmflow.diffusion.masks.idlm import idlm_block_mask, idlm_dense_mask, idlm_split_attention, right_padded
 from dllmflow.diffusion.strategies import build_strategy
 from dllmflow.diffusion.strategies.idlm import (
-    STAGE_ENV,
     IDLMStrategy,
     curriculum_stages,
     idlm_attention_backend,
@@ -458,11 +457,8 @@ def test_curriculum_stages_chain_consolidated_checkpoints(tmp_path):
     assert curriculum_stages(single) == [single]
 
 
-def test_list_block_length_uses_the_stage_override(monkeypatch):
-    s = _settings(block_length=[1, 2, 3])
-    assert IDLMStrategy(s).block_length == 1
-    monkeypatch.setenv(STAGE_ENV, "2")
-    assert IDLMStrategy(s).block_length == 3
-    monkeypatch.setenv(STAGE_ENV, "3")
-    with pytest.raises(UserError, match=STAGE_ENV):
-        IDLMStrategy(s)
+def test_list_block_length_outside_the_stages_trains_the_first(monkeypatch):
+    """Only the stages carry the later block lengths (curriculum_stages); no environment picks one."""
+    s = _settings(block_length=[2, 1, 3])
+    monkeypatch.setenv("DLLM_IDLM_STAGE", "2")  # the environment switch that was removed: ignored
+    assert IDLMStrategy(s).block_length == 2

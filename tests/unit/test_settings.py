@@ -27,7 +27,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 def test_defaults_without_files():
     s = load_settings()
     assert s.dllm.mode == "mdlm" and s.dllm.eps == 1e-3 and s.train.seed == 42
-    assert s.model.tiny is not None and s.dataset.unshifted is True
+    assert s.model.tiny is not None
 
 
 def test_later_yaml_overrides_earlier_deep_merged(tmp_path):
@@ -148,6 +148,14 @@ def _err(tmp_path, text: str) -> str:
 def test_rule_violations_name_field_and_file(tmp_path, text, field):
     msg = _err(tmp_path, text)
     assert field in msg, msg
+
+
+def test_removed_dataset_unshifted(tmp_path):
+    """Its one legal value (true) is what earlier settings.json files record: dropped; false is refused."""
+    s = load_settings(write(tmp_path, "t.yaml", "dataset: {unshifted: true}\n"))
+    assert "unshifted" not in s.to_dict()["dataset"]
+    msg = _err(tmp_path, "dataset: {unshifted: false}\n")
+    assert "dataset.unshifted was removed" in msg and "delete the key" in msg
 
 
 def test_dflash_mode_without_section_is_refused(tmp_path):

@@ -160,7 +160,6 @@ class DatasetConfig(Section):
         None, description="Rows drawn from the mixture; None = as many as fit without repeating a row."
     )
     seed: int = Field(0, description="Seed of the mixture sampling.")
-    unshifted: bool = Field(True, description="Must be true for dLLM training (no next-token shift).")
     mask_history: bool = Field(True, description="Supervise only the final assistant turn.")
     seq_length: PositiveInt = 256
     eval_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="Held-out share (hash of the question).")
@@ -198,10 +197,19 @@ class DatasetConfig(Section):
                 "or dataset.packing: false"
             )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_unshifted(cls, data: Any) -> Any:
+        # Its one legal value was true (the ids are never shifted): settings.json files of earlier runs
+        # record it, so true is dropped; anything else is refused.
+        if isinstance(data, dict) and "unshifted" in data:
+            data = dict(data)
+            if data.pop("unshifted") is not True:
+                raise ValueError("dataset.unshifted was removed (the ids are never shifted); delete the key")
+        return data
+
     @model_validator(mode="after")
-    def _unshifted(self) -> DatasetConfig:
-        if not self.unshifted:
-            raise ValueError("dataset.unshifted must be true for dLLM training")
+    def _positive_mixture(self) -> DatasetConfig:
         if self.mixture is not None and not sum(m.weight for m in self.mixture) > 0:
             raise ValueError(
                 "dataset.mixture: the weights must sum to a positive number (give a source weight > 0)"

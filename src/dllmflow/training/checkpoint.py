@@ -15,8 +15,8 @@ published only by `training/checkpointer.py`):
 
 Nothing read from a checkpoint can run code: `verify_checkpoint` checks the manifest first (a flipped
 byte is named); DCP `.metadata` goes through an allow-listed unpickler (torch's reader uses plain
-pickle: `SafeFileSystemReader`), DCP byte items and legacy `.pt` RNG files through
-`torch.load(weights_only=True)` (`SafeLoadPlanner`); the rest is JSON or safetensors.
+pickle: `SafeFileSystemReader`), DCP byte items through `torch.load(weights_only=True)`
+(`SafeLoadPlanner`); the rest is JSON or safetensors.
 
     verify_checkpoint(step_dir)                 # CheckpointError naming the first bad file
     write_manifest(step_dir)                    # hash + fsync every file, then every dir
@@ -35,7 +35,6 @@ import pickle
 import random
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,35 +62,25 @@ class CheckpointError(UserError):
 
 
 class CheckpointWarning(UserWarning):
-    """A resume that does not take LATEST as is: a fallback, or an unverifiable (pre-manifest) checkpoint."""
+    """A resume that does not take LATEST as is: a fallback to an older complete checkpoint."""
 
 
 def file_owner(rel: str, world_size: int) -> int | None:
     """The rank that wrote a step dir file (its DCP shards `__<rank>_<i>.distcp`, its
     `rng/rank_<rank>.safetensors`); None for the shared files rank 0 writes."""
     leaf = rel.rsplit("/", 1)[-1]
-    m = re.match(r"^__(\d+)_\d+\.distcp$", leaf) or re.match(r"^rank_(\d+)\.(?:safetensors|pt)$", leaf)
+    m = re.match(r"^__(\d+)_\d+\.distcp$", leaf) or re.match(r"^rank_(\d+)\.safetensors$", leaf)
     return int(m.group(1)) if m and int(m.group(1)) < world_size else None
 
 
 # ---- manifest: sha256 of every file, fsync, publish a dir ---------------------------------------------------
 
 
-def verify_checkpoint(
-    step_dir: Path, unverified_ok: bool = False, listed: dict[str, Any] | None = None
-) -> None:
+def verify_checkpoint(step_dir: Path, listed: dict[str, Any] | None = None) -> None:
     """Every file the manifest lists is there with its size and sha256, else CheckpointError naming it.
-    `unverified_ok`: a step dir from before manifests (no manifest, but a trainer state) passes with a
-    CheckpointWarning. `listed`: check against this manifest (rank 0's) instead of the dir's own."""
+    `listed`: check against this manifest (rank 0's) instead of the dir's own."""
     manifest = step_dir / MANIFEST
     if listed is None and not manifest.is_file():
-        if unverified_ok and (step_dir / TRAINER_STATE).is_file():
-            warnings.warn(
-                f"{step_dir}: no {MANIFEST} (an older checkpoint); loading it unverified",
-                CheckpointWarning,
-                stacklevel=2,
-            )
-            return
         raise CheckpointError(f"{step_dir}: no {MANIFEST}, so not a complete checkpoint")
     source = manifest if listed is None else f"rank 0's {MANIFEST}"
     files = (listed if listed is not None else read_json(manifest)).get("files")
@@ -278,12 +267,9 @@ def save_rng(path: Path, state: dict[str, Any]) -> None:
 
 def load_rng(step_dir: Path, rank: int) -> dict[str, Any] | None:
     path = rng_file(step_dir, rank)
-    legacy = path.with_suffix(".pt")  # written before safetensors: tensors and tuples only
-    if not path.is_file() and not legacy.is_file():
+    if not path.is_file():
         return None
     try:
-        if not path.is_file():
-            return torch.load(legacy, weights_only=True)
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
@@ -298,6 +284,5 @@ def load_rng(step_dir: Path, rank: int) -> dict[str, Any] | None:
         if cuda:
             state["cuda"] = cuda
         return state
-    except Exception as e:  # any malformed file: name it (nothing in either format can run code)
-        bad = path if path.is_file() else legacy
-        raise CheckpointError(f"{bad}: unreadable RNG state ({type(e).__name__}: {e})") from None
+    except Exception as e:  # any malformed file: name it (safetensors runs no code)
+        raise CheckpointError(f"{path}: unreadable RNG state ({type(e).__name__}: {e})") from None

@@ -260,15 +260,12 @@ def _ensure_copy(step_dir: Path, manifest: dict[str, Any], fetch: Callable[[str]
 
 
 def _verify_or_fetch(
-    step_dir: Path,
-    fetch: Callable[[str], Any] | None,
-    unverified_ok: bool = False,
-    listed: dict[str, Any] | None = None,
+    step_dir: Path, fetch: Callable[[str], Any] | None, listed: dict[str, Any] | None = None
 ) -> None:
     """`verify_checkpoint`; when it fails and `fetch` is set, `fetch(name)` replaces the dir (a download
     of the remote copy) and that is verified, its problem named if it fails too."""
     try:
-        verify_checkpoint(step_dir, unverified_ok=unverified_ok, listed=listed)
+        verify_checkpoint(step_dir, listed=listed)
         return
     except CheckpointError as e:
         if fetch is None:
@@ -300,7 +297,7 @@ def select_checkpoint(root: str | os.PathLike, fetch: Callable[[str], Any] | Non
     problems: list[str] = []
     if target is not None:
         try:
-            _verify_or_fetch(target, fetch, unverified_ok=True)
+            _verify_or_fetch(target, fetch)
             return target
         except CheckpointError as e:
             problems.append(str(e))

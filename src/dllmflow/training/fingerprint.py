@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
-from dllmflow.training.checkpoint import CheckpointError, CheckpointWarning
+from dllmflow.training.checkpoint import CheckpointError
 
 # Sections whose values shape the training state. Within them, fields that only set the run length, the
 # logging, the throughput or where the prepared data lives may change between a save and its resume.
@@ -49,14 +48,7 @@ def settings_fingerprint(settings) -> dict[str, Any]:
 
 
 def check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any], ckpt_dir: Path) -> None:
-    saved = state.get("settings_fingerprint")
-    if saved is None:
-        warnings.warn(
-            f"{ckpt_dir}: no settings fingerprint (an older checkpoint); not checked",
-            CheckpointWarning,
-            stacklevel=2,
-        )
-        return
+    saved = state.get("settings_fingerprint") or {}
     if saved.get("sha256") == fingerprint["sha256"]:
         return
     old, new, unset = saved.get("fields", {}), fingerprint["fields"], "<unset>"

@@ -28,7 +28,6 @@ consolidated checkpoint. Run: `dllmflow train --params params/tiny_idlm.yaml`.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,10 +47,6 @@ from .base import Batch, LossOutput, Strategy
 
 if TYPE_CHECKING:
     from dllmflow.settings import Settings
-
-# Which stage of a `block_length` list a single run trains when it is not split by `curriculum_stages`.
-# Not DLLMFLOW_-prefixed: the settings loader would read that as a (unknown) settings field.
-STAGE_ENV = "DLLM_IDLM_STAGE"
 
 # Devices where flex_attention has a backward (compiled Triton kernels).
 FLEX_DEVICES = frozenset({"cuda"})
@@ -166,16 +161,11 @@ class IDLMStrategy(Strategy):
 
 
 def resolve_block_length(settings: Settings) -> int:
-    """`dllm.block_length` as an int; for a curriculum list, the stage named by $DLLM_IDLM_STAGE (default 0)."""
+    """`dllm.block_length` as an int. A curriculum list reaches a strategy only in a run that was not
+    split into stages (`curriculum_stages`: the fine-tune flow splits it; each stage's settings hold
+    one int): that run trains the first stage."""
     value = settings.dllm.block_length
-    if isinstance(value, int):
-        return value
-    raw = os.environ.get(STAGE_ENV, "0")
-    if not raw.isdigit() or int(raw) >= len(value):
-        raise UserError(
-            f"{STAGE_ENV}={raw!r}: must be a stage index in [0, {len(value)}) of dllm.block_length={value}"
-        )
-    return value[int(raw)]
+    return value if isinstance(value, int) else value[0]
 
 
 def curriculum_stages(settings: Settings) -> list[Settings]:
