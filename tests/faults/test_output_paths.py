@@ -173,3 +173,34 @@ def test_offline_export_refuses_a_dir_not_ours_before_reading_weights(tmp_path):
     with pytest.raises(OutputPathError, match=rf"{out}.*not a model export"):
         export_smollm2(out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("kind", ["foreign file", "symlink", "directory"])
+def test_evaluate_output_refuses_what_is_not_an_evaluation(tmp_path, capsys, kind):
+    """`evaluate --output` onto a file it did not write (was: overwritten), a symlink (was: the link
+    replaced) or a directory (was: a traceback after the whole evaluation): refused before the model
+    loads, in one line naming the path, the bytes untouched."""
+    target = tmp_path / "mine.json"
+    target.write_text('{"my": "notes"}\n')
+    out = {"foreign file": target, "symlink": tmp_path / "link.json", "directory": tmp_path / "dir"}[kind]
+    if kind == "symlink":
+        out.symlink_to(target)
+    if kind == "directory":
+        out.mkdir()
+        (out / "keep.txt").write_text("keep")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code = cli_main(["evaluate", "--checkpoint", str(tmp_path / "no-such-run"), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--output {out}" in err and "Traceback" not in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before and out.is_symlink() == (
+        kind == "symlink"
+    )
+
+
+def test_an_evaluation_result_is_ours_to_replace(tmp_path):
+    from dllmflow.common.outputs import check_output_file
+
+    result = tmp_path / "eval.json"
+    assert check_output_file(result, kind="evaluation result", keys=("metrics", "protocol")) is False
+    result.write_text(json.dumps({"metrics": {}, "protocol": {}, "predictions": []}))
+    assert check_output_file(result, kind="evaluation result", keys=("metrics", "protocol")) is True

@@ -115,3 +115,53 @@ def test_overwrite_of_a_dir_that_is_not_a_run_dir_is_refused_untouched(prepared,
     with pytest.raises(OutputPathError, match="not a dllmflow run dir"):
         launch(_settings(prepared, 1), run_dir=other, overwrite=True, wait=False)
     assert snapshot() == before and not (other / LOCK_FILE).exists()
+
+
+def _foreign(tmp_path: Path, kind: str) -> tuple[Path, Path]:
+    """(the run dir given, what must stay byte for byte) for each kind of path that is not ours."""
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("my own measurements\n")
+    if kind == "file":
+        (tmp_path / "notes.txt").write_text("not a dir\n")
+        return tmp_path / "notes.txt", tmp_path
+    if kind == "settings.json not ours":
+        (other / "settings.json").write_text('{"theme": "dark"}\n')
+    if kind == "symlink to a foreign dir":
+        (tmp_path / "link").symlink_to(other)
+        return tmp_path / "link", tmp_path
+    return other, tmp_path
+
+
+@pytest.mark.parametrize(
+    "kind", ["file", "foreign dir", "symlink to a foreign dir", "settings.json not ours"]
+)
+def test_a_fresh_run_never_writes_into_what_is_not_a_run_dir(prepared, tmp_path, kind, capsys, monkeypatch):
+    """Without --resume or --overwrite too: a file is not a run dir (was a traceback), a non-empty dir
+    (or a link to one) without dllmflow's settings.json is refused (was: written into, the user's
+    metrics.jsonl and settings.json replaced), in one line naming it, nothing touched."""
+    from dllmflow.cli import main
+    from dllmflow.training.launch import launch
+
+    run_dir, root = _foreign(tmp_path, kind)
+
+    def snapshot() -> dict[str, bytes]:
+        return {
+            p.relative_to(root).as_posix(): p.read_bytes() if p.is_file() else b"" for p in root.rglob("*")
+        }
+
+    before = snapshot()
+    with pytest.raises(OutputPathError, match=rf"run_dir \(--run-dir\) = {run_dir}"):
+        launch(_settings(prepared, 1), run_dir=run_dir, wait=False)
+    with pytest.raises(OutputPathError, match=rf"{run_dir}"):
+        _train(prepared, run_dir, 1)
+    store = (
+        tmp_path.parent / f"{tmp_path.name}-mlflow.db"
+    )  # outside the snapshot: refused before it is opened
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    for cmd, recipe in (("train", "tiny_mdlm.yaml"), ("rl", "tiny_addition_grpo.yaml")):
+        code = main([cmd, "--params", str(ROOT / "params" / recipe), "--run-dir", str(run_dir)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"run_dir (--run-dir) = {run_dir}" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert snapshot() == before and not store.exists()

@@ -4,9 +4,12 @@ Every directory the project writes as a unit (a prepared dataset, a run dir, an 
 output) carries a marker file: the manifest or settings file only this project writes there. Before a
 path is replaced or cleared, `check_output_dir` proves it is ours by that marker, never by its name: an
 existing file where a directory is expected, or a non-empty directory without the marker, is refused
-with one line naming the path, so nothing the project did not create is ever deleted.
+with one line naming the path, so nothing the project did not create is ever deleted. An output FILE
+(`evaluate --output`) is replaced only when it holds the project's JSON of that kind (`check_output_file`,
+by its keys): never a symlink, a directory or a file someone else wrote.
 
     check_output_dir(out, marker="manifest.json", kind="prepared dataset", field="dataset.prepared_dir")
+    check_output_file(out, kind="evaluation result", keys=("metrics", "protocol"), field="--output")
     with hold_dir_lock(run_dir, "train"):    # one writer: a second one is refused naming the holder's pid
         ...
 
@@ -25,7 +28,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from dllmflow.errors import UserError
@@ -63,6 +66,42 @@ def check_output_dir(path: str | os.PathLike, *, marker: str, kind: str, field: 
     raise OutputPathError(
         f"{named} is a non-empty directory that is not a {kind} (no {marker}); refusing to replace or delete "
         "it: choose an empty or new path"
+    )
+
+
+def json_object_with(path: str | os.PathLike, keys: Collection[str]) -> bool:
+    """Whether the file `path` holds a JSON object with every key in `keys`: a marker proved by its
+    content, not by its name (a file the project did not write rarely has them all)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and set(keys) <= data.keys()
+
+
+def check_output_file(
+    path: str | os.PathLike, *, kind: str, keys: Collection[str], field: str | None = None
+) -> bool:
+    """Whether the output file `path` holds this project's `kind` (a JSON object with `keys`: True, it
+    may be replaced) or is absent (False); else OutputPathError naming it: a symlink (the link would be
+    replaced by a file), a directory, or a file the project did not write. Nothing is touched."""
+    path = Path(path)
+    named = f"{field} {path}" if field else str(path)
+    if path.is_symlink():
+        raise OutputPathError(
+            f"{named} is a symlink; refusing to replace it with a {kind}: write to its target"
+        )
+    if not path.exists():
+        return False
+    if not path.is_file():
+        raise OutputPathError(
+            f"{named} is an existing directory or special file, not a {kind}: choose a file path"
+        )
+    if json_object_with(path, keys):
+        return True
+    raise OutputPathError(
+        f"{named} is an existing file that is not a {kind} (no {'/'.join(sorted(keys))}); refusing to "
+        "overwrite it: choose a new path"
     )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.common.files import atomic_write_json
+from dllmflow.common.outputs import check_output_file
 from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
@@ -43,6 +44,8 @@ from dllmflow.evaluation.protocol import (
 )
 
 # ---- evaluation ---------------------------------------------------------------------------------
+
+RESULT_KEYS = ("metrics", "protocol")  # what every `evaluate --output` JSON holds: proves a file is one
 
 
 def evaluate(
@@ -317,6 +320,8 @@ def cli_main(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
+    if args.output:  # before the model loads: replaced only if it is an evaluation result already
+        check_output_file(args.output, kind="dllmflow evaluation result", keys=RESULT_KEYS, field="--output")
     settings = load_settings(args.params) if args.params else None
     overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter,
                  "trust_remote_code": getattr(args, "trust_remote_code", False)}  # fmt: skip

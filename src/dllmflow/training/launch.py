@@ -295,8 +295,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.settings import load_settings
+    from dllmflow.training.run_dir import check_overwritable
 
     settings = load_settings(*args.params, **parse_overrides(args.set))
+    # a run dir that is not ours is refused before an MLflow run is opened for it
+    check_overwritable(
+        RunLayout(settings.with_run_dir(args.run_dir or settings.resolved_run_dir).resolved_run_dir)
+    )
     with owned_run(settings, {"dllmflow.source": "train"}) as run_id:
         result = launch(
             settings, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite, mlflow_run_id=run_id

@@ -20,20 +20,27 @@ from collections.abc import Iterator
 
 import torch
 
-from dllmflow.common.outputs import DirLockedError, check_output_dir, hold_dir_lock
+from dllmflow.common.outputs import (
+    DirLockedError,
+    OutputPathError,
+    check_output_dir,
+    hold_dir_lock,
+    json_object_with,
+)
 from dllmflow.errors import UserError
 from dllmflow.runs import METRICS_JSONL, SETTINGS_JSON, RunLayout
 from dllmflow.training.distributed import DistInfo, barrier, shares_rank0_disk
 
 RUN_MARKER = SETTINGS_JSON  # what proves a dir is one of our run dirs (see the module docstring)
+RUN_KEYS = ("dllm", "model", "train")  # ... by its content: sections every dllmflow settings.json has
 
 
 def check_fresh_run(run: RunLayout, resume: bool, overwrite: bool) -> None:
-    """A fresh run (neither `resume` nor `overwrite`) into a run dir that holds checkpoints would mix
-    with that run's state: refuse it, naming the dir and the fix. `overwrite` of a dir that is not a
-    run dir (no RUN_MARKER) is refused too (`check_overwritable`)."""
-    if overwrite and not resume:
-        check_overwritable(run)
+    """A run dir that is a file, or a non-empty dir (or a symlink to one) that is not one of our run
+    dirs, is refused for any run (`check_overwritable`): nothing is written into it. A fresh run
+    (neither `resume` nor `overwrite`) into a run dir that holds checkpoints would mix with that run's
+    state: refused too, naming the dir and the fix."""
+    check_overwritable(run)
     if not resume and not overwrite and run.has_checkpoints():
         raise UserError(
             f"run dir {run.root} already holds checkpoints ({run.checkpoints}); continue that run with "
@@ -43,8 +50,15 @@ def check_fresh_run(run: RunLayout, resume: bool, overwrite: bool) -> None:
 
 
 def check_overwritable(run: RunLayout) -> None:
-    """OutputPathError naming the dir unless it is absent, empty or one of our run dirs."""
-    check_output_dir(run.root, marker=RUN_MARKER, kind="dllmflow run dir", field="run_dir (--run-dir)")
+    """OutputPathError naming the dir unless it is absent, empty or one of our run dirs (its
+    settings.json a dllmflow settings file: RUN_KEYS, not merely a file of that name)."""
+    field = "run_dir (--run-dir)"
+    if check_output_dir(run.root, marker=RUN_MARKER, kind="dllmflow run dir", field=field):
+        if not json_object_with(run.settings_json, RUN_KEYS):
+            raise OutputPathError(
+                f"{field} = {run.root}: its {RUN_MARKER} is not dllmflow's (no {'/'.join(RUN_KEYS)}); refusing "
+                "to write into it: choose an empty or new path"
+            )
 
 
 def clear_run(run: RunLayout) -> None:

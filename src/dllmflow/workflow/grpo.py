@@ -159,6 +159,7 @@ def train(
     """Launch GRPO through torchx and wait; resumes from the run dir's LATEST when there is one (a flow
     retry, a rerun) unless `resume` says otherwise; a finished run is not rerun."""
     from dllmflow.training.launch import launch
+    from dllmflow.training.run_dir import check_overwritable
 
     s = Settings.coerce(settings).with_run_dir(run_dir)
     if not Path(
@@ -167,6 +168,7 @@ def train(
         s, _ = starting_settings(s, s.rl.init_from)
     check_rl_settings(s)
     layout = runs.RunLayout(s.resolved_run_dir)
+    check_overwritable(layout)  # a file or a dir not ours: refused before its state is read
     handle, log_dir = None, None
     if overwrite or not layout.is_finished(s.train.max_steps):
         resume = layout.latest_step() is not None and not overwrite if resume is None else resume
@@ -295,10 +297,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.settings import load_settings, parse_overrides
     from dllmflow.training.launch import owned_run
+    from dllmflow.training.run_dir import check_overwritable
 
     recipe = load_settings(*args.params, **parse_overrides(args.set))
+    run_dir = args.run_dir or str(recipe.resolved_run_dir)
+    check_overwritable(runs.RunLayout(run_dir))  # not ours: refused before anything is read or opened
     settings, parent = starting_settings(recipe, args.init_from)
-    run_dir = args.run_dir or str(settings.resolved_run_dir)
     tags = {"dllmflow.source": "rl", **{f"dllmflow.{k}": v for k, v in parent.items()}}
     with owned_run(settings, tags) as run_id:
         result = train(
