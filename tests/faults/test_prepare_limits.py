@@ -77,3 +77,43 @@ def test_nesting_within_the_limit_still_parses():
     assert check_messages(json.dumps(ok))[1] == "malformed: a message is not a {role, content} mapping"
     chat = [{"role": "user", "content": "[[[[" * 100}, {"role": "assistant", "content": "]]" * 500}]
     assert check_messages(json.dumps(chat)) == (chat, None)  # brackets inside strings are not nesting
+
+
+ABSURD = {
+    "dataset.seq_length": ({"dataset": {"seq_length": 10**7}}, "less than or equal to 1048576"),
+    "train.local_batch_size": ({"train": {"local_batch_size": 10**6, "global_batch_size": 10**6}}, "65536"),
+    "train.global_batch_size": ({"train": {"global_batch_size": 10**6}}, "65536"),
+    "eval.max_new_tokens": ({"eval": {"max_new_tokens": 10**7}}, "1048576"),
+    "eval.batch_size": ({"eval": {"batch_size": 10**6}}, "65536"),
+    "model.tiny.hidden_size": (
+        {"model": {"tiny": {"hidden_size": 10**6, "num_attention_heads": 1}}},
+        "65536",
+    ),
+    "model.tiny.max_position_embeddings": (
+        {"model": {"tiny": {"max_position_embeddings": 10**8}}},
+        "1048576",
+    ),
+    "regenerate.max_new_tokens": ({"regenerate": {"max_new_tokens": 10**7}}, "1048576"),
+    "train.local_batch_size x dataset.seq_length": (
+        {"dataset": {"seq_length": 1 << 20}, "train": {"local_batch_size": 32, "global_batch_size": 32}},
+        r"33554432 tokens in one forward, above 16777216",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(ABSURD))
+def test_absurd_sizes_are_refused_at_parse_naming_the_field(field):
+    """A size no run means (10^7-token sequences, 10^6-row batches tried to allocate) is refused when
+    the settings are read, naming the field, before anything is built."""
+    from dllmflow.settings import SettingsError
+
+    overrides, why = ABSURD[field]
+    with pytest.raises(SettingsError, match=rf"{field.split(' ')[0]}.*{why}"):
+        load_settings(**overrides)
+
+
+def test_large_but_sane_sizes_still_parse():
+    s = load_settings(
+        dataset={"seq_length": 1 << 20}, train={"local_batch_size": 16, "global_batch_size": 1 << 16}
+    )
+    assert s.dataset.seq_length == 1 << 20 and s.train.global_batch_size == 1 << 16

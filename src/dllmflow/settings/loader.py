@@ -34,6 +34,7 @@ from .dllm import DFlashSection, DLLMConfig, MDLMConfig
 from .pipeline import EvalConfig, FlowConfig, RegenerateConfig, RegistryConfig
 from .rl import RLConfig, check_lockstep_rollouts, check_rl_mode, import_reward
 from .sections import (
+    MAX_MICRO_BATCH_TOKENS,
     CheckpointConfig,
     DatasetConfig,
     DistributedConfig,
@@ -167,6 +168,13 @@ class Settings(BaseSettings):
         world = self.launch.nnodes * self.launch.nproc_per_node
         check_rl_mode(self.rl, self.dllm, world)
         check_lockstep_rollouts(self.rl, self.distributed.strategy, world)
+        micro = self.train.local_batch_size * self.dataset.seq_length
+        if micro > MAX_MICRO_BATCH_TOKENS:  # each bound alone is sane; one forward of both is not
+            raise ValueError(
+                f"train.local_batch_size x dataset.seq_length = {micro} tokens in one forward, above "
+                f"{MAX_MICRO_BATCH_TOKENS}: lower train.local_batch_size (gradient accumulation keeps the "
+                "global batch)"
+            )
         gbs, lbs = self.train.global_batch_size, self.train.local_batch_size
         if gbs % (lbs * world) and self.rl is None:  # GRPO's batch is rl.prompts_per_step x G
             raise ValueError(

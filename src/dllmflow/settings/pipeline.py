@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from .sections import ResourcesConfig, SafeName, Section
+from .sections import BatchRows, ResourcesConfig, SafeName, Section, Tokens
 
 __all__ = [
     "CACHE_MODES",
@@ -87,9 +87,9 @@ class EvalConfig(Section):
     samplers: list[str] | None = Field(None, description="None = every sampler that fits the mode.")
     split: str = "eval"
     limit: PositiveInt | None = 32
-    max_new_tokens: PositiveInt = 128
-    steps: PositiveInt | None = None
-    block_size: PositiveInt | None = None
+    max_new_tokens: Tokens = 128
+    steps: Tokens | None = None
+    block_size: Tokens | None = None
     threshold: float | None = Field(None, gt=0.0, le=1.0)
     cache: CacheMode | None = Field(
         None,
@@ -98,7 +98,7 @@ class EvalConfig(Section):
     )
     temperature: NonNegativeFloat | None = None
     n_shot: NonNegativeInt = 0
-    batch_size: PositiveInt = 8
+    batch_size: BatchRows = 8
     seed: int = 0
     untrained_baseline: bool = Field(
         False,
@@ -242,7 +242,7 @@ class RegenerateConfig(Section):
     shuffle_seed: int | None = None
     shard_size: PositiveInt = 1000
     concurrency: PositiveInt = 32
-    max_new_tokens: PositiveInt = 1024
+    max_new_tokens: Tokens = 1024
     temperature: NonNegativeFloat = 0.0
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(

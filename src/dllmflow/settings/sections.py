@@ -38,6 +38,18 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+# Sane upper bounds of sizes, checked at parse time: a value past them is a typo, not a recipe, and would
+# otherwise try to allocate before anything else looks at it (a 10^7-token sequence, a 10^6-row batch).
+# Raise them here if a real run needs more.
+MAX_TOKENS = 1 << 20  # a sequence, a context, a generation: 1M tokens, the longest contexts trained today
+MAX_BATCH = 1 << 16  # rows in a batch (global, local, evaluation)
+MAX_WIDTH = 1 << 16  # a tiny model's hidden/intermediate size, layers and heads
+MAX_MICRO_BATCH_TOKENS = 1 << 24  # local_batch_size x seq_length: one forward's tokens per rank
+Tokens = Annotated[int, Field(gt=0, le=MAX_TOKENS)]
+BatchRows = Annotated[int, Field(gt=0, le=MAX_BATCH)]
+Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
+
+
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -61,12 +73,12 @@ class TinyModelConfig(Section):
     """A randomly initialised decoder built from a transformers config (tests and the CPU demo)."""
 
     architecture: Literal["qwen3", "llama"] = "qwen3"
-    hidden_size: PositiveInt = 64
-    num_hidden_layers: PositiveInt = 2
-    num_attention_heads: PositiveInt = 4
-    num_key_value_heads: PositiveInt = 2
-    intermediate_size: PositiveInt = 128
-    max_position_embeddings: PositiveInt = 2048
+    hidden_size: Width = 64
+    num_hidden_layers: Width = 2
+    num_attention_heads: Width = 4
+    num_key_value_heads: Width = 2
+    intermediate_size: Width = 128
+    max_position_embeddings: Tokens = 2048
     tie_word_embeddings: bool = True
 
     @model_validator(mode="after")
@@ -95,8 +107,8 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
     # Family-specific knobs forwarded to the model config (Nemotron-Labs-Diffusion, DiffusionGemma).
     dlm_paradigm: str | None = None
-    block_size: PositiveInt | None = None
-    canvas_length: PositiveInt | None = None
+    block_size: Tokens | None = None
+    canvas_length: Tokens | None = None
     self_conditioning: bool = True
     freeze_router: bool = True
 
@@ -161,7 +173,7 @@ class DatasetConfig(Section):
     )
     seed: int = Field(0, description="Seed of the mixture sampling.")
     mask_history: bool = Field(True, description="Supervise only the final assistant turn.")
-    seq_length: PositiveInt = 256
+    seq_length: Tokens = 256
     eval_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="Held-out share (hash of the question).")
     limit: PositiveInt | None = Field(None, description="Keep at most this many training rows.")
     shard_size: PositiveInt = 1000
@@ -220,8 +232,8 @@ class DatasetConfig(Section):
 class TrainConfig(Section):
     seed: int = 42
     max_steps: PositiveInt = 50
-    global_batch_size: PositiveInt = 8
-    local_batch_size: PositiveInt = 4
+    global_batch_size: BatchRows = 8
+    local_batch_size: BatchRows = 4
     lr: float = Field(1e-3, gt=0.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     lr_schedule: Literal["cosine", "constant"] = "cosine"
