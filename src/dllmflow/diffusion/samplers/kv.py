@@ -12,7 +12,7 @@ rows leave it through `select_rows` (the block loop's `LiveRows`: a row stopped 
 no more).
 
     source = CausalShiftCache(model, canvas)               # idlm, exact
-    nfe, row_nfe = run_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator)
+    nfe, row_nfe, positions = run_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator)
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
-    LiveRows,
     SettledRows,
     block_progress,
     build_left_padded_canvas,
     commit_step,
     drain,
-    first_eos_done,
     get_num_transfer_tokens,
 )
+from .stopping import LiveRows, first_eos_done
 
 
 def on_rows(t: Tensor, rows: Tensor | None) -> Tensor:

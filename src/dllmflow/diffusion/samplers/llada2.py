@@ -45,16 +45,15 @@ from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
-    LiveRows,
     SettledRows,
     block_geometry,
     block_progress,
     build_left_padded_canvas,
     drain,
-    first_eos_done,
     get_num_transfer_tokens,
     gumbel_argmax,
 )
+from .stopping import LiveRows, first_eos_done
 
 # logits = forward(input_ids [B, T], 4D mask, position_ids [B, T], num_logits) -> [B, >= num_logits, V]
 RefineForward = Callable[[Tensor, Tensor, Tensor, int], Tensor]

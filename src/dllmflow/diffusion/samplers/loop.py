@@ -5,18 +5,20 @@ block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the 
 
     geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
-    x, nfe, row_nfe = run_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator)
+    x, nfe, row_nfe, positions = run_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator)
 
 The block loops are generators (`iter_block_sampler`, `kv.iter_cached_block_sampler`,
 `llada2.iter_refine_blocks`) that yield a `BlockProgress` between blocks and may be sent the rows to
 keep (a server drops finished or abandoned rows there); `run_*` drain them, so decoding block by block
 gives the tokens of decoding at once (`drain`). Within a block they tell a listener (`SettledRows`,
 set by `BlockStepper.step(on_settled=...)`) of each row whose block is final while others still decode
-it, so a server can stream that row's block without waiting for the batch's slowest row.
+it, so a server can stream that row's block without waiting for the batch's slowest row. A row that
+stopped at its EOS is in no later forward (`LiveRows`; exact: its tokens before the EOS are final),
+and each row's computed positions are counted (`GenerationResult.row_positions`).
 
 Departures from the reference, on purpose (docs/strategies.md §7 caveat 6): with a threshold the last step of a
 block commits every remaining [MASK] of that block (never a stranded mask), and the EOS stop is per
-row (a finished row stops changing; the batch stops when every row is done). The [MASK] column is
+row (a finished row stops changing and leaves the forwards; the batch stops when every row is done). The [MASK] column is
 never a candidate token, so a committed position can never hold [MASK].
 """
 
@@ -34,6 +36,7 @@ from dllmflow.errors import UserError
 from dllmflow.models.attention import takes_logits_to_keep
 
 from .configs import BlockConfig
+from .stopping import LiveRows, first_eos_done, truncate_after_eos
 
 # logits = forward(input_ids [B, T], attention_mask [B, T]) -> [B, T, V]; a forward may also take
 # `logits_to_keep=n` and return the last n positions' [B, n, V] (`takes_logits_to_keep`)
@@ -217,43 +220,6 @@ def block_progress(
     return BlockProgress(rows, done.tolist(), row_nfe.tolist(), positions.tolist())
 
 
-class LiveRows:
-    """The canvas rows a block loop still decodes (`index` [R], ascending). A row leaves the moment it
-    stops at its EOS (`retire`), so no later forward computes it (its tokens are final: stopping is
-    exact); a cached source holds its rows in this order and is selected alike (`source.select_rows`).
-    `positions` [B]: the canvas positions each row's forwards computed (padding excluded)."""
-
-    def __init__(self, batch: int, device):
-        self.index = torch.arange(batch, device=device)  # [R]
-        self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def computed(self, rows: Tensor, valid: Tensor) -> None:
-        """A forward computed the canvas rows `rows` [R]; `valid` [R, Q] marks their real query positions."""
-        self.positions[rows] += valid.sum(dim=1).to(self.positions.dtype)
-
-    def retire(self, done: Tensor) -> Tensor | None:
-        """Drop the live rows `done` [B] marks; -> which of the live rows stay ([R'] positions in the old
-        `index`, to select a cache with), None when none left."""
-        stay = (~done[self.index]).nonzero().flatten()  # [R']
-        if len(stay) == len(self.index):
-            return None
-        self.index = self.index[stay]
-        return stay
-
-    def keep(self, kept: Tensor) -> Tensor:
-        """The caller kept the canvas rows `kept` [B'] (the canvas is re-indexed by it): -> which of the
-        live rows stay ([R'] positions in the old `index`)."""
-        new = torch.full_like(self.positions, -1)  # [B] old canvas row -> new, -1 dropped
-        new[kept] = torch.arange(len(kept), device=kept.device)
-        moved = new[self.index]  # [R]
-        stay = (moved >= 0).nonzero().flatten()
-        self.index, self.positions = moved[stay], self.positions[kept]
-        return stay
-
-
 # Told mid-block of rows whose current block became final: (row indices among the live rows, each row's
 # generated ids through that block, untrimmed). Set by `BlockStepper.step(on_settled=...)` around the
 # loop's resumption (a generator resumes in its caller's context); None: nobody listens.
@@ -316,14 +282,6 @@ def build_left_padded_canvas(
     return LeftPaddedCanvas(x, valid, position_ids, S)
 
 
-def first_eos_done(x: Tensor, gen_start: Tensor, gen_length: int, eos_id: int, mask_id: int) -> Tensor:
-    """Rows whose generation window holds an EOS with no [MASK] before it. -> [B] bool."""
-    pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
-    window = (pos >= gen_start[:, None]) & (pos < (gen_start + gen_length)[:, None])  # [B, T]
-    masked_before = (window & (x == mask_id)).long().cumsum(dim=1)  # [B, T] masks up to and incl. p
-    return (window & (x == eos_id) & (masked_before == 0)).any(dim=1)
-
-
 def commit_step(
     logits: Tensor,
     candidates: Tensor,
@@ -362,19 +320,6 @@ def run_block_sampler(
     [B] = canvas positions those forwards computed for the row).
     logit_shift: position p reads logits[p - shift] (I-DLM's next-token checkpoints: 1)."""
     return drain(iter_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator, logit_shift))
-
-
-def truncate_after_eos(x: Tensor, attention_mask: Tensor, gen_start: Tensor, gen_length: int, eos_id: int,
-                       fill_id: int) -> None:  # fmt: skip
-    """EoTP (`eos_truncate`), in place: in each row the window positions after its first committed EOS
-    become filler and leave the forwards (attention 0); the trim cuts them anyway. x, attention_mask
-    [B, T] (a row's attention a prefix of it), gen_start [B]."""
-    pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
-    window = (pos >= gen_start[:, None]) & (pos < (gen_start + gen_length)[:, None])  # [B, T]
-    first = torch.where(window & (x == eos_id), pos, x.shape[1]).min(dim=1).values  # [B] T: none
-    after = pos > first[:, None]  # [B, T]
-    x[after & window] = fill_id
-    attention_mask[after] = 0
 
 
 def iter_block_sampler(

@@ -41,14 +41,13 @@ from .kv import select_cache_rows
 from .loop import (
     BlockGeometry,
     LeftPaddedCanvas,
-    LiveRows,
     block_geometry,
     build_left_padded_canvas,
-    first_eos_done,
     get_num_transfer_tokens,
     get_transfer_index,
     gumbel_argmax,
 )
+from .stopping import LiveRows, first_eos_done
 
 
 class _BlockCausalForward:

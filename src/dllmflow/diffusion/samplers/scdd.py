@@ -40,7 +40,10 @@ from dllmflow.errors import UserError
 from .base import GenerationResult, Sampler
 from .configs import SCDDConfig
 from .kv import FastDLLMCache, fast_dllm_canvas
-from .loop import build_canvas, first_eos_done, truncate_after_eos
+from .loop import (
+    build_canvas,
+)
+from .stopping import first_eos_done, truncate_after_eos
 
 SCHEDULE_FIELDS = ("uniform_ratio", "schedule_shape", "schedule_peak")
 
