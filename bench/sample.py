@@ -100,7 +100,7 @@ def train_long_canvas_demo(root: Path, new_tokens: int, steps: int, long_steps: 
 def bench_prompts(ckpt, split: str, limit: int):
     """(model, tokenizer, chat-templated prompt ids) of the checkpoint's prepared data, as evaluate builds them."""
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.evaluation.protocol import prompt_messages
+    from dllmflow.data.task import prompt_messages
     from dllmflow.inference.generate import load_for_generation
 
     model, tok, settings = load_for_generation(ckpt, device="cpu")

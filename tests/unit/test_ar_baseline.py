@@ -14,7 +14,7 @@ import torch
 
 from dllmflow.data.chat import load_chat_rows
 from dllmflow.data.synthetic import addition_rows, arithmetic_rows
-from dllmflow.evaluation.protocol import gold_answer
+from dllmflow.data.task import gold_answer
 from dllmflow.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]

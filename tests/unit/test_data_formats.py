@@ -17,9 +17,9 @@ from dllmflow.data.formats import RowSpec
 from dllmflow.data.mixture import mix_rows
 from dllmflow.data.prepare import prepare
 from dllmflow.data.synthetic import addition_rows
+from dllmflow.data.task import gold_answer
 from dllmflow.data.tokenizer import load_tokenizer
 from dllmflow.errors import UserError
-from dllmflow.evaluation.protocol import gold_answer
 from dllmflow.settings import load_settings
 
 QA = [

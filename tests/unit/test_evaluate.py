@@ -9,14 +9,14 @@ import pytest
 from _tiny_eval import tiny_eval_export
 
 from dllmflow.cli import main
-from dllmflow.evaluation.accuracy import evaluate
-from dllmflow.evaluation.protocol import (
+from dllmflow.data.task import (
     gold_answer,
     gsm8k_extract_flexible,
     gsm8k_extract_strict,
     normalize_number,
     prompt_messages,
 )
+from dllmflow.evaluation.accuracy import evaluate
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from _tiny_eval import tiny_eval_export
 from lm_eval.api.instance import Instance
 
 from dllmflow.cli import main
+from dllmflow.data.task import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 from dllmflow.errors import UserError
 from dllmflow.evaluation.accuracy import evaluate
 from dllmflow.evaluation.harness import (
@@ -24,7 +25,6 @@ from dllmflow.evaluation.harness import (
     run_harness,
     truncate_at_stops,
 )
-from dllmflow.evaluation.protocol import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 from dllmflow.inference.generate import decode_response
 from dllmflow.models.attention import forward_bidirectional
 

@@ -112,7 +112,7 @@ def export(tmp_path_factory):
 
 
 def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, monkeypatch):
-    from dllmflow.evaluation import protocol
+    from dllmflow.diffusion.samplers import eval_knobs
     from dllmflow.evaluation.accuracy import evaluate
     from dllmflow.inference import generate
 
@@ -137,7 +137,7 @@ def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, mo
     chosen = sweep["points"][sweep["chosen"]]
     assert result["metrics"] == chosen["metrics"]  # the result is the chosen point's evaluation
     assert result["protocol"]["sampler_settings"] == chosen["sampler_settings"]
-    assert protocol.EVAL_SETTINGS[4] == "cache"  # the eval section's cache reaches every evaluation
+    assert eval_knobs.EVAL_SETTINGS[4] == "cache"  # the eval section's cache reaches every evaluation
 
 
 def test_evaluate_cli_sweep_writes_json_and_table(export, tmp_path, capsys):

@@ -154,7 +154,7 @@ def test_a_cache_no_evaluated_sampler_can_use_is_refused_at_parse_time(text, nee
 def test_eval_cache_applies_to_the_samplers_that_take_it(monkeypatch):
     from _cache_config import with_llada_cache
 
-    from dllmflow.evaluation.protocol import eval_defaults
+    from dllmflow.diffusion.samplers.eval_knobs import eval_defaults
 
     with_llada_cache(monkeypatch)
     # hybrid: nemotron (its own exact cache) and llada (Fast-dLLM): dual is for llada, nemotron runs as is

@@ -247,7 +247,8 @@ def evaluate_dflash(
     """Speculative decoding on the prompts of the prepared `split` vs plain greedy decoding of the
     target. -> {"metrics", "protocol", "predictions"} (metrics as `acceptance_metrics`)."""
     from dllmflow.data.dataset import PreparedDataset
-    from dllmflow.evaluation.protocol import prompt_messages, split_sha256
+    from dllmflow.data.task import prompt_messages
+    from dllmflow.evaluation.protocol import split_sha256
 
     trust = bool(settings and settings.model.trust_remote_code)  # the caller's settings only
     draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target, trust_remote_code=trust)

@@ -15,8 +15,8 @@ computed: what padding and re-computed prompts cost); each prediction carries it
 forward, positions and ratio. The protocol (sampler and all
 its settings, generation length, n-shot, chat template hash, limit, split, seed) is returned with the
 metrics and the predictions. In Python: `evaluate(checkpoint, settings, sampler="llada", limit=8)`.
-`--harness gsm8k` scores the same rows through lm-evaluation-harness instead (harness.py). The prompts,
-the answer extraction and the checkpoint loading both share live in protocol.py.
+`--harness gsm8k` scores the same rows through lm-evaluation-harness instead (harness.py). The prompts
+and the checkpoint loading both share live in protocol.py, the answer extraction in data/task.py.
 """
 
 from __future__ import annotations
@@ -29,15 +29,12 @@ from typing import Any
 from dllmflow.common.files import atomic_write_json
 from dllmflow.common.outputs import check_output_file
 from dllmflow.common.progress import Progress
+from dllmflow.data.task import ANSWER_PARSER, gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
-    ANSWER_PARSER,
     EvalRunner,
     build_eval_runner,
     eval_prompts,
-    gold_answer,
-    gsm8k_extract_flexible,
-    gsm8k_extract_strict,
     resolve_prepared_dir,
     split_sha256,
     template_hash,

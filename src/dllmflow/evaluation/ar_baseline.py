@@ -63,9 +63,10 @@ def evaluate_ar(
     """Greedy exact match and speed of the AR base on `split` (default eval.split) of the prepared data.
     limit: None = eval.limit. model: an already built base (else `build_ar_base`). -> {"metrics",
     "protocol", "predictions", "model"}, the shape of `evaluate`'s result."""
+    from dllmflow.data.task import ANSWER_PARSER
     from dllmflow.data.tokenizer import load_tokenizer
     from dllmflow.evaluation.accuracy import generate_in_batches, score_metrics, score_predictions
-    from dllmflow.evaluation.protocol import ANSWER_PARSER, eval_prompts, split_sha256, template_hash
+    from dllmflow.evaluation.protocol import eval_prompts, split_sha256, template_hash
 
     ev = settings.eval
     split = split or ev.split

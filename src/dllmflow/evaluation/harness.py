@@ -26,17 +26,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from torch import Tensor
 
+from dllmflow.data.task import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict, task_chats
 from dllmflow.errors import UserError
 
-from .protocol import (
-    build_eval_runner,
-    eval_chats,
-    gold_answer,
-    gsm8k_extract_flexible,
-    gsm8k_extract_strict,
-    resolve_prepared_dir,
-    template_hash,
-)
+from .protocol import build_eval_runner, resolve_prepared_dir, template_hash
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 INVALID = "[invalid]"  # a filtered answer no gold equals (lm-eval's convention for "nothing extracted")
@@ -280,7 +273,7 @@ def write_gsm8k_task(out_dir: Path, lm: DLLMFlowLM, prepared_dir: Path, split: s
     n_shot = getattr(lm.loaded.eval_cfg, "n_shot", 0)
     data = out_dir / "gsm8k.jsonl"
     with data.open("w", encoding="utf-8") as f:
-        for r, chat in zip(rows, eval_chats(prepared_dir, rows, n_shot)):
+        for r, chat in zip(rows, task_chats(prepared_dir, rows, n_shot)):
             prompt = lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             doc = {"id": r["id"], "question": chat[-1]["content"], "prompt": prompt,
                    "reference": r["answer"], "answer": gold_answer(r["answer"]) or ""}  # fmt: skip

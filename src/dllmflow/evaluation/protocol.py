@@ -1,68 +1,25 @@
 """What `dllmflow evaluate` (accuracy.py) and the lm-eval adapter (harness.py) share: a checkpoint
-loaded with one sampler for evaluation, the prompts asked, and GSM8K answer extraction.
+loaded with one sampler for evaluation, the prompts asked (their ids and digest), and the protocol two
+figures must share to compare. How a question is asked and an answer read is the task layer's
+(data/task.py), which RL shares; which eval knob a sampler takes is diffusion/samplers/eval_knobs.py.
 
     loaded = build_eval_runner(checkpoint, settings, sampler="llada")    # model, tokenizer, sampler, settings
-    chats = eval_chats(prepared_dir, rows, n_shot)                        # n-shot exemplars + the question
-    gsm8k_extract_strict("... #### 1,234")  -> "1234";  gsm8k_extract_flexible(text): the last number
+    asked = eval_prompts(loaded.tokenizer, prepared_dir, "eval", limit, n_shot)   # ids, in length order
 
-Prompts: the chat without its last assistant turn, after n-shot exemplars from the train split.
-Scores: strict (the number after `####`) and flexible (the last number in the text), commas and `$`
-ignored. Both evaluators import from here, never from each other.
+Both evaluators import from here, never from each other.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, replace
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
+from dllmflow.data.task import task_chats
+from dllmflow.diffusion.samplers.eval_knobs import cache_modes, eval_defaults, sampler_takes
 from dllmflow.errors import UserError
-
-_NUMBER = r"-?\$?\s?\d[\d,]*(?:\.\d+)?"
-_STRICT = re.compile(r"####\s*(" + _NUMBER + ")")
-_ANY_NUMBER = re.compile(_NUMBER)
-
-# ---- answer extraction --------------------------------------------------------------------------
-
-
-def normalize_number(text: str | None) -> str | None:
-    """'$1,234.50' -> '1234.5', '18.' -> '18', '-3' -> '-3'; None when no number is left."""
-    if text is None:
-        return None
-    s = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    try:
-        value = Decimal(s)
-    except InvalidOperation:
-        return None
-    if value == value.to_integral_value():
-        return str(int(value))
-    return format(value.normalize(), "f")
-
-
-def gsm8k_extract_strict(text: str) -> str | None:
-    """The number after the first `####` (GSM8K's answer line), normalised; None if absent."""
-    m = _STRICT.search(text)
-    return normalize_number(m.group(1)) if m else None
-
-
-def gsm8k_extract_flexible(text: str) -> str | None:
-    """The last number anywhere in the text, normalised; None if there is none."""
-    found = _ANY_NUMBER.findall(text)
-    return normalize_number(found[-1]) if found else None
-
-
-def gold_answer(reference: str) -> str | None:
-    return gsm8k_extract_strict(reference) or gsm8k_extract_flexible(reference)
-
-
-# The name of the extraction above: a change to `_NUMBER`, `normalize_number` or the two extractors
-# that can move a score gets a new name, so figures scored before and after it no longer compare.
-ANSWER_PARSER = "gsm8k-strict-flexible/1"
-
 
 # ---- the protocol two figures must share to compare ---------------------------------------------
 
@@ -108,30 +65,12 @@ def protocol_differences(candidate: dict[str, Any], champion: dict[str, Any]) ->
 # ---- prompts ------------------------------------------------------------------------------------
 
 
-def prompt_messages(messages: list[dict], shots: list[list[dict]] = ()) -> list[dict]:
-    """The chat to answer: n-shot exemplar turns, then every turn but the final assistant one."""
-    head = [m for shot in shots for m in shot]
-    body = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
-    return head + list(body)
-
-
 def template_hash(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     return hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
-def _exemplars(prepared_dir: Path, n_shot: int) -> list[list[dict]]:
-    if n_shot == 0:
-        return []
-    from dllmflow.data.dataset import PreparedDataset
-
-    rows = PreparedDataset(prepared_dir, "train").rows(n_shot)
-    return [[m for m in r["messages"] if m["role"] != "system"][-2:] for r in rows]
-
-
 # ---- the checkpoint and its sampler -------------------------------------------------------------
-
-EVAL_SETTINGS = ("max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "seed")
 
 
 @dataclass
@@ -155,17 +94,6 @@ class EvalRunner:
         return replace(
             self, runner=build_runner(self.model, self.tokenizer, self.settings, self.sampler, overrides)
         )
-
-
-def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
-    """The eval section's sampler knobs as defaults for `sampler`. The section is shared by every sampler
-    of the mode: a knob it does not take is dropped (by `build_sampler_config`), and so is an
-    `eval.cache` it cannot use (llada2's exact cache, nemotron: no Fast-dLLM cache); `check_eval_settings`
-    refuses a cache that no evaluated sampler can use."""
-    values = {k: getattr(eval_cfg, k, None) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
-    if values.get("cache") is not None and not sampler_takes(sampler, "cache", values["cache"]):
-        values.pop("cache")
-    return values
 
 
 def build_runner(
@@ -211,36 +139,6 @@ def build_eval_runner(
     check_sampler_fits(sampler, trained or settings)
     runner = build_runner(model, tokenizer, settings, sampler, overrides)
     return EvalRunner(model, tokenizer, runner, settings, sampler)
-
-
-# ---- which sampler takes which setting ----------------------------------------------------------
-
-
-def sampler_takes(sampler: str, key: str, value: Any) -> bool:
-    """Whether `sampler`'s config has option `key` and accepts `value` for it (None = the preset: always).
-    `cache: none` asks for no cache, which a sampler without a cache option also honours."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS  # torch-free: the recipe parse calls this
-
-    field = SAMPLER_CONFIGS[sampler].model_fields.get(key)
-    if field is None:
-        return key == "cache" and value == "none"
-    if value is None:
-        return True
-    try:
-        annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-        TypeAdapter(annotation).validate_python(value)
-    except ValidationError:
-        return False
-    return True
-
-
-def cache_modes(sampler: str) -> tuple[str, ...]:
-    """The `cache` values `sampler` takes ("none" only: it has no Fast-dLLM cache option)."""
-    from dllmflow.settings.pipeline import CACHE_MODES
-
-    return tuple(m for m in CACHE_MODES if sampler_takes(sampler, "cache", m))
 
 
 def evaluated_samplers(settings: Any) -> list[str]:
@@ -289,12 +187,6 @@ def resolve_prepared_dir(checkpoint: str | Path, settings: Any, prepared_dir: st
     return Path(prepared_dir)
 
 
-def eval_chats(prepared_dir: Path, rows: list[dict], n_shot: int) -> list[list[dict]]:
-    """The chat each row is asked as: n-shot exemplars from the train split, then its question."""
-    shots = _exemplars(prepared_dir, n_shot)
-    return [prompt_messages(r["messages"], shots) for r in rows]
-
-
 @dataclass
 class EvalPrompts:
     """The held-out rows of one evaluation and the prompt ids each is asked with."""
@@ -324,7 +216,7 @@ def eval_prompts(
     rows = PreparedDataset(prepared_dir, split).rows(limit)
     if not rows:
         raise UserError(f"{prepared_dir}: split {split!r} has no rows to evaluate")
-    chats = eval_chats(prepared_dir, rows, n_shot)
+    chats = task_chats(prepared_dir, rows, n_shot)
     prompts = [
         list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
         for chat in chats

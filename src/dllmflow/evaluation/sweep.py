@@ -114,7 +114,7 @@ def sampler_points(sampler: str, axes: dict[str, list], *, strict: bool) -> list
     """Every combination of `axes` that `sampler` can run. strict (one sampler asked for by name): a key
     or value it cannot use is a UserError naming it; else (a recipe's grid shared by the mode's
     samplers) it is dropped for this sampler, and no key left = one point, the eval section as it is."""
-    from dllmflow.evaluation.protocol import sampler_takes
+    from dllmflow.diffusion.samplers.eval_knobs import sampler_takes
 
     usable: dict[str, list] = {}
     for key, values in axes.items():

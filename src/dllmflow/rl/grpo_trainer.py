@@ -297,7 +297,7 @@ class GRPOTrainer(Trainer):
     def heldout_accuracy(self) -> float:
         """Greedy exact match (flexible) on the first `rl.eval_limit` eval-split prompts, sharded over
         ranks (one batch each) and summed: the evaluation's parser, the policy as it is now."""
-        from dllmflow.evaluation.protocol import gold_answer, gsm8k_extract_flexible
+        from dllmflow.data.task import gold_answer, gsm8k_extract_flexible
         from dllmflow.inference.generate import decode_response
 
         if not hasattr(self, "_heldout"):

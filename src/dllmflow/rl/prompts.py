@@ -6,7 +6,7 @@
     prompts.at(position, seed)          # the prompt at a global position (a seeded shuffle per epoch)
 
 A prompt is the row's chat without its last assistant turn, rendered with the chat template and the
-generation prompt (`evaluation.protocol.eval_chats`, zero-shot), so the policy is trained on exactly
+generation prompt (`data.task.task_chats`, zero-shot), so the policy is trained on exactly
 what `dllmflow evaluate` asks. The answer is the row's reference text ("#### 085"), which the rewards
 compare with. Step s uses global positions s*N .. s*N+N-1 of an endless stream that visits every
 prompt once per epoch in an order seeded by (train.seed, epoch); rank r takes positions r, r+W, ...
@@ -36,12 +36,12 @@ class Prompt:
 class PromptSet:
     def __init__(self, prepared_dir: str | os.PathLike, split: str, tokenizer: Any, limit: int | None = None):
         from dllmflow.data.dataset import PreparedDataset
-        from dllmflow.evaluation.protocol import eval_chats
+        from dllmflow.data.task import task_chats
 
         rows = PreparedDataset(prepared_dir, split).rows(limit)
         if not rows:
             raise UserError(f"{prepared_dir}: split {split!r} has no prompts for rl")
-        chats = eval_chats(Path(prepared_dir), rows, 0)
+        chats = task_chats(Path(prepared_dir), rows, 0)
         self.items = [
             Prompt(
                 i,

@@ -8,7 +8,7 @@ reports a failing reward instead of training on it.
 
 Every reward is `fn(prompt: str, completion: str, answer: str) -> float`; `answer` is the reference
 (the dataset's assistant turn, e.g. "#### 085", or a bare number). Answers are read with the parser the
-evaluation scores with (evaluation/protocol.py), so the reward and the held-out exact match agree.
+evaluation scores with (data/task.py), so the reward and the held-out exact match agree.
 A user reward is a "module:attr" string and is imported only when the caller's own recipe names it
 (`import_user=True`), as settings plugins are (settings/loader.py): a recorded settings.json never
 runs code.
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dllmflow.data.task import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 from dllmflow.errors import UserError
-from dllmflow.evaluation.protocol import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 
 RewardFn = Callable[[str, str, str], float]
 

@@ -63,7 +63,7 @@ def rollout_sampler_config(settings: Any, tokenizer: Any = None, *, greedy: bool
     evaluation's (temperature 0). UserError naming the option when the sampler does not take it."""
     from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers.configs import build_sampler_config
-    from dllmflow.evaluation.protocol import eval_defaults
+    from dllmflow.diffusion.samplers.eval_knobs import eval_defaults
 
     name = sampler_name(settings)
     check_sampler(settings.dllm.mode, name)

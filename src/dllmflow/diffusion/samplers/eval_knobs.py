@@ -1,0 +1,52 @@
+"""Which eval-section knob a sampler takes: the `eval:` section is shared by every sampler of a mode,
+so each sampler takes the knobs its config has (a value it cannot use is dropped, `cache` included).
+Torch-free (the sampler configs, not the samplers): the recipe parse, the evaluation and RL's rollouts
+call it.
+
+    defaults = eval_defaults(settings.eval, "llada")     # {"max_new_tokens": .., "cache": .., ...}
+    sampler_takes("nemotron", "cache", "dual")            # False: no Fast-dLLM cache option
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+EVAL_SETTINGS = ("max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "seed")
+
+
+def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
+    """The eval section's sampler knobs as defaults for `sampler`. The section is shared by every sampler
+    of the mode: a knob it does not take is dropped (by `build_sampler_config`), and so is an
+    `eval.cache` it cannot use (llada2's exact cache, nemotron: no Fast-dLLM cache); `check_eval_settings`
+    refuses a cache that no evaluated sampler can use."""
+    values = {k: getattr(eval_cfg, k, None) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
+    if values.get("cache") is not None and not sampler_takes(sampler, "cache", values["cache"]):
+        values.pop("cache")
+    return values
+
+
+def sampler_takes(sampler: str, key: str, value: Any) -> bool:
+    """Whether `sampler`'s config has option `key` and accepts `value` for it (None = the preset: always).
+    `cache: none` asks for no cache, which a sampler without a cache option also honours."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS  # torch-free: the recipe parse calls this
+
+    field = SAMPLER_CONFIGS[sampler].model_fields.get(key)
+    if field is None:
+        return key == "cache" and value == "none"
+    if value is None:
+        return True
+    try:
+        annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+        TypeAdapter(annotation).validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+def cache_modes(sampler: str) -> tuple[str, ...]:
+    """The `cache` values `sampler` takes ("none" only: it has no Fast-dLLM cache option)."""
+    from dllmflow.settings.pipeline import CACHE_MODES
+
+    return tuple(m for m in CACHE_MODES if sampler_takes(sampler, "cache", m))
