@@ -33,7 +33,7 @@ class ARSampler(Sampler):
     supports_kv_cache = True
     uses_mask = False
 
-    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int], list[int]]:
         G = self.config.max_new_tokens
         c = build_left_padded_canvas(
             prompt_ids, G, self.fill_id, self.fill_id, self.device, sampler=self.name
@@ -42,19 +42,22 @@ class ARSampler(Sampler):
         S, B = c.prefix_len, len(prompt_ids)
         live = torch.arange(B, device=c.x.device)  # [b] original row of each live row
         out: list[list[int]] = [[] for _ in range(B)]
-        row_nfe = [0] * B
+        row_nfe, positions = [0] * B, [0] * B  # forwards and positions computed per row
         stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=c.x.device)  # [n_stop]
         for t in range(G):
             # 1) the next token of every live row: forward what the cache lacks (the prompt, then the
             #    last token; everything again without a cache), read the last position
-            logits = self._step(kv, c, kv.length, S + t)  # [b, V]
+            lo = kv.length
+            logits = self._step(kv, c, lo, S + t)  # [b, V]
+            computed = c.valid[:, lo : S + t].sum(dim=1).tolist()  # [b] real positions forwarded
             if not self.config.use_kv_cache:
                 kv.truncate(0)
             token = logits.argmax(-1)  # [b]
             c.x[:, S + t] = token
-            for r, tok in zip(live.tolist(), token.tolist()):
+            for r, tok, n in zip(live.tolist(), token.tolist(), computed):
                 out[r].append(tok)
                 row_nfe[r] += 1
+                positions[r] += n
             # 2) a row that emitted a stop id leaves the batch before the next forward
             going = ~torch.isin(token, stop)  # [b]
             if not bool(going.any()):
@@ -64,7 +67,7 @@ class ARSampler(Sampler):
                 live = live[keep]
                 c.select_rows(keep)
                 kv.select_rows(keep)
-        return out, kv.calls, row_nfe
+        return out, kv.calls, row_nfe, positions
 
     def _step(self, kv: ModelCache, c, lo: int, hi: int) -> Tensor:
         """Forward canvas positions [lo, hi) against the cache; the logits of position hi-1 [b, V]."""
