@@ -20,6 +20,7 @@ import json
 import math
 import os
 import tempfile
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -262,20 +263,16 @@ def apply_gate(
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
         champion = None
-    figure = ChampionFigure(float("nan"), "")
-    if champion is not None and str(champion.version) != str(version.version):
-        figure = champion_figure(settings, champion, protocol, gate.metric)
-    promote, reason = gate_decision(
-        gate,
-        acc,
-        speed,
-        sampler=sampler,
-        version=version.version,
-        champion_version=champion.version if champion is not None else None,
-        champion_value=figure.value,
-        setting=setting_label(setting) if setting is not None else None,
-        champion_note=figure.note,
-    )
+    decide = partial(gate_decision, gate, acc, speed, sampler=sampler, version=version.version,
+                     setting=setting_label(setting) if setting is not None else None)  # fmt: skip
+    promote, reason = decide()  # its own floors first: a version below them needs no champion figure
+    if promote and champion is not None:
+        figure = ChampionFigure(float("nan"), "")
+        if str(champion.version) != str(version.version):
+            figure = champion_figure(settings, champion, protocol, gate.metric)
+        promote, reason = decide(
+            champion_version=champion.version, champion_value=figure.value, champion_note=figure.note
+        )
 
     client.set_model_version_tag(name, version.version, PROTOCOL_TAG, recorded_protocol(protocol))
     client.set_model_version_tag(name, version.version, f"eval.{gate.metric}", f"{acc:.6f}")
