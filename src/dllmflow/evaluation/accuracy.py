@@ -35,6 +35,7 @@ from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
     EvalRunner,
     build_eval_runner,
+    default_eval_sampler,
     eval_prompts,
     resolve_prepared_dir,
     split_sha256,
@@ -49,7 +50,7 @@ RESULT_KEYS = ("metrics", "protocol")  # what every `evaluate --output` JSON hol
 def evaluate(
     checkpoint: str | Path,
     settings: Any = None,
-    sampler: str = "llada",
+    sampler: str | None = None,
     split: str = "eval",
     limit: int | None = None,
     overrides: dict[str, Any] | None = None,
@@ -253,7 +254,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params", help="recipe YAML (eval section, dataset.prepared_dir); default: the checkpoint's"
     )
-    parser.add_argument("--sampler", default="llada")
+    parser.add_argument(
+        "--sampler",
+        help="default: the first of the recipe's eval.samplers that fits the checkpoint's mode, else the "
+        "checkpoint's own (its export's, else its mode's first); one that does not fit the mode is refused",
+    )
     parser.add_argument("--limit", type=int, help="evaluate only the first N examples")
     parser.add_argument("--split", default="eval")
     add_flag(parser, "--prepared-dir", help="default: dataset.prepared_dir of the settings")
@@ -312,6 +317,8 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.output:  # before the model loads: replaced only if it is an evaluation result already
         check_output_file(args.output, kind="dllmflow evaluation result", keys=RESULT_KEYS, field="--output")
     settings = load_settings(args.params) if args.params else None
+    if args.sampler is None:  # from the checkpoint's mode and the recipe, before anything loads
+        args.sampler = default_eval_sampler(args.checkpoint, settings)
     overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter,
                  "trust_remote_code": getattr(args, "trust_remote_code", False)}  # fmt: skip
     if args.sweep or args.sweep_file:
