@@ -220,3 +220,24 @@ def test_two_fsdp2_ranks_resume_after_kill9_with_the_same_metrics_and_weights(sf
     assert any(
         not torch.equal(a[k], sft_weights[k]) for k in a.keys() & sft_weights.keys()
     )  # GRPO moved them
+
+
+@pytest.mark.slow
+def test_ar_order_trains_on_left_to_right_rollouts(sft, tmp_path, monkeypatch):
+    """JustGRPO's estimator in the runtime: rollouts decoded one token per step left to right (llada,
+    block_size 1: 8 forwards for 8 new tokens), scored on their 8-position canvas, 2 steps."""
+    from dllmflow.rl.grpo_trainer import run_grpo
+    from dllmflow.workflow.grpo import check_rl_settings, starting_settings
+
+    prep, sft_dir = sft
+    ar = {"estimator": {"name": "ar_order"}, "sampler": "llada", "sampler_overrides": {"block_size": 1}}
+    monkeypatch.syspath_prepend(str(HERE))  # the user reward `_rl_rewards:digits` (varied rewards)
+    over = rl_overrides(prep, **ar, eval_every=0)
+    over["train"]["max_steps"] = 2
+    s, _ = starting_settings(load_settings(RECIPE, **over), str(sft_dir))
+    check_rl_settings(s)
+    run_grpo(s, tmp_path / "run")
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["nfe"] for r in records] == [8, 8]  # one forward per new token: the left-to-right policy
+    assert records[0]["kl"] == 0.0 and records[1]["kl"] > 0.0
+    assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "ratio_mean"))
