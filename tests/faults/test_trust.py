@@ -235,7 +235,9 @@ def test_generate_texts_refuses_by_the_checkpoints_mode(generator):
     from dllmflow.tracking.pyfunc_runtime import generate_texts
 
     with pytest.raises(UserError, match="sampler 'idlm' does not fit"):
-        generate_texts(generator.model, generator.tokenizer, ["hi"], sampler="idlm")
+        generate_texts(
+            generator.model, generator.tokenizer, ["hi"], sampler="idlm", trained=generator.trained
+        )
 
 
 def test_pyfunc_generation_must_fit_positions_and_vocabulary(generator):

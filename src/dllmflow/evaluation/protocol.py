@@ -83,6 +83,7 @@ class EvalRunner:
     runner: Any  # a dllmflow.diffusion.samplers Sampler
     settings: Any
     sampler: str
+    trained: Any = None  # the checkpoint's own training Settings (settings.json), what samplers match
 
     @property
     def eval_cfg(self) -> Any:
@@ -91,13 +92,19 @@ class EvalRunner:
     def with_overrides(self, overrides: dict[str, Any] | None) -> EvalRunner:
         """The same loaded model with the sampler rebuilt from its preset < settings.eval < `overrides`
         (a sweep point): the model loads once for every setting."""
-        return replace(
-            self, runner=build_runner(self.model, self.tokenizer, self.settings, self.sampler, overrides)
+        runner = build_runner(
+            self.model, self.tokenizer, self.settings, self.sampler, overrides, self.trained
         )
+        return replace(self, runner=runner)
 
 
 def build_runner(
-    model: Any, tokenizer: Any, settings: Any, sampler: str, overrides: dict[str, Any] | None
+    model: Any,
+    tokenizer: Any,
+    settings: Any,
+    sampler: str,
+    overrides: dict[str, Any] | None,
+    trained: Any = None,
 ) -> Any:
     """`sampler` on a loaded model, its config from preset < settings.eval < `overrides` (the caller's
     flags or a sweep point: parsed strictly and capped, `inference.generate.flag_config`)."""
@@ -106,7 +113,9 @@ def build_runner(
 
     defaults = eval_defaults(settings.eval if settings is not None else None, sampler)
     config = flag_config(sampler, overrides or {}, tokenizer, defaults=defaults)
-    return SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    return SAMPLERS[sampler](
+        model, tokenizer, config, mask_id=model.config.mask_token_id, training_settings=trained
+    )
 
 
 def default_eval_sampler(checkpoint: str | Path, settings: Any = None) -> str:
@@ -174,8 +183,8 @@ def build_eval_runner(
         trust_remote_code=trust,
     )
     settings = settings or trained
-    runner = build_runner(model, tokenizer, settings, sampler, overrides)
-    return EvalRunner(model, tokenizer, runner, settings, sampler)
+    runner = build_runner(model, tokenizer, settings, sampler, overrides, trained)
+    return EvalRunner(model, tokenizer, runner, settings, sampler, trained)
 
 
 def evaluated_samplers(settings: Any) -> list[str]:
