@@ -250,6 +250,7 @@ MODE_EVALS = {
     "idlm": {"idlm", "ar_control"},  # with eval.ar_control: the AR arm beside a curriculum
     "block_diffusion": {"gemma"},
     "dflash": {"acceptance"},
+    "ar": {"ar"},  # the AR control's mode on its own: trained, decoded greedily, registered like the rest
 }
 
 

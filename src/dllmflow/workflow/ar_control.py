@@ -3,7 +3,7 @@
 
     control = train(ar_control.control_settings(settings, run_dir), ar_control.control_dir(run_dir))
     result = ar_control.evaluate_control(settings, run_dir)    # the `ar_control` evaluation branch
-    side = ar_control.comparison(settings, evals)              # register: dLLM vs control, or None
+    side = ar_control.comparison(settings, evals, "llada")    # register: dLLM vs control, or None
     print(card.comparison_table(side))                       # (workflow/card.py: its tables)
 
 The control's settings are the run's with `dllm: {mode: ar}` (the mask id kept: the same tokenizer and
