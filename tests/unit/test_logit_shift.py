@@ -1,7 +1,7 @@
 """`dllm.logit_shift` (models/logit_shift.py): an mdlm model converted from a causal LM reads position i's
 logit from position i-1. Checked against the raw HF forward shifted by hand, the MDLM loss against the
-reference formula on those hand-shifted logits, the flag's round trip through an export, Fast-dLLM's caches reading the
-position before each block, and llada2 (block-causal spans) refusing a shifted model clearly."""
+reference formula on those hand-shifted logits, the flag's round trip through an export, Fast-dLLM's caches and llada2's
+block-causal sources (cached and not) reading the position before each block."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import torch
 from test_mdlm import _batch, _tiny_qwen3, ref_mdlm_sum
 from transformers import AutoModelForCausalLM
 
+from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.samplers.base import build_sampler_config
-from dllmflow.diffusion.samplers.kv import FastDLLMCache
+from dllmflow.diffusion.samplers.kv import BlockCausalCache, FastDLLMCache
+from dllmflow.diffusion.samplers.llada2 import CanvasBlockCausal
 from dllmflow.diffusion.samplers.loop import build_left_padded_canvas
 from dllmflow.diffusion.strategies import build_strategy
-from dllmflow.errors import UserError
 from dllmflow.models.attention import bidirectional_mask, forward_bidirectional
 from dllmflow.models.logit_shift import SHIFT_ATTR, apply_logit_shift, is_logit_shifted
 from dllmflow.settings import load_settings
@@ -171,8 +172,52 @@ def test_one_step_blocks_decode_as_without_a_cache(cache):
     assert run(cache).sequences == run("none").sequences
 
 
-def test_llada2_refuses_a_shifted_model():
+def _raw_block_causal(model, canvas, block_size):
+    """Raw (unshifted) logits of the whole canvas under the block-causal mask: model(...).logits directly."""
+    mask = block_causal_mask(canvas.valid, canvas.prefix_len, block_size, False, torch.float32)
+    with torch.no_grad():
+        return model(input_ids=canvas.x, attention_mask=mask, position_ids=canvas.position_ids).logits
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_llada2_reads_the_position_before_the_block(cached):
+    """A shifted model's block [lo, hi) is filled from the raw logits of [lo-1, hi-1) of the block-causal
+    canvas forward, on every step of a block (the re-fed last committed position included) and in the
+    next block once the previous one is committed."""
+    model = apply_logit_shift(_tiny_qwen3()).eval()
+    canvas = build_left_padded_canvas([[5, 6, 7], [8, 9, 10, 11, 12]], 8, 47, 0, torch.device("cpu"))
+    fwd = SAMPLERS["llada2"].model_forward.__get__(SimpleNamespace(model=model, _keeps_logits=True))
+    source = (
+        BlockCausalCache(model, canvas, 4, 1)
+        if cached
+        else CanvasBlockCausal(fwd, canvas, 4, torch.float32, 1)
+    )
+    with torch.no_grad():
+        want = _raw_block_causal(model, canvas, 4)  # [2, 13, V]
+        torch.testing.assert_close(source(5, 9), want[:, 4:8])
+        canvas.x[:, 5:7] = torch.tensor([20, 21])  # two commits: the second step sees them
+        want = _raw_block_causal(model, canvas, 4)
+        torch.testing.assert_close(source(5, 9), want[:, 4:8], rtol=1e-5, atol=1e-5)
+        canvas.x[:, 7:9] = torch.tensor([22, 23])  # the block is full: the next block reads position 8
+        want = _raw_block_causal(model, canvas, 4)
+        torch.testing.assert_close(source(9, 13), want[:, 8:12], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want[:, 8:12], want[:, 9:13])  # the shift is not a no-op
+    assert source.calls == 3
+
+
+def test_llada2_decodes_a_shifted_model_as_without_a_cache():
+    model = apply_logit_shift(_tiny_qwen3()).eval()
     tok = SimpleNamespace(mask_token_id=47, eos_token_id=None, pad_token_id=0)
-    config = build_sampler_config("llada2", {"max_new_tokens": 4, "steps": 4, "block_size": 4})
-    with pytest.raises(UserError, match="llada2.*logit_shift"):
-        SAMPLERS["llada2"](apply_logit_shift(_tiny_qwen3()), tok, config, mask_id=47)
+
+    def run(use_kv_cache):
+        over = {
+            "max_new_tokens": 8,
+            "steps": 3,
+            "block_size": 4,
+            "threshold": 0.5,
+            "use_kv_cache": use_kv_cache,
+        }
+        config = build_sampler_config("llada2", over)
+        return SAMPLERS["llada2"](model, tok, config, mask_id=47).generate([[5, 6, 7], [9, 10, 11, 12, 13]])
+
+    assert run(True).sequences == run(False).sequences

@@ -160,11 +160,7 @@ class DLLMFlowLM(LM):
 
             config = self.runner.config.model_copy(update={"max_new_tokens": max_new_tokens})
             self._runners[max_new_tokens] = SAMPLERS[self.loaded.sampler](
-                self.model,
-                self.tokenizer,
-                config,
-                mask_id=self.mask_id,
-                training_settings=self.loaded.trained,
+                self.model, self.tokenizer, config, mask_id=self.mask_id
             )
         return self._runners[max_new_tokens]
 

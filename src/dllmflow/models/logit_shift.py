@@ -6,7 +6,8 @@ DiffuLLaMA), so fine-tuning only has to teach bidirectional attention and [MASK]
 alignment. The flag is recorded in the model's config (`dllm_logit_shift`, saved in config.json), and
 `models.attention.model_logits`, the one place bidirectional logits are read (training loss, the llada
 sampler, GRPO's estimators), shifts them for such a model; callers see "logit i predicts token i" as for
-any other model. Fast-dLLM's caches (diffusion/samplers/kv.py) start their spans one position early.
+any other model. Fast-dLLM's caches and llada2's block-causal sources (diffusion/samplers/kv.py, llada2.py)
+start their spans one position early.
 
     model = build_mdlm_model(settings, tokenizer)      # the mdlm ModeSpec's builder
     is_logit_shifted(model)                            # True when the recipe set dllm.logit_shift
@@ -19,8 +20,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-from dllmflow.errors import UserError
 
 from .wrappers import unwrap
 
@@ -49,14 +48,3 @@ def shift_logits(logits: Tensor) -> Tensor:
     """[B, L, V] -> [B, L, V] with position i holding position i-1's logits. Position 0 has no
     predecessor and keeps its own: it is always a prompt token (or padding), never predicted."""
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-
-
-def refuse_shifted(model: nn.Module, what: str) -> None:
-    """A decoding path that computes logits for a span only (a KV cache, a block-causal forward) lacks
-    the position before the span that a shifted model reads the span's first logit from."""
-    if is_logit_shifted(model):
-        raise UserError(
-            f"{what} cannot decode a model trained with dllm.logit_shift (config.json {SHIFT_ATTR}: true): "
-            "the logit of a span's first position comes from the position before it, which that path does "
-            "not compute; use the llada sampler"
-        )

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
-from dllmflow.models.logit_shift import refuse_shifted
+from dllmflow.models.logit_shift import is_logit_shifted
 
 from .base import Sampler, native_generate
 from .configs import LLaDA2Config
@@ -85,19 +85,29 @@ def edit_index(
 
 class CanvasBlockCausal:
     """The uncached source: block [lo, hi)'s logits [B, hi-lo, V] from a forward over the canvas up to
-    the block's end (block j never sees later positions) under the block-causal mask."""
+    the block's end (block j never sees later positions) under the block-causal mask. With `shift` 1 (a
+    `dllm.logit_shift` model) they are the raw logits of [lo-1, hi-1): the block's first position is
+    read off the last position before it, which block-causal attention keeps from seeing the block."""
 
-    def __init__(self, forward: RefineForward, canvas: LeftPaddedCanvas, block_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        forward: RefineForward,
+        canvas: LeftPaddedCanvas,
+        block_size: int,
+        dtype: torch.dtype,
+        shift: int = 0,
+    ):
         self.forward, self.c, self.bs, self.dtype, self.calls = forward, canvas, block_size, dtype, 0
+        self.shift = shift
 
     def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
-        c, n = self.c, hi - lo
+        c, n, s = self.c, hi - lo, self.shift
         valid = on_rows(c.valid, rows)
         mask = block_causal_mask(valid[:, :hi], c.prefix_len, self.bs, False, self.dtype)  # [R, 1, hi, hi]
         self.calls, self.span = self.calls + 1, (0, hi)
-        return self.forward(on_rows(c.x, rows)[:, :hi], mask, on_rows(c.position_ids, rows)[:, :hi], n)[
-            :, -n:
-        ]
+        ids, positions = on_rows(c.x, rows)[:, :hi], on_rows(c.position_ids, rows)[:, :hi]
+        logits = self.forward(ids, mask, positions, n + s)  # [R, >= n+s, V]
+        return logits[:, logits.shape[1] - n - s : logits.shape[1] - s]  # [R, n, V]
 
     def select_rows(self, index: Tensor) -> None:
         pass  # no state of its own: the canvas is shared with the loop, which selects it
@@ -217,7 +227,6 @@ class LLaDA2Sampler(Sampler):
 
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
-        refuse_shifted(model, "sampler llada2 (block-causal forwards)")
         # A canvas forward handed in cannot take a cache; the cache is exact, so its tokens are the same.
         self.cached = self.config.use_kv_cache and forward is None
 
@@ -258,11 +267,13 @@ class LLaDA2Sampler(Sampler):
         canvas = build_left_padded_canvas(
             prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
+        # A Dream-style A2D model (mdlm with dllm.logit_shift) reads each position's logit one earlier.
+        shift = int(self.model is not None and is_logit_shifted(self.model))
         if self.cached:
             check_cache_fits(self.model, canvas.x.shape[1], self.name, "the KV cache (use_kv_cache)")
-            source = BlockCausalCache(self.model, canvas, geometry.block_size)
+            source = BlockCausalCache(self.model, canvas, geometry.block_size, shift)
         else:
-            source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, self._mask_dtype())
+            source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, self._mask_dtype(), shift)
         nfe, row_nfe, positions = yield from iter_refine_blocks(
             source, canvas, cfg, geometry, self.mask_id, self._eos_id(), self.generator()
         )

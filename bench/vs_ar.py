@@ -1,0 +1,260 @@
+"""The dLLM against its same-data AR control (issue 38's goals), in one run on the same CPU threads:
+train both arms on the recipe's prepared rows for the same number of optimizer steps (the dLLM recipe
+as given; the control is the product's `ar` mode with the recipe's model, data, LoRA, optimizer and
+batch), then decode the same held-out prompts with each at the recipe's generation length and at 256
+new tokens. Opt-in (tens of minutes on 2 CPU cores; pytest does not collect bench/).
+
+    OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_mdlm_lora.yaml --steps 400
+    python bench/vs_ar.py --recipe params/smollm2_mdlm_lora.yaml --skip-train --run-dir runs/bench_vs_ar/x
+    python bench/vs_ar.py ... --setting llada2:block_size=8,threshold=0.9 --setting llada:cache=dual,threshold=0.9
+
+Per generation length and per decoder (the AR control's `ar` sampler, each `--setting` of the dLLM):
+held-out exact match (flexible, strict), median seconds per answer at batch 1, answers per second at
+batch 16 (64 prompts in 4 batches, shortest first), forwards per answer and answer tokens per forward,
+each speed also as a ratio to the AR control's. The decoders take turns prompt by prompt (batch 1) and
+batch by batch (batch 16), so load from other processes falls on all of them alike. Goals (issue 38):
+EM >= AR EM - 0.01, latency <= 0.5x AR, throughput >= 1.0x AR, ideally at one setting. Training
+figures of both arms beside them: steps, s/step (median over logged steps), training wall seconds
+and tokens (bench/real_model.py's `train_figures`). `--output FILE` writes everything as JSON.
+
+The dLLM here decodes block-causally (`llada2`: the prompt and the committed blocks in an exact KV
+cache, threshold decoding inside a block, a row stops at the block that commits its EOS), so a
+256-token budget costs what the answer costs; a bidirectional sampler (`llada` with Fast-dLLM's
+dual cache) first runs the whole canvas and pays for the budget.
+
+Last measured: see the module's FIGURES below and params/smollm2_mdlm_lora.yaml's comments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from real_model import _children_cpu_s, train_figures  # noqa: E402  (bench/ is not a package)
+
+DEFAULT_SETTINGS = ("llada2:block_size=8,steps=8,threshold=0.9", "llada2:block_size=8,steps=8,threshold=0.5")
+LONG = 256  # the issue's long budget (new tokens)
+GOALS = {"em_gap": -0.01, "latency": 0.5, "throughput": 1.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="params/smollm2_mdlm_lora.yaml", help="the dLLM recipe (SmolLM2 A2D)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
+    p.add_argument("--steps", type=int, help="optimizer steps of BOTH arms (default: the recipe's max_steps)")
+    p.add_argument("--run-dir", help="default runs/bench_vs_ar/<recipe name>; arms in <run-dir>/{dllm,ar}")
+    p.add_argument("--skip-train", action="store_true", help="decode the run dir's existing exports")
+    p.add_argument("--eval-limit", type=int, default=64, help="held-out problems (the issue's 64)")
+    p.add_argument(
+        "--lengths", default=f"recipe,{LONG}", help="generation lengths: 'recipe' = eval.max_new_tokens"
+    )
+    p.add_argument(
+        "--setting", action="append", metavar="SAMPLER:K=V,...",
+        help=f"a dLLM decoder (repeatable; default {' and '.join(DEFAULT_SETTINGS)})",
+    )  # fmt: skip
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads of every decoder")
+    p.add_argument("--batch", type=int, default=16, help="the throughput batch")
+    p.add_argument("--output", help="write the table and training figures as JSON")
+    return p.parse_args(argv)
+
+
+def parse_setting(text: str) -> tuple[str, dict]:
+    """'llada2:block_size=8,threshold=0.9' -> ("llada2", {"block_size": 8, "threshold": 0.9})."""
+    import yaml
+
+    sampler, _, rest = text.partition(":")
+    pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
+    return sampler, {k: yaml.safe_load(v) for k, v in pairs}
+
+
+def ar_control_settings(s):
+    """The AR control of dLLM settings `s`: the same model, tokenizer, data, LoRA, optimizer, batch and
+    eval section, trained in the `ar` mode (causal next-token SFT) and decoded by the `ar` sampler."""
+    from dllmflow.settings import Settings
+
+    d = s.to_dict()
+    d["name"] = f"{s.name}_ar_control"
+    d["dllm"] = {"mode": "ar", "mask_token_id": s.dllm.mask_token_id}
+    d["eval"] = {**d["eval"], "samplers": ["ar"], "untrained_baseline": False, "ar_baseline": False}
+    return Settings.coerce(d)
+
+
+def train_arm(s, run_dir: Path, skip: bool) -> dict:
+    """Train one arm (unless `skip`) -> its training figures (+ wall and CPU seconds when trained here)."""
+    from dllmflow.workflow import finetune
+
+    out = {}
+    if not skip:
+        t0, cpu0 = time.perf_counter(), _children_cpu_s()
+        finetune.train(s, str(run_dir))
+        out = {"train_wall_s": time.perf_counter() - t0, "train_cpu_s": _children_cpu_s() - cpu0}
+    return {**train_figures(run_dir), **out}
+
+
+class Decoder:
+    """One arm at one sampler setting: a loaded export's runner, its outputs and timings per length."""
+
+    def __init__(self, label: str, loaded, overrides: dict):
+        self.label, self.loaded, self.overrides = label, loaded, overrides
+        self.runner = None
+
+    def at_length(self, max_new_tokens: int) -> None:
+        """Rebuild the sampler for `max_new_tokens` (a total-steps sampler: one token per step before any
+        threshold) and clear the figures."""
+        from dllmflow.evaluation.protocol import sampler_takes
+
+        over = {**self.overrides, "max_new_tokens": max_new_tokens}
+        per_block = getattr(self.loaded.runner.config, "steps_per_block", False)  # llada2: steps per block
+        total_steps = not per_block and sampler_takes(self.loaded.sampler, "steps", 1)
+        if total_steps and "steps" not in self.overrides:
+            over["steps"] = max_new_tokens
+        self.runner = self.loaded.with_overrides(over).runner
+        self.outputs, self.b1_outputs, self.b1_s, self.b16_s, self.row_nfe = {}, {}, [], 0.0, 0
+        self.costs: dict[int, tuple[int, int | None]] = {}  # prompt index -> (forwards, positions)
+
+
+def run_turns(decoders: list[Decoder], prompts: list[list[int]], order: list[int], batch: int) -> None:
+    """Batch 1 then batch `batch`, the decoders taking turns per prompt / per batch (shared load)."""
+    for n, i in enumerate(order, 1):
+        for d in decoders:
+            r = d.runner.generate([prompts[i]])
+            d.b1_s.append(r.elapsed_s)
+            d.b1_outputs[i] = r.sequences[0]
+        if n % 16 == 0:
+            print(f"batch 1: {n}/{len(order)} prompts", flush=True)
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        for d in decoders:
+            r = d.runner.generate([prompts[i] for i in idx])
+            d.b16_s += r.elapsed_s
+            d.outputs.update(zip(idx, r.sequences))
+            nfes = r.row_nfe or [r.nfe] * len(idx)
+            d.row_nfe += sum(nfes)
+            d.costs.update(zip(idx, zip(nfes, r.row_positions or [None] * len(idx))))
+
+
+def score(d: Decoder, asked, tokenizer) -> dict:
+    from dllmflow.evaluation.accuracy import attach_costs, score_metrics, score_predictions
+
+    preds = attach_costs(score_predictions(asked.rows, asked.chats, d.outputs, tokenizer), d.costs)
+    m = score_metrics(preds, d.b16_s, d.row_nfe)
+    n = len(preds)
+    return {
+        "decoder": d.label,
+        "em_flex": m["exact_match_flexible"],
+        "em_strict": m["exact_match_strict"],
+        "latency_s": statistics.median(d.b1_s),
+        "answers_per_s": n / max(d.b16_s, 1e-9),
+        "nfe": m["nfe"],
+        "tokens_per_forward": m["tokens_per_forward"],
+        "effective_token_ratio": m.get("effective_token_ratio"),
+        "batch_invariant": sum(d.b1_outputs[i] == d.outputs[i] for i in d.outputs) / n,
+        "samples": [p["prediction"] for p in preds[:3]],
+    }
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's EM gap and speed ratios to the AR control (the first row) and which goals it meets."""
+    ar = rows[0]
+    for r in rows:
+        r["em_gap"] = r["em_flex"] - ar["em_flex"]
+        r["latency_x"] = r["latency_s"] / ar["latency_s"]
+        r["throughput_x"] = r["answers_per_s"] / ar["answers_per_s"]
+        r["goals"] = {
+            "quality": r["em_gap"] >= GOALS["em_gap"] - 1e-9,
+            "latency": r["latency_x"] <= GOALS["latency"],
+            "throughput": r["throughput_x"] >= GOALS["throughput"],
+        }
+    return rows
+
+
+def print_table(length: int, rows: list[dict]) -> None:
+    print(f"\n{length} new tokens")
+    print(f"{'decoder':<52}{'EM':>6}{'strict':>7}{'dEM':>7}{'s/ans b1':>9}{'x AR':>6}{'ans/s b16':>10}"
+          f"{'x AR':>6}{'NFE':>6}{'tok/fwd':>8}{'eff':>6}  goals")  # fmt: skip
+    for r in rows:
+        met = "".join(k[0].upper() if ok else "-" for k, ok in r["goals"].items())
+        print(f"{r['decoder']:<52}{r['em_flex']:>6.3f}{r['em_strict']:>7.3f}{r['em_gap']:>+7.3f}"
+              f"{r['latency_s']:>9.3f}{r['latency_x']:>6.2f}{r['answers_per_s']:>10.2f}{r['throughput_x']:>6.2f}"
+              f"{r['nfe']:>6.1f}{r['tokens_per_forward']:>8.2f}{r['effective_token_ratio'] or 0:>6.2f}  {met}")  # fmt: skip
+
+
+def build_decoders(args, s, ar_s, run_dir: Path) -> list[Decoder]:
+    """The AR control first, then each dLLM setting; one model load per arm and sampler."""
+    from dllmflow import runs
+    from dllmflow.evaluation.protocol import build_eval_runner
+
+    ar = build_eval_runner(runs.find_consolidated(str(run_dir / "ar")), ar_s, "ar")
+    decoders = [Decoder("AR control (ar: greedy, KV cache)", ar, {})]
+    loaded: dict = {}
+    for text in args.setting or DEFAULT_SETTINGS:
+        sampler, over = parse_setting(text)
+        if sampler not in loaded:
+            loaded[sampler] = build_eval_runner(
+                runs.find_consolidated(str(run_dir / "dllm")), s, sampler, over
+            )
+        decoders.append(Decoder(f"dLLM {text}", loaded[sampler], over))
+    return decoders
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from dllmflow.data.prepare import prepare
+    from dllmflow.evaluation.protocol import eval_prompts
+    from dllmflow.settings import load_settings
+    from dllmflow.settings.loader import parse_overrides
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    over = {**parse_overrides(args.set), "eval.limit": args.eval_limit}
+    if args.steps:
+        over["train.max_steps"] = args.steps
+    s = load_settings(args.recipe, **over)
+    ar_s = ar_control_settings(s)
+    run_dir = Path(args.run_dir or ROOT / "runs" / "bench_vs_ar" / s.name)
+    out: dict = {
+        "recipe": args.recipe,
+        "overrides": over,
+        "steps": s.train.max_steps,
+        "threads": args.threads,
+    }
+    prepare(s)  # reused when its input fingerprint is unchanged
+    out["train"] = {
+        arm: train_arm(st, run_dir / arm, args.skip_train) for arm, st in (("dllm", s), ("ar", ar_s))
+    }
+    for arm, t in out["train"].items():
+        print(f"{arm}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()})}")
+
+    decoders = build_decoders(args, s, ar_s, run_dir)
+    tok = decoders[0].loaded.tokenizer
+    asked = eval_prompts(tok, Path(s.dataset.prepared_dir), "eval", args.eval_limit, s.eval.n_shot)
+    for d in decoders[1:]:  # the same prompts by construction: refuse a tokenizer that renders others
+        if eval_prompts(d.loaded.tokenizer, Path(s.dataset.prepared_dir), "eval", args.eval_limit,
+                        s.eval.n_shot).prompts != asked.prompts:  # fmt: skip
+            raise SystemExit(f"{d.label}: its tokenizer renders other prompts than the AR control's")
+    lengths = [s.eval.max_new_tokens if x == "recipe" else int(x) for x in args.lengths.split(",")]
+    out["tables"] = {}
+    for length in lengths:
+        for d in decoders:
+            d.at_length(length)
+        run_turns(decoders, asked.prompts, asked.order, args.batch)
+        rows = with_ratios([score(d, asked, tok) for d in decoders])
+        out["tables"][length] = rows
+        print_table(length, rows)
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
