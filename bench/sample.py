@@ -66,11 +66,14 @@ def train_overfit_checkpoint(root: Path, steps: int) -> Path:
     return root / "run" / "checkpoints"
 
 
-def train_long_canvas_demo(root: Path, new_tokens: int, steps: int, long_steps: int) -> Path:
+def train_long_canvas_demo(
+    root: Path, new_tokens: int, steps: int, long_steps: int, short_run: str | None = None
+) -> Path:
     """The demo (params/tiny_addition.yaml, `steps` steps on its ~19-token rows), then `long_steps` more
     on canvases of `new_tokens` + 16 tokens with the padding supervised ("#### 085<eos><pad>..."), so
     that it answers with `new_tokens` masks after the prompt -> the second run's dir. A model trained only
-    on short rows has never seen a long masked tail (docs/strategies.md §1.3)."""
+    on short rows has never seen a long masked tail (docs/strategies.md §1.3). `short_run`: a demo run
+    dir already trained (its `short/run`), continued instead of training one."""
     from dllmflow.data.prepare import prepare
     from dllmflow.runs import resolve_checkpoint
     from dllmflow.settings import load_settings
@@ -81,9 +84,10 @@ def train_long_canvas_demo(root: Path, new_tokens: int, steps: int, long_steps: 
         recipe, dataset={"prepared_dir": str(root / "short" / "prepared")}, train={"max_steps": steps},
         checkpoint={"every_steps": steps}, run_dir=str(root / "short" / "run"),
     )  # fmt: skip
-    prepare(short)
-    run_training(short, root / "short" / "run")
-    export = str(resolve_checkpoint(root / "short" / "run"))
+    if short_run is None:
+        prepare(short)
+        run_training(short, root / "short" / "run")
+    export = str(resolve_checkpoint(short_run or root / "short" / "run"))
     canvas = new_tokens + 16  # the prompts are ~12 tokens
     long = load_settings(
         recipe, model={"tiny": None, "pretrained_model_name_or_path": export}, tokenizer={"name_or_path": export},
@@ -326,13 +330,18 @@ def main() -> None:
         help="instead of --checkpoint: the demo trained, then continued on --max_new_tokens canvases",
     )  # fmt: skip
     p.add_argument("--long_demo_steps", type=int, default=600, help="--long_demo: steps on the long canvases")
+    p.add_argument(
+        "--long_demo_from", help="--long_demo: continue this trained demo run dir (skips its 1,200 steps)"
+    )
     args = p.parse_args()
     if args.cache_only:
         return cache_only(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.long_demo:
-            ckpt = train_long_canvas_demo(Path(tmp), args.max_new_tokens, 1200, args.long_demo_steps)
+            ckpt = train_long_canvas_demo(
+                Path(tmp), args.max_new_tokens, 1200, args.long_demo_steps, args.long_demo_from
+            )
         else:
             ckpt = args.checkpoint or train_overfit_checkpoint(Path(tmp), args.train_steps)
         split = args.split or ("eval" if args.checkpoint or args.long_demo else "train")

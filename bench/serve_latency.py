@@ -285,11 +285,13 @@ def block_cost(run: Path, clients: int, settings: dict | None = None) -> tuple[f
     from dllmflow.inference.generate import encode_prompt, load_for_generation
 
     served = served_from_path(run)
-    model, tok, _ = load_for_generation(served.checkpoint, device="cpu")
+    model, tok, trained = load_for_generation(served.checkpoint, device="cpu")
     recorded = with_server_settings(served.sampler_settings, settings or {})  # as `dllmflow serve` does
     over = {"max_new_tokens": 8, "block_size": 4}
     config = build_sampler_config(served.sampler, over, tok, defaults=recorded)
-    sampler = SAMPLERS[served.sampler](model, tok, config, mask_id=model.config.mask_token_id)
+    sampler = SAMPLERS[served.sampler](
+        model, tok, config, mask_id=model.config.mask_token_id, training_settings=trained
+    )
     prompt = encode_prompt(tok, "What is 47 + 38?")
     out = []
     for batch in (1, clients):

@@ -88,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"dllmflow {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM of a launch (training.launch.RunStopped)
+        print(
+            f"dllmflow {argv[0] if argv else ''}: stopped by {e}" if str(e) else "interrupted",
+            file=sys.stderr,
+        )
+        return getattr(e, "exit_code", 130)
 
 
 if __name__ == "__main__":

@@ -247,9 +247,10 @@ def test_bad_recipe_fails_before_any_step(project):
 MODE_EVALS = {
     "scdd": {"scdd", "llada"},
     "hybrid": {"nemotron", "llada"},
-    "idlm": {"idlm"},
+    "idlm": {"idlm", "ar_control"},  # with eval.ar_control: the AR arm beside a curriculum
     "block_diffusion": {"gemma"},
     "dflash": {"acceptance"},
+    "ar": {"ar"},  # the AR control's mode on its own: trained, decoded greedily, registered like the rest
 }
 
 
@@ -270,6 +271,7 @@ def test_every_mode_trains_evaluates_and_registers_through_the_flow(tmp_path, mo
     data.setdefault("registry", {})["model_name"] = f"e2e-{mode}"
     if mode == "idlm":
         data["dllm"]["block_length"] = [1, 2]
+        data["eval"]["ar_control"] = {"max_em_gap": 0.5}
     (proj / "params" / "tiny_mdlm.yaml").write_text(yaml.safe_dump(data))
 
     _flow(proj, "run", env=_env(proj))
@@ -286,3 +288,16 @@ def test_every_mode_trains_evaluates_and_registers_through_the_flow(tmp_path, mo
         assert stage1["model"]["pretrained_model_name_or_path"].endswith(
             "stage_0/checkpoints/LATEST/model/consolidated"
         )
+        # the AR control: mode ar on the same rows for the same steps, beside the curriculum's two stages
+        control = json.loads((proj / training["ar_control"]["run_dir"] / "settings.json").read_text())
+        assert control["dllm"]["mode"] == "ar" and control["train"] == {**stage1["train"], "max_steps": 2}
+        assert control["dataset"]["prepared_dir"] == stage1["dataset"]["prepared_dir"]
+        side = reg["ar_control"]
+        assert side["sampler"] == "idlm" and side["dllm"]["train_steps"] == 4  # 2 stages x 2 steps
+        assert side["ar_control"]["train_steps"] == 2 and side["ar_control"]["train_tokens"] > 0
+        assert side["dllm"]["latency_s_b1"] > 0 and side["ar_control"]["tokens_per_s_b16"] >= 0
+        assert (
+            run["evals"]["ar_control"]["protocol"]["prompts_sha256"]
+            == run["evals"]["idlm"]["protocol"]["prompts_sha256"]
+        )
+        assert "dLLM vs AR control" in run["card"] and "AR control (ar)" in run["card"]

@@ -5,8 +5,9 @@
   reference, the step metrics, the consolidated export);
 * the same run through `dllmflow rl` -> torchx -> torchrun, killed by SIGKILL (kill -9) after step 2's
   checkpoint, then `--resume`: every per-step metric equals the in-process run's, bit for bit, and
-  the resumed run logs live into MLflow with its SFT parent as a tag. (The same with 2 DDP ranks
-  against a 2-rank reference passes too; it is left out for time: three 2-process launches.)
+  the resumed run logs live into MLflow with its SFT parent as a tag;
+* 2 CPU ranks (torchrun, gloo, FSDP2), 2 steps, uninterrupted vs killed by SIGKILL after step 1 and
+  resumed: the same step metrics and the same final weights, bit for bit (three 2-process launches);
 * a reward returning NaN (passed in code): the step is skipped and counted, then the run stops naming
   the prompt and the error, and nothing is exported (in-process, one rank).
 """
@@ -23,6 +24,7 @@ import pytest
 import yaml
 
 from _plugins.fault_hooks import with_fault_env
+from dllmflow.common.net import free_port
 from dllmflow.runs import read_metrics
 from dllmflow.settings import load_settings
 
@@ -162,3 +164,80 @@ def test_failing_reward_skips_then_stops_naming_the_prompt(sft, tmp_path):
     (first,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert first["skipped"] is True and first["reward_failures"] == 1
     assert not list((tmp_path / "run" / "checkpoints").rglob("consolidated"))  # nothing exported
+
+
+def _two_ranks(run: Path, *extra: str, fail_at: int | None = None) -> subprocess.CompletedProcess:
+    """torchrun with 2 CPU ranks (gloo) on `run`/settings.json; `fail_at`: both ranks die by SIGKILL
+    right after that step's checkpoint."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "dllmflow.rl", "--settings", str(run / "settings.json"), *extra]  # fmt: skip
+    fault = with_fault_env(env(run), fail_at=fail_at, kill=True) if fail_at else env(run)
+    return subprocess.run(cmd, capture_output=True, text=True, env=fault, timeout=600)
+
+
+def _weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    (path,) = (run / "checkpoints" / "LATEST" / "model" / "consolidated").glob("*.safetensors")
+    return load_file(path)
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_resume_after_kill9_with_the_same_metrics_and_weights(sft, tmp_path):
+    """2 CPU ranks (gloo, FSDP2: policy and reference sharded, rollouts in lockstep), 2 steps: the run
+    killed by SIGKILL after step 1's checkpoint and resumed logs the uninterrupted run's step metrics
+    and ends with its weights, bit for bit."""
+    import torch
+
+    from dllmflow.workflow.grpo import starting_settings
+
+    prep, sft_dir = sft
+    over = rl_overrides(prep, eval_every=0)  # 1 prompt x G=4 per rank, mu=2 updates a step
+    over["train"]["max_steps"] = 2
+    s = load_settings(RECIPE, **over, launch={"nproc_per_node": 2},
+                      distributed={"strategy": "fsdp2", "backend": "gloo"})  # fmt: skip
+    s, _ = starting_settings(s, str(sft_dir))
+    runs = {name: tmp_path / name for name in ("full", "killed")}
+    for run in runs.values():
+        run.mkdir()
+        s.write_json(run / "settings.json")
+    full = _two_ranks(runs["full"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _two_ranks(runs["killed"], fail_at=1)
+    assert killed.returncode != 0
+    assert os.readlink(runs["killed"] / "checkpoints" / "LATEST") == "step_000001"
+    resumed = _two_ranks(runs["killed"], "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    want, got = (read_metrics(runs[k] / "metrics.jsonl") for k in ("full", "killed"))
+    assert [r["step"] for r in want] == [r["step"] for r in got] == [1, 2]
+    for a, b in zip(want, got):
+        assert {k: a.get(k) for k in EXACT} == {k: b.get(k) for k in EXACT}
+    assert want[1]["kl"] > 0  # step 1's updates moved the policy off the reference
+    a, b = _weights(runs["full"]), _weights(runs["killed"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sft_weights = _weights(sft_dir)
+    assert any(
+        not torch.equal(a[k], sft_weights[k]) for k in a.keys() & sft_weights.keys()
+    )  # GRPO moved them
+
+
+@pytest.mark.slow
+def test_ar_order_trains_on_left_to_right_rollouts(sft, tmp_path, monkeypatch):
+    """JustGRPO's estimator in the runtime: rollouts decoded one token per step left to right (llada,
+    block_size 1: 8 forwards for 8 new tokens), scored on their 8-position canvas, 2 steps."""
+    from dllmflow.rl.grpo_trainer import run_grpo
+    from dllmflow.workflow.grpo import check_rl_settings, starting_settings
+
+    prep, sft_dir = sft
+    ar = {"estimator": {"name": "ar_order"}, "sampler": "llada", "sampler_overrides": {"block_size": 1}}
+    monkeypatch.syspath_prepend(str(HERE))  # the user reward `_rl_rewards:digits` (varied rewards)
+    over = rl_overrides(prep, **ar, eval_every=0)
+    over["train"]["max_steps"] = 2
+    s, _ = starting_settings(load_settings(RECIPE, **over), str(sft_dir))
+    check_rl_settings(s)
+    run_grpo(s, tmp_path / "run")
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["nfe"] for r in records] == [8, 8]  # one forward per new token: the left-to-right policy
+    assert records[0]["kl"] == 0.0 and records[1]["kl"] > 0.0
+    assert all(math.isfinite(r[k]) for r in records for k in ("loss", "grad_norm", "ratio_mean"))

@@ -303,7 +303,7 @@ def test_gate_compares_a_candidate_with_the_champion_only_under_one_protocol(tmp
     s = load_settings(ROOT / "params" / "tiny_mdlm.yaml", dataset=data, registry=reg)
     reg["gate"]["remeasure_champion"] = False
     off = load_settings(ROOT / "params" / "tiny_mdlm.yaml", dataset=data, registry=reg)
-    client = MlflowClient(uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # not an earlier test's registry
 
     # v1 champion recorded at 0.6 on 2 rows; v2 at 0.3 under the same protocol is compared with it
     d1 = _gated(s, consolidated, _measured(s, consolidated, 2, 0.6), "P/1")
@@ -373,7 +373,7 @@ def test_a_grpo_version_is_gated_against_the_sft_champion(tmp_path, consolidated
     assert (
         worse["gate_reason"] == f"exact_match_flexible 0.5000 < champion v{champion['version']} 0.6000 - 0.02"
     )
-    client = MlflowClient(uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # not an earlier test's registry
     assert str(client.get_model_version_by_alias("reg-rl", "champion").version) == str(champion["version"])
     tags = client.get_model_version("reg-rl", str(worse["version"])).tags
     assert (

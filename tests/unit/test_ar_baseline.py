@@ -73,7 +73,14 @@ def prepared(tmp_path_factory):
     s = load_settings(
         ROOT / "params" / "tiny_addition.yaml",
         dataset={"prepared_dir": str(tmp / "prepared"), "limit": 64},
-        eval={"limit": 5, "max_new_tokens": 6, "batch_size": 4, "ar_baseline": True, "sweep": None},
+        eval={
+            "limit": 5,
+            "max_new_tokens": 6,
+            "batch_size": 4,
+            "ar_baseline": True,
+            "sweep": None,
+            "ar_control": None,
+        },
         run_dir=str(tmp / "run"),
     )
     prepare(s)
@@ -102,7 +109,11 @@ def test_the_flow_evaluates_ar_beside_the_samplers(prepared, tmp_path):
 
     assert finetune.AR_EVALUATION == AR_EVALUATION
     assert finetune.eval_samplers(prepared)[-1] == "ar"
-    assert "ar" not in finetune.eval_samplers(load_settings(ROOT / "params" / "tiny_addition.yaml"))
+    assert "ar" not in finetune.eval_samplers(load_settings(ROOT / "params" / "tiny_mdlm.yaml"))
+    assert finetune.eval_samplers(load_settings(ROOT / "params" / "tiny_addition.yaml"))[-2:] == [
+        "ar",
+        "ar_control",
+    ]
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     result = finetune.evaluate_sampler(prepared, str(run_dir), "ar")  # the base model: no checkpoint needed
@@ -124,7 +135,7 @@ def test_the_flow_evaluates_ar_beside_the_samplers(prepared, tmp_path):
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in text.splitlines() if line.count("│") > 4}  # fmt: skip
     assert rows["llada"][:5] == ["5", "0.400", "0.100", "0.900", "50"]
-    assert rows["ar"][:5] == ["5", "0.400", "-", "-", "80"]
+    assert rows["ar (untrained)"][:5] == ["5", "0.400", "-", "-", "80"]  # the AR control's "before"
     headers, table = card.before_after_rows(evals)
     assert headers[1:] == ["exact match AR base (greedy)", "before: converted, before", "after fine-tuning"]
     assert table == [["llada", "0.4", "0.1", "0.9"]]

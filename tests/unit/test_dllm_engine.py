@@ -127,6 +127,11 @@ def test_scheduled_answers_are_each_prompt_decoded_alone(engine):
         assert done["completion_tokens"] == len(alone.sequences[0])
         assert all(alone.sequences[0][: len(b)] == b for b in blocks)  # each streamed block is final
         assert 1 <= done["dllmflow"]["nfe"] <= alone.nfe
+        # the row alone computes what it computed in the batch: its positions, and tokens ÷ positions
+        assert done["dllmflow"]["positions"] == alone.row_positions[0]
+        assert done["dllmflow"]["effective_token_ratio"] == round(
+            len(alone.sequences[0]) / alone.row_positions[0], 4
+        )
 
 
 def test_a_short_request_finishes_while_a_long_one_takes_its_turns(engine):

@@ -16,7 +16,7 @@ from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.samplers.base import build_sampler_config
 from dllmflow.diffusion.samplers.llada import LLaDASampler
 from dllmflow.errors import UserError
-from dllmflow.evaluation.accuracy import attach_costs, score_metrics
+from dllmflow.evaluation.accuracy import Decoded, score_metrics, score_predictions
 
 SMALL = {  # 12 new tokens, blocks of 4
     "llada": dict(steps=12, max_new_tokens=12, block_size=4),
@@ -110,19 +110,29 @@ def test_eos_truncation_computes_only_the_positions_before_the_eos(truncate, pos
     assert out.sequences == [[20, 21, 22]] and out.nfe == 4  # the same answer, stopped at its EOS
     assert out.row_positions == [positions] and sum(widths) == positions
     # the effective-token ratio, by hand: 3 answer tokens over the positions computed
-    pred = attach_costs([{"num_tokens": 3}], {0: (out.row_nfe[0], out.row_positions[0])})[0]
+    (pred,) = _scored([out.sequences[0]], [(out.row_nfe[0], out.row_positions[0])])
     assert pred["effective_token_ratio"] == 3 / positions and pred["tokens_per_forward"] == 3 / 4
 
 
+class _DecodeTok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _scored(sequences, costs):
+    """Predictions of `sequences` (one row each) with their (forwards, positions) costs."""
+    rows = [{"id": i, "answer": "#### 0"} for i in range(len(sequences))]
+    decoded = Decoded(dict(enumerate(sequences)), dict(enumerate(costs)), elapsed_s=2.0)
+    return score_predictions(rows, [[{"content": "q"}]] * len(rows), decoded, _DecodeTok())
+
+
 def test_score_metrics_ratio_over_all_answers():
-    preds = [dict(num_tokens=3, correct_strict=True, correct_flexible=True),
-             dict(num_tokens=5, correct_strict=False, correct_flexible=True)]  # fmt: skip
-    m = score_metrics(attach_costs(preds, {0: (4, 26), 1: (6, 40)}), elapsed=2.0, row_nfe=10)
+    answers = [[7, 8, 9], [1, 2, 3, 4, 0]]  # 3 and 5 tokens; the second ends in the right answer
+    m = score_metrics(_scored(answers, [(4, 26), (6, 40)]), elapsed=2.0)
     assert m["effective_token_ratio"] == 8 / 66 and m["positions_per_answer"] == 33.0
-    assert m["nfe"] == 5.0 and m["tokens_per_forward"] == 8 / 10
-    assert "effective_token_ratio" not in score_metrics(
-        attach_costs(preds, {0: (4, None), 1: (6, None)}), 2.0, 10
-    )
+    assert m["nfe"] == 5.0 and m["tokens_per_forward"] == 8 / 10 and m["tokens_per_s"] == 8 / 2.0
+    assert m["exact_match_flexible"] == 0.5 and m["exact_match_strict"] == 0.0
+    assert "effective_token_ratio" not in score_metrics(_scored(answers, [(4, None), (6, None)]), 2.0)
 
 
 def test_llada_eos_truncate_on_the_tiny_model_computes_less_and_strands_no_mask(model, tok):

@@ -183,3 +183,23 @@ def test_torchx_component_is_registered_by_entry_point():
     import inspect
 
     assert [n for n, _ in inspect.getmembers(component, inspect.isfunction)] == ["train"]
+
+
+def test_a_failure_is_reported_from_this_attempts_logs_only(tmp_path):
+    """The run dir's logs hold every attempt (<logs>/<session>/<app id>/...): a failed `train` names
+    this attempt's cause, not an earlier attempt's (describe_failure read them all, the oldest first)."""
+    from dllmflow.training.launch import app_log_dir
+    from dllmflow.training.main import FAIL_MARKER
+
+    logs = tmp_path / "logs"
+    for app, cause in (
+        ("a-old", "ValueError: the earlier attempt's"),
+        ("b-new", "RuntimeError: this attempt's"),
+    ):
+        replica = logs / "torchx" / app / "trainer" / "0"
+        replica.mkdir(parents=True)
+        (replica / "stderr.log").write_text(f"[default0]:[rank 0] {FAIL_MARKER} {cause}\n")
+    handle = "local_cwd://torchx/b-new"
+    assert app_log_dir(logs, handle) == logs / "torchx" / "b-new"
+    msg = describe_failure(handle, "FAILED", app_log_dir(logs, handle))
+    assert msg.splitlines()[1] == "rank 0 failed: RuntimeError: this attempt's" and "earlier" not in msg

@@ -146,9 +146,8 @@ def test_every_sampler_check_asks_the_one_rule(monkeypatch):
     assert check_sampler_fits("idlm", settings) is None
     with pytest.warns(UserWarning, match="sampler 'llada' does not fit"):
         assert "Samplers that fit: idlm" in check_sampler_fits("llada", settings)
-    model = type("M", (), {"dllmflow_training_settings": settings})()
     with pytest.raises(SamplerMisfitError, match="Samplers that fit: idlm"):
-        generate_texts(model, None, ["hi"], sampler="llada")
+        generate_texts(object(), None, ["hi"], sampler="llada", trained=settings)
     for check in (validate_sampler_request, build_sampler_config):
         with pytest.raises(UserError, match="unknown sampler 'nope'; choose one of: llada"):
             check("nope")

@@ -53,7 +53,9 @@ def test_predict_generates_with_the_recorded_sampler_and_settings(generator):
     model, _ = generator
     out = model.predict(None, PROMPTS)
     assert isinstance(out, list) and len(out) == 2 and all(isinstance(t, str) for t in out)
-    assert out == generate_texts(model.model, model.tokenizer, PROMPTS, sampler="llada", **RECORDED)
+    assert out == generate_texts(
+        model.model, model.tokenizer, PROMPTS, sampler="llada", trained=model.trained, **RECORDED
+    )
     assert model.predict(None, PROMPTS) == out  # seeded: the same text again
 
 
@@ -76,7 +78,7 @@ def test_params_override_the_recorded_settings_and_sentinels_are_ignored(generat
         pyfunc_runtime,
         "generate_texts",
         # the effective options: recorded settings, then the caller's own overrides
-        lambda m, t, prompts, sampler, overrides=None, **kw: (
+        lambda m, t, prompts, sampler, overrides=None, trained=None, **kw: (
             calls.append((sampler, {**kw, **(overrides or {})})) or []
         ),
     )

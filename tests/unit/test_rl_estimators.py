@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -186,7 +187,138 @@ def test_token_logp_is_differentiable():
 
 
 def test_unknown_estimator_names_the_field_and_the_choices():
-    with pytest.raises(UserError, match=r"rl\.estimator.*one_step, mc_elbo, coupled"):
+    with pytest.raises(UserError, match=r"rl\.estimator.*one_step, mc_elbo, coupled, ar_order"):
         build_estimator("two_step")
     with pytest.raises(UserError, match="rl.estimator"):
         build_estimator("mc_elbo", prompt_mask_prob=0.1)
+
+
+def direct_logp(model, ids: list[int]) -> torch.Tensor:
+    """log softmax of the model's logits on one unpadded row read bidirectionally: [T, V] float64."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor([ids]), attention_mask=torch.zeros(1, 1, len(ids), len(ids))
+        ).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def test_one_step_is_exact_for_a_context_dependent_model_given_its_prompt_mask():
+    """d1's one-step value is deterministic once its prompt mask is drawn: Σ_i log p(o_i | the prompt
+    with those tokens masked, the whole completion masked), one forward of the row alone, here for a
+    model whose predictions depend on the context, a left-padded prompt and a padded completion."""
+    model = tiny_qwen3()
+    est = build_estimator("one_step", prompt_mask_prob=0.5)
+    prompts = torch.tensor([[0, 0, 1, 2, 3], [9, 8, 7, 6, 5], [4, 3, 2, 1, 9]])
+    pmask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    completions = torch.tensor([[4, 5, 6, 7], [1, 2, 3, 4], [7, 7, 2, 0]])
+    cmask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    values, masks = [], []
+    for seed in (0, 1):
+        d = est.draw(
+            prompts, completions, cmask, MASK, torch.Generator().manual_seed(seed), prompt_mask=pmask
+        )
+        with torch.no_grad():
+            got = est.token_logp(model, d).double()  # [B, C]
+        for b in range(3):
+            real = pmask[b].bool()
+            noisy_prompt = d.noisy_ids[0, b, :5][real].tolist()  # the drawn prompt mask, padding dropped
+            n = int(cmask[b].sum())
+            logp = direct_logp(model, noisy_prompt + [MASK] * n)
+            want = [logp[len(noisy_prompt) + i, completions[b, i]].item() for i in range(n)]
+            torch.testing.assert_close(got[b, :n], torch.tensor(want, dtype=torch.float64), rtol=0, atol=2e-5)
+            assert torch.equal(got[b, n:], torch.zeros(4 - n, dtype=torch.float64))
+        values.append(got.sum(-1))
+        masks.append(d.noisy_ids[0, :, :5] == MASK)
+    assert not torch.equal(masks[0], masks[1])  # two prompt masks ...
+    assert (values[0] - values[1]).abs().max() > 1e-3  # ... two values: the model reads the prompt
+
+
+def exact_left_to_right(model, prompt: list[int], completion: list[int], canvas: int, temperature=1.0):
+    """Σ_i log p(o_i | prompt, o_<i, [MASK] at positions i..canvas-1), [MASK] never emitted: one
+    forward per position, the definition written out."""
+    total = 0.0
+    for i, x in enumerate(completion):
+        ids = list(prompt) + list(completion[:i]) + [MASK] * (canvas - i)
+        with torch.no_grad():
+            logits = model(
+                input_ids=torch.tensor([ids]), attention_mask=torch.zeros(1, 1, len(ids), len(ids))
+            ).logits[0]
+        row = logits[len(prompt) + i].double() / temperature
+        row[MASK] = -math.inf
+        total += torch.log_softmax(row, dim=-1)[x].item()
+    return total
+
+
+def test_ar_order_is_the_exact_left_to_right_likelihood_on_the_rollouts_canvas():
+    model = tiny_qwen3()
+    est = build_estimator("ar_order", canvas=6, temperature=0.7)
+    completions = torch.tensor([[4, 5, 6, 7], [1, 2, 0, 0]])
+    cmask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    d = est.draw(torch.tensor([PROMPT] * 2), completions, cmask, MASK, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = est.token_logp(model, d).sum(-1).double()
+    want = [
+        exact_left_to_right(model, PROMPT, [4, 5, 6, 7], 6, 0.7),
+        exact_left_to_right(model, PROMPT, [1, 2], 6, 0.7),
+    ]
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=5e-5)
+    # the canvas matters (the pitfall): masks only to the row's own end is another, length-told policy
+    own = build_estimator("ar_order", temperature=0.7)
+    with torch.no_grad():
+        short = own.token_logp(
+            model, own.draw(torch.tensor([PROMPT]), completions[:1], cmask[:1], MASK, None)
+        )
+    torch.testing.assert_close(short.sum().double().item(), exact_left_to_right(model, PROMPT, [4, 5, 6, 7], 4, 0.7),
+                               rtol=0, atol=5e-5)  # fmt: skip
+    assert abs(short.sum().item() - got[0].item()) > 1e-3
+
+
+def test_ar_order_is_a_distribution_over_every_answer_prefix():
+    """With the canvas fixed, exp of the value summed over every 2-token answer (the 10 tokens but
+    [MASK], each position) is 1, on a canvas of 2 and as a prefix of a canvas of 3: a proper policy."""
+    model = tiny_qwen3()
+    answers = torch.tensor([[a, b] for a in range(V) for b in range(V) if MASK not in (a, b)])  # [100, 2]
+    for canvas in (2, 3):
+        est = build_estimator("ar_order", canvas=canvas)
+        d = est.draw(torch.tensor([PROMPT] * len(answers)), answers, torch.ones_like(answers), MASK, None)
+        with torch.no_grad():
+            total = est.token_logp(model, d).sum(-1).double().exp().sum()
+        torch.testing.assert_close(total.item(), 1.0, rtol=0, atol=1e-5)
+
+
+def test_ar_order_fits_only_left_to_right_rollouts_and_the_settings_refuse_it_elsewhere():
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
+    from dllmflow.settings import SettingsError, load_settings
+    from dllmflow.workflow.grpo import check_rl_settings
+
+    est = build_estimator("ar_order")
+    est.fit_rollouts(
+        "llada",
+        build_sampler_config("llada", {"block_size": 1, "steps": 8, "max_new_tokens": 8, "temperature": 0.5}),
+    )
+    assert (est.canvas, est.temperature) == (8, 0.5)
+    with pytest.raises(UserError, match=r"rl.sampler_overrides.steps=4 \(needs 8\)"):
+        est.fit_rollouts(
+            "llada",
+            build_sampler_config(
+                "llada", {"block_size": 1, "steps": 4, "max_new_tokens": 8, "temperature": 1.0}
+            ),
+        )
+    with pytest.raises(UserError, match=r"rl.sampler=scdd"):
+        est.fit_rollouts("scdd", build_sampler_config("scdd", {"steps": 8, "max_new_tokens": 8}))
+
+    grpo = Path(__file__).resolve().parents[2] / "params" / "tiny_addition_grpo.yaml"
+    ar = {"estimator": {"name": "ar_order"}, "sampler": "llada", "sampler_overrides": {"block_size": 1}}
+    check_rl_settings(load_settings(grpo, rl=ar))  # eval: 8 steps for 8 new tokens
+    with pytest.raises(UserError, match=r"steps=4 \(needs 8\)"):
+        check_rl_settings(load_settings(grpo, rl={**ar, "sampler_overrides": {"block_size": 1, "steps": 4}}))
+    for rl, named in [({**ar, "sampler": None}, "rl.sampler=None"),
+                      ({**ar, "sampler_overrides": {}}, "rl.sampler_overrides.block_size=None"),
+                      ({**ar, "temperature": 0.0}, "rl.temperature=0")]:  # fmt: skip
+        with pytest.raises(
+            SettingsError, match=r"rl.estimator.name=ar_order needs rollouts decoded left to right"
+        ) as e:
+            load_settings(grpo, rl=rl)
+        assert named in str(e.value)
+    with pytest.raises(SettingsError, match="rl: dllm.mode=hybrid has no sequence log-likelihood"):
+        load_settings(grpo.parent / "tiny_hybrid.yaml", rl=ar)

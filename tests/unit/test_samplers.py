@@ -308,6 +308,7 @@ def test_infill_fills_exactly_the_masked_positions(model, tok):
         assert len(o) == len(s) and m not in o
         assert [t for t, q in zip(o, s) if q != m] == [q for q in s if q != m]
     assert out.num_generated_tokens == 9
+    assert out.row_positions == [out.nfe * len(s) for s in seqs]  # whole sequences every forward
 
 
 def test_mask_never_committed_even_if_model_prefers_it():

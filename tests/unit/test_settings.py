@@ -242,7 +242,8 @@ def test_untrained_baseline_is_on_in_the_demo_and_the_a2d_recipes():
     # The demo recipe turns it on for its tiny model; a pretrained recipe measures the converted model
     # before fine-tuning the same way (and the AR base beside it: tests/unit/test_ar_baseline.py).
     assert load_settings(ROOT / "params" / "tiny_addition.yaml").eval.untrained_baseline is True
-    assert load_settings(ROOT / "params" / "tiny_addition.yaml").eval.ar_baseline is False
+    demo = load_settings(ROOT / "params" / "tiny_addition.yaml").eval  # the AR control's before and after
+    assert demo.ar_baseline is True and demo.ar_control.enabled and demo.ar_control.steps is None
     assert load_settings(ROOT / "params" / "smollm2_idlm_lora.yaml").eval.untrained_baseline is True
     with pytest.raises(SettingsError, match="eval.ar_baseline"):
         load_settings(eval={"ar_baseline": "sometimes"})

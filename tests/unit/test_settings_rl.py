@@ -32,7 +32,7 @@ def test_off_by_default_and_the_sft_fingerprint_is_unchanged():
     ("rl", "field", "words"),
     [
         ({"num_generations": 1}, "rl.num_generations", "greater than or equal to 2"),
-        ({"estimator": {"name": "exact"}}, "rl.estimator.name", "one_step, mc_elbo, coupled"),
+        ({"estimator": {"name": "exact"}}, "rl.estimator.name", "one_step, mc_elbo, coupled, ar_order"),
         ({"rewards": ["bleu"]}, "rl.rewards", "unknown reward 'bleu'"),
         ({"rewards": ["no_such_module_xyz:fn"], "reward_weights": None}, "rl", "rl.rewards: reward"),
         ({"rewards": ["exact_match"], "reward_weights": [1.0, 2.0]}, "rl", "one weight per reward"),

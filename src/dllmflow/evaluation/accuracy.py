@@ -22,6 +22,7 @@ and the checkpoint loading both share live in protocol.py, the answer extraction
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
     EvalRunner,
     build_eval_runner,
+    default_eval_sampler,
     eval_prompts,
     resolve_prepared_dir,
     split_sha256,
@@ -48,7 +50,7 @@ RESULT_KEYS = ("metrics", "protocol")  # what every `evaluate --output` JSON hol
 def evaluate(
     checkpoint: str | Path,
     settings: Any = None,
-    sampler: str = "llada",
+    sampler: str | None = None,
     split: str = "eval",
     limit: int | None = None,
     overrides: dict[str, Any] | None = None,
@@ -91,11 +93,8 @@ def evaluate_loaded(
     check_generation_fits(loaded.model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
 
     # 3) generate in batches, 4) score
-    costs: dict[int, tuple[int, int | None]] = {}
-    outputs, elapsed, row_nfe = generate_in_batches(
-        runner, prompts, order, batch_size, f"evaluate {sampler}", costs=costs
-    )
-    predictions = attach_costs(score_predictions(rows, chats, outputs, loaded.tokenizer), costs)
+    decoded = generate_in_batches(runner, prompts, order, batch_size, f"evaluate {sampler}")
+    predictions = score_predictions(rows, chats, decoded, loaded.tokenizer)
     protocol = {
         "sampler": sampler,
         "sampler_settings": config.model_dump(mode="json"),
@@ -113,7 +112,7 @@ def evaluate_loaded(
         "prepared_dir": str(prepared_dir),
         **asked.protocol(),
     }
-    metrics = score_metrics(predictions, elapsed, row_nfe)
+    metrics = score_metrics(predictions, decoded.elapsed_s)
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions}
 
 
@@ -167,72 +166,66 @@ def run_sweep(
     return {**results[chosen], "sweep": sweep}
 
 
+@dataclass
+class Decoded:
+    """The answers to a list of prompts, by prompt index, with what each cost."""
+
+    sequences: dict[int, list[int]] = field(default_factory=dict)  # generated ids
+    costs: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # (forwards, positions | None)
+    elapsed_s: float = 0.0  # seconds spent generating
+
+
 def generate_in_batches(
-    runner: Any,
-    prompts: list[list[int]],
-    order: list[int],
-    batch_size: int,
-    label: str,
-    costs: dict[int, tuple[int, int | None]] | None = None,
-) -> tuple[dict[int, list[int]], float, int]:
-    """Generate for `prompts` in `order`, `batch_size` at a time. -> (generated ids by prompt index,
-    seconds spent generating, forwards summed over rows). `costs`, when given, receives each prompt
-    index's (forwards, positions computed or None where the sampler does not count them)."""
-    outputs: dict[int, list[int]] = {}
-    elapsed, row_nfe = 0.0, 0
+    runner: Any, prompts: list[list[int]], order: list[int], batch_size: int, label: str
+) -> Decoded:
+    """Generate for `prompts` in `order`, `batch_size` at a time. Each prompt's cost: its forwards and
+    its positions computed (None where the sampler does not count them)."""
+    out = Decoded()
     with Progress(label, len(order), unit="examples", every=batch_size) as bar:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             result = runner.generate([prompts[i] for i in idx])
-            outputs.update(zip(idx, result.sequences))
-            elapsed += result.elapsed_s
+            out.sequences.update(zip(idx, result.sequences))
+            out.elapsed_s += result.elapsed_s
             nfes = result.row_nfe or [result.nfe] * len(idx)
-            row_nfe += sum(nfes)
-            if costs is not None:
-                positions = getattr(result, "row_positions", None) or [None] * len(idx)
-                costs.update(zip(idx, zip(nfes, positions)))
+            positions = getattr(result, "row_positions", None) or [None] * len(idx)
+            out.costs.update(zip(idx, zip(nfes, positions)))
             bar.advance(len(idx))
-    return outputs, elapsed, row_nfe
-
-
-def attach_costs(predictions: list[dict[str, Any]], costs: dict[int, tuple[int, int | None]]) -> list[dict]:
-    """Each prediction's decoding cost (row i = prompt index i): NFE, tokens per forward, positions
-    computed and the effective-token ratio (answer tokens ÷ positions; None when not counted)."""
-    for i, p in enumerate(predictions):
-        nfe, positions = costs[i]
-        tokens = p["num_tokens"]
-        p.update(nfe=nfe, tokens_per_forward=tokens / max(nfe, 1), positions=positions,
-                 effective_token_ratio=None if not positions else tokens / positions)  # fmt: skip
-    return predictions
+    return out
 
 
 def score_predictions(
-    rows: list[dict], chats: list[list[dict]], outputs: dict[int, list[int]], tokenizer: Any
+    rows: list[dict], chats: list[list[dict]], decoded: Decoded, tokenizer: Any
 ) -> list[dict[str, Any]]:
-    """One prediction per row: the decoded response, its strict and flexible answers and whether each
-    equals the gold answer."""
+    """One prediction per row: the decoded response, its strict and flexible answers, whether each
+    equals the gold answer, and its decoding cost (NFE, tokens per forward, positions computed and the
+    effective-token ratio: answer tokens / positions; None when not counted)."""
     from dllmflow.inference.generate import decode_response
 
     predictions = []
     for i, r in enumerate(rows):
-        text = decode_response(tokenizer, outputs[i])
+        ids, (nfe, positions) = decoded.sequences[i], decoded.costs[i]
+        text = decode_response(tokenizer, ids)
         gold = gold_answer(r["answer"])
         strict, flexible = gsm8k_extract_strict(text), gsm8k_extract_flexible(text)
         predictions.append(
             dict(id=r["id"], prompt=chats[i][-1]["content"] if chats[i] else "", prediction=text, answer=gold,
                  pred_strict=strict, pred_flexible=flexible,
                  correct_strict=strict is not None and strict == gold,
-                 correct_flexible=flexible is not None and flexible == gold, num_tokens=len(outputs[i]))
+                 correct_flexible=flexible is not None and flexible == gold, num_tokens=len(ids),
+                 nfe=nfe, tokens_per_forward=len(ids) / max(nfe, 1), positions=positions,
+                 effective_token_ratio=None if not positions else len(ids) / positions)
         )  # fmt: skip
     return predictions
 
 
-def score_metrics(predictions: list[dict[str, Any]], elapsed: float, row_nfe: int) -> dict[str, Any]:
+def score_metrics(predictions: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     """Exact match (strict, flexible) beside speed: tokens/s, forwards per example, tokens per forward,
-    and where every prediction counts its positions computed (`attach_costs`), their mean per answer
-    and the effective-token ratio (answer tokens ÷ positions computed, over all answers)."""
+    and where every prediction counts its positions computed (`score_predictions`), their mean per
+    answer and the effective-token ratio (answer tokens ÷ positions computed, over all answers)."""
     n = len(predictions)
     tokens = sum(p["num_tokens"] for p in predictions)
+    row_nfe = sum(p["nfe"] for p in predictions)
     metrics = {
         "exact_match_strict": sum(p["correct_strict"] for p in predictions) / n,
         "exact_match_flexible": sum(p["correct_flexible"] for p in predictions) / n,
@@ -261,7 +254,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params", help="recipe YAML (eval section, dataset.prepared_dir); default: the checkpoint's"
     )
-    parser.add_argument("--sampler", default="llada")
+    parser.add_argument(
+        "--sampler",
+        help="default: the first of the recipe's eval.samplers that fits the checkpoint's mode, else the "
+        "checkpoint's own (its export's, else its mode's first); one that does not fit the mode is refused",
+    )
     parser.add_argument("--limit", type=int, help="evaluate only the first N examples")
     parser.add_argument("--split", default="eval")
     add_flag(parser, "--prepared-dir", help="default: dataset.prepared_dir of the settings")
@@ -320,6 +317,8 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.output:  # before the model loads: replaced only if it is an evaluation result already
         check_output_file(args.output, kind="dllmflow evaluation result", keys=RESULT_KEYS, field="--output")
     settings = load_settings(args.params) if args.params else None
+    if args.sampler is None:  # from the checkpoint's mode and the recipe, before anything loads
+        args.sampler = default_eval_sampler(args.checkpoint, settings)
     overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter,
                  "trust_remote_code": getattr(args, "trust_remote_code", False)}  # fmt: skip
     if args.sweep or args.sweep_file:

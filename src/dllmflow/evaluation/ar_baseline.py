@@ -76,10 +76,10 @@ def evaluate_ar(
     model = model if model is not None else build_ar_base(settings, tokenizer)
     asked = eval_prompts(tokenizer, prepared_dir, split, limit, ev.n_shot)
     runner = build_ar_sampler(model, tokenizer, ev.max_new_tokens)
-    outputs, elapsed, row_nfe = generate_in_batches(
+    decoded = generate_in_batches(
         runner, asked.prompts, asked.order, ev.batch_size, f"evaluate {AR_EVALUATION} (greedy)"
     )
-    predictions = score_predictions(asked.rows, asked.chats, outputs, tokenizer)
+    predictions = score_predictions(asked.rows, asked.chats, decoded, tokenizer)
     protocol = {
         "sampler": AR_EVALUATION,
         "decoding": "greedy, causal, KV cache",
@@ -97,7 +97,7 @@ def evaluate_ar(
         **asked.protocol(),
     }
     return {
-        "metrics": score_metrics(predictions, elapsed, row_nfe),
+        "metrics": score_metrics(predictions, decoded.elapsed_s),
         "protocol": protocol,
         "predictions": predictions,
         "model": ar_model_name(settings),

@@ -160,7 +160,11 @@ class DLLMFlowLM(LM):
 
             config = self.runner.config.model_copy(update={"max_new_tokens": max_new_tokens})
             self._runners[max_new_tokens] = SAMPLERS[self.loaded.sampler](
-                self.model, self.tokenizer, config, mask_id=self.mask_id
+                self.model,
+                self.tokenizer,
+                config,
+                mask_id=self.mask_id,
+                training_settings=self.loaded.trained,
             )
         return self._runners[max_new_tokens]
 

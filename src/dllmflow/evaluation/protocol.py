@@ -83,6 +83,7 @@ class EvalRunner:
     runner: Any  # a dllmflow.diffusion.samplers Sampler
     settings: Any
     sampler: str
+    trained: Any = None  # the checkpoint's own training Settings (settings.json), what samplers match
 
     @property
     def eval_cfg(self) -> Any:
@@ -91,13 +92,19 @@ class EvalRunner:
     def with_overrides(self, overrides: dict[str, Any] | None) -> EvalRunner:
         """The same loaded model with the sampler rebuilt from its preset < settings.eval < `overrides`
         (a sweep point): the model loads once for every setting."""
-        return replace(
-            self, runner=build_runner(self.model, self.tokenizer, self.settings, self.sampler, overrides)
+        runner = build_runner(
+            self.model, self.tokenizer, self.settings, self.sampler, overrides, self.trained
         )
+        return replace(self, runner=runner)
 
 
 def build_runner(
-    model: Any, tokenizer: Any, settings: Any, sampler: str, overrides: dict[str, Any] | None
+    model: Any,
+    tokenizer: Any,
+    settings: Any,
+    sampler: str,
+    overrides: dict[str, Any] | None,
+    trained: Any = None,
 ) -> Any:
     """`sampler` on a loaded model, its config from preset < settings.eval < `overrides` (the caller's
     flags or a sweep point: parsed strictly and capped, `inference.generate.flag_config`)."""
@@ -106,21 +113,61 @@ def build_runner(
 
     defaults = eval_defaults(settings.eval if settings is not None else None, sampler)
     config = flag_config(sampler, overrides or {}, tokenizer, defaults=defaults)
-    return SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    return SAMPLERS[sampler](
+        model, tokenizer, config, mask_id=model.config.mask_token_id, training_settings=trained
+    )
+
+
+def default_eval_sampler(checkpoint: str | Path, settings: Any = None) -> str:
+    """What `evaluate` decodes with when no sampler is asked for: the first of the recipe's
+    `eval.samplers` that fits the checkpoint's mode (its recorded settings.json, else the recipe's),
+    else the checkpoint's own default (its export's, else its mode's first sampler). A recipe whose
+    `eval.samplers` has none that fits is refused, naming them and the samplers that fit."""
+    from dllmflow.diffusion.modes import MODES, SamplerMisfitError, check_sampler
+    from dllmflow.diffusion.samplers import SAMPLERS
+    from dllmflow.inference.generate import resolve_default_sampler
+    from dllmflow.runs import recorded_settings, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(checkpoint)
+    trained = recorded_settings(ckpt)
+    mode = (trained or settings).dllm.mode if (trained or settings) is not None else None
+    asked = [n for n in (getattr(getattr(settings, "eval", None), "samplers", None) or []) if n in SAMPLERS]
+    for name in asked:
+        try:
+            check_sampler(mode, name)
+            return name
+        except SamplerMisfitError:
+            continue
+    if asked:
+        fits = ", ".join(MODES[mode].samplers) if mode in MODES else "none"
+        raise UserError(
+            f"eval.samplers {asked}: none decodes {ckpt} (dllm.mode={mode}); samplers that fit: {fits}. "
+            "Pass --sampler or use the recipe the checkpoint was trained with"
+        )
+    if trained is None and mode in MODES and MODES[mode].default_sampler:  # the recipe's mode
+        return MODES[mode].default_sampler
+    return resolve_default_sampler(ckpt)
 
 
 def build_eval_runner(
     checkpoint: str | Path,
     settings: Any = None,
-    sampler: str = "llada",
+    sampler: str | None = None,
     overrides: dict[str, Any] | None = None,
     device: str | None = None,
 ) -> EvalRunner:
-    """Load `checkpoint` (on `device`, None = cuda if available) and build `sampler` from its preset <
-    settings.eval < `overrides` (one the sampler does not take is an error; `mask_id` picks the mask token)."""
-    from dllmflow.inference.generate import check_sampler_fits, load_for_generation, validate_sampler_request
+    """Load `checkpoint` (on `device`, None = cuda if available) and build `sampler` (None:
+    `default_eval_sampler`) from its preset < settings.eval < `overrides` (one the sampler does not take
+    is an error; `mask_id` picks the mask token). A sampler that does not decode the checkpoint's mode
+    is refused before the load, as the server and the pyfunc refuse it."""
+    from dllmflow.diffusion.modes import check_sampler
+    from dllmflow.inference.generate import load_for_generation, validate_sampler_request
+    from dllmflow.runs import recorded_settings, resolve_checkpoint
 
+    sampler = sampler or default_eval_sampler(checkpoint, settings)
     validate_sampler_request(sampler)
+    trained_first = recorded_settings(resolve_checkpoint(checkpoint))
+    check_sampler(getattr(getattr(trained_first or settings, "dllm", None), "mode", None), sampler)
     overrides = dict(overrides or {})
     if settings is not None:  # before the load: a cache no sampler of the mode can use is refused
         check_eval_settings(settings)
@@ -136,9 +183,8 @@ def build_eval_runner(
         trust_remote_code=trust,
     )
     settings = settings or trained
-    check_sampler_fits(sampler, trained or settings)
-    runner = build_runner(model, tokenizer, settings, sampler, overrides)
-    return EvalRunner(model, tokenizer, runner, settings, sampler)
+    runner = build_runner(model, tokenizer, settings, sampler, overrides, trained)
+    return EvalRunner(model, tokenizer, runner, settings, sampler, trained)
 
 
 def evaluated_samplers(settings: Any) -> list[str]:

@@ -191,7 +191,7 @@ class DllmEngine:
             ) from None
         served = self.served = dataclasses.replace(served, sampler_settings=recorded)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, self.tokenizer, _ = load_for_generation(
+        self.model, self.tokenizer, self.trained = load_for_generation(
             served.checkpoint, device=device, dtype=getattr(torch, dtype),
             trust_remote_code=served.trust_remote_code,
         )  # fmt: skip
@@ -282,8 +282,9 @@ class DllmEngine:
 
         first = reqs[0]
         runner = SAMPLERS[first.sampler](
-            self.model, self.tokenizer, first.config, mask_id=self.model.config.mask_token_id
-        )
+            self.model, self.tokenizer, first.config, mask_id=self.model.config.mask_token_id,
+            training_settings=self.trained,
+        )  # fmt: skip
         decode = DllmDecode(list(reqs), runner.stepper([r.prompt_ids for r in reqs]))
         return self.step(decode, 1)
 

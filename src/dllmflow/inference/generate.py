@@ -15,7 +15,7 @@ run dir (`checkpoints/LATEST/...`), a curriculum run (its last stage) or a recip
 sampler's preset is its config class (`LLaDAConfig` in `samplers/llada.py`, ...); flags override it,
 and a flag the sampler does not take is an error. In Python: `model, tok, settings =
 load_for_generation(path)` then `SAMPLERS[name](model, tok, build_sampler_config(name, overrides),
-mask_id=model.config.mask_token_id)`.
+mask_id=model.config.mask_token_id, training_settings=settings)`.
 
 A checkpoint never switches on its own code: `trust_remote_code` comes only from the caller
 (`--trust-remote-code`, or the settings a flow passes), never from the settings.json inside the
@@ -66,7 +66,6 @@ def load_for_generation(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dllmflow.data.tokenizer import check_tokenizer_files, check_tokenizer_fits, check_tokenizer_specials
-    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
     from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
     from dllmflow.models.limits import vocab_rows
 
@@ -105,8 +104,6 @@ def load_for_generation(
     check_tokenizer_fits(tokenizer, vocab_rows(model), ckpt)
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
     check_tokenizer_specials(tokenizer, ckpt, model.config.mask_token_id)
-    # Samplers read the training values they must match (scdd's schedule) from here.
-    setattr(model, TRAINING_SETTINGS_ATTR, settings)
     return model.to(device).eval(), tokenizer, settings
 
 
@@ -365,7 +362,9 @@ def cli_main(args: argparse.Namespace) -> int:
         trust_remote_code=getattr(args, "trust_remote_code", False),
     )
     check_sampler_fits(args.sampler, settings)
-    sampler = SAMPLERS[args.sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    sampler = SAMPLERS[args.sampler](
+        model, tokenizer, config, mask_id=model.config.mask_token_id, training_settings=settings
+    )
     ids = [encode_prompt(tokenizer, p, raw=args.raw, infill=args.infill) for p in args.prompt]
     from dllmflow.models.limits import check_generation_fits
 

@@ -132,9 +132,9 @@ def _how_to_generate(facts: ExportFacts) -> str:
         "from dllmflow.diffusion.samplers import SAMPLERS\n"
         "from dllmflow.diffusion.samplers.configs import build_sampler_config\n"
         "from dllmflow.inference.generate import decode_response, encode_prompt, load_for_generation\n\n"
-        'model, tok, _ = load_for_generation("PATH")\n'
+        'model, tok, trained = load_for_generation("PATH")\n'
         f'sampler = SAMPLERS["{sampler}"](model, tok, build_sampler_config("{sampler}"), '
-        "mask_id=model.config.mask_token_id)\n"
+        "mask_id=model.config.mask_token_id, training_settings=trained)\n"
         'result = sampler.generate([encode_prompt(tok, "What is 2 + 3?")])\n'
         "print(decode_response(tok, result.sequences[0]))\n```"
     )

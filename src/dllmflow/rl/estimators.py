@@ -16,6 +16,11 @@ reference are scored on the SAME noise (otherwise their ratio measures the noise
   coupled   DiffuCoder's coupled sampling: num_pairs pairs (mask M at level t, its complement at 1-t),
             weights 1/(2t) and 1/(2(1-t)): every completion token scored exactly once per pair, unbiased
             for the same ELBO with lower variance than mc_elbo at the same number of forwards.
+  ar_order  JustGRPO: the exact log-likelihood of the left-to-right policy (one copy per completion
+            position: the prefix clean, [MASK] from it to the end of the rollouts' canvas); needs
+            rollouts decoded by that policy (llada, block_size 1, steps = max_new_tokens), C forwards.
+
+    est = build_rl_estimator(settings)   # the recipe's, fitted to its rollout sampler (ar_order's canvas)
 
 Draws never touch the global RNG: only the `generator` given (the caller seeds it per step).
 """
@@ -23,7 +28,8 @@ Draws never touch the global RNG: only the `generator` given (the caller seeds i
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 import torch
@@ -36,28 +42,50 @@ from dllmflow.models.wrappers import unwrap
 
 @dataclass
 class Draws:
-    """The noise of one estimate: K noisy copies of each row and the weight of each scored token."""
+    """The noise of one estimate: K noisy copies of each row and the weight of each scored token, and
+    the policy scored: log softmax(logits / temperature) over the vocabulary but `excluded_id`."""
 
-    noisy_ids: Tensor  # [K, B, P+C] what the model reads (prompt ++ completion, [MASK] where noised)
-    attention_mask: Tensor  # [B, P+C] 1 = a real token (prompt_mask ++ completion_mask)
+    noisy_ids: Tensor  # [K, B, P+C+tail] what the model reads (prompt ++ completion, [MASK] where noised)
+    attention_mask: Tensor  # [B, P+C+tail] 1 = a token the model reads (prompt_mask ++ completion_mask)
     targets: Tensor  # [B, C] the clean completion ids
     weights: Tensor  # [K, B, C] float32: weight of log p(target) read from copy k (0 = not scored)
+    tail: int = 0  # [MASK] positions after the completion (ar_order's canvas), read, never scored
+    temperature: float = 1.0
+    excluded_id: int | None = None  # a token the policy never emits (the sampler's [MASK])
 
     @property
     def prompt_len(self) -> int:
-        return self.noisy_ids.shape[-1] - self.targets.shape[-1]
+        return self.noisy_ids.shape[-1] - self.targets.shape[-1] - self.tail
 
     def select(self, rows: Tensor | slice) -> Draws:
         """The draws of some rows (a micro-batch), unchanged: scoring them equals scoring all and slicing."""
         return Draws(
-            self.noisy_ids[:, rows], self.attention_mask[rows], self.targets[rows], self.weights[:, rows]
-        )
+            self.noisy_ids[:, rows], self.attention_mask[rows], self.targets[rows], self.weights[:, rows],
+            self.tail, self.temperature, self.excluded_id,
+        )  # fmt: skip
+
+    def to(self, device: torch.device | str) -> Draws:
+        """The same draws with their tensors on `device`."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, Tensor)})
+
+    def log_probs(self, logits: Tensor) -> Tensor:
+        """[..., V] logits -> the scored policy's log-probabilities, in fp32 whatever the model dtype."""
+        logits = logits.float()
+        if self.excluded_id is not None:
+            logits = logits.index_fill(-1, torch.tensor([self.excluded_id], device=logits.device), -math.inf)
+        return torch.log_softmax(logits / self.temperature, dim=-1)
 
 
 class Estimator(abc.ABC):
     """Base: `draw` makes the noise (model-free, deterministic given the generator), `token_logp` scores it."""
 
     name: ClassVar[str]
+
+    def fit_rollouts(self, sampler: str, config: Any) -> None:
+        """Adapt to (or refuse, a UserError naming the field) the rollouts' sampler and its config;
+        the noise estimators take any."""
+        return None
 
     def draw(
         self,
@@ -98,11 +126,10 @@ class Estimator(abc.ABC):
         The K copies run as one batch of K·B rows, bidirectionally, padding keys hidden and positions
         counted from each row's first real token (so a left-padded prompt reads as it would alone)."""
         K, B, T = draws.noisy_ids.shape
-        C = draws.targets.shape[-1]
+        C, P = draws.targets.shape[-1], draws.prompt_len
         ids = draws.noisy_ids.reshape(K * B, T)  # [K*B, T]
         valid = draws.attention_mask.repeat(K, 1)  # [K*B, T]
-        logits = _forward(model, ids, valid)[:, T - C :]  # [K*B, C, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 whatever the model dtype
+        logp = draws.log_probs(_forward(model, ids, valid)[:, P : P + C])  # [K*B, C, V]
         target = draws.targets.repeat(K, 1)  # [K*B, C]
         picked = logp.gather(-1, target[..., None]).squeeze(-1).view(K, B, C)  # [K, B, C]
         return (picked * draws.weights).sum(dim=0)  # [B, C]
@@ -190,7 +217,93 @@ class Coupled(Estimator):
         return prompt.expand(2 * N, *prompt.shape), noisy_comp, weights
 
 
-ESTIMATORS: dict[str, type[Estimator]] = {"one_step": OneStep, "mc_elbo": MCElbo, "coupled": Coupled}
+class AROrder(Estimator):
+    """JustGRPO's exact likelihood of the left-to-right policy (Ni et al., 2026, "The Flexibility Trap"):
+    log p(o) = Σ_i log p_θ(o_i | prompt, o_<i, [MASK] at every canvas position from i on), one copy per
+    completion position (K = C forwards), weight 1 on that position only. Exact, not an estimate, for
+    the policy that decodes one token per step left to right over a canvas of `canvas` positions,
+    sampling softmax(logits / temperature) without [MASK]: llada with block_size 1 and steps =
+    max_new_tokens, which `fit_rollouts` requires and reads `canvas` and `temperature` from. Pitfalls it
+    keeps: the masked tail runs to the canvas the rollouts were decoded on (masks only up to the row's
+    own end would tell the model the answer's length, a different, length-conditioned policy), the
+    sampler's temperature and its never-[MASK] rule are the policy's. `canvas` None: masks to each row's
+    own end (not a rollout policy; for checks)."""
+
+    name = "ar_order"
+
+    def __init__(self, canvas: int | None = None, temperature: float = 1.0):
+        if canvas is not None and canvas < 1:
+            raise UserError(f"rl.estimator.canvas must be >= 1, got {canvas}")
+        if not temperature > 0:
+            raise UserError(f"rl.estimator ar_order: temperature must be > 0, got {temperature}")
+        self.canvas, self.temperature = canvas, float(temperature)
+
+    def fit_rollouts(self, sampler: str, config: Any) -> None:
+        wrong = []
+        if sampler != "llada":
+            wrong.append(f"rl.sampler={sampler} (llada decodes left to right with block_size 1)")
+        else:
+            wanted = {"block_size": 1, "steps": config.max_new_tokens, "threshold": None, "cache": "none"}
+            wrong += [f"rl.sampler_overrides.{k}={getattr(config, k)!r} (needs {v!r})"
+                      for k, v in wanted.items() if getattr(config, k) != v]  # fmt: skip
+        if config.temperature == 0:
+            wrong.append("rl.temperature=0 (a greedy policy has no likelihood ratio)")
+        if wrong:
+            raise UserError(
+                "rl.estimator ar_order scores the left-to-right policy, so the rollouts must be decoded by it "
+                f"(one token per step, left to right): {'; '.join(wrong)}"
+            )
+        self.canvas, self.temperature = int(config.max_new_tokens), float(config.temperature)
+
+    def draw(
+        self, prompt_ids, completion_ids, completion_mask, mask_id, generator, prompt_mask=None
+    ) -> Draws:
+        (B, P), C = prompt_ids.shape, completion_ids.shape[-1]
+        width = C if self.canvas is None else self.canvas
+        if width < C:
+            raise UserError(f"rl.estimator ar_order: a completion of {C} tokens exceeds the canvas ({width})")
+        comp = completion_mask.to(torch.bool)  # [B, C]
+        pmask = torch.ones_like(prompt_ids, dtype=torch.bool) if prompt_mask is None else prompt_mask.bool()
+        pos = torch.arange(C, device=completion_ids.device)
+        clean = pos[None, :] < pos[:, None]  # [K=C, C]: copy k reads the completion before position k
+        body = torch.where(clean[:, None, :], completion_ids[None], mask_id)  # [C, B, C]
+        tail = torch.full(
+            (C, B, width - C), mask_id, dtype=completion_ids.dtype, device=completion_ids.device
+        )
+        # with a canvas every completion position is read (as [MASK] past the row's end), as the sampler did
+        canvas = torch.ones(B, width, dtype=torch.bool, device=comp.device) if self.canvas else comp
+        weights = (pos[:, None] == pos[None, :]).to(torch.float32)[:, None, :] * comp.to(
+            torch.float32
+        )  # [C, B, C]
+        return Draws(
+            noisy_ids=torch.cat([prompt_ids.expand(C, B, P), body, tail], dim=-1),  # [C, B, P+width]
+            attention_mask=torch.cat([pmask, canvas], dim=-1).long(),  # [B, P+width]
+            targets=completion_ids,
+            weights=weights,
+            tail=width - C,
+            temperature=self.temperature,
+            excluded_id=int(mask_id),
+        )
+
+    def _noise(self, prompt, completion, comp, pmask, mask_id, gen):  # draw is its own: no random noise
+        raise NotImplementedError
+
+
+ESTIMATORS: dict[str, type[Estimator]] = {
+    "one_step": OneStep,
+    "mc_elbo": MCElbo,
+    "coupled": Coupled,
+    "ar_order": AROrder,
+}
+
+
+def build_rl_estimator(settings: Any, tokenizer: Any = None) -> Estimator:
+    """The recipe's `rl.estimator`, fitted to its rollout sampler (`Estimator.fit_rollouts`)."""
+    from dllmflow.rl.rollout import rollout_sampler_config, sampler_name
+
+    est = build_estimator(settings.rl.estimator.name, **settings.rl.estimator.params)
+    est.fit_rollouts(sampler_name(settings), rollout_sampler_config(settings, tokenizer))
+    return est
 
 
 def build_estimator(name: str, **params: Any) -> Estimator:

@@ -108,7 +108,7 @@ class GRPOTrainer(Trainer):
 
     def build(self) -> None:
         from dllmflow.data.tokenizer import load_tokenizer
-        from dllmflow.rl.estimators import build_estimator
+        from dllmflow.rl.estimators import build_rl_estimator
         from dllmflow.rl.rewards import build_rewards
 
         s, rl = self.settings, self.settings.rl
@@ -119,7 +119,7 @@ class GRPOTrainer(Trainer):
         # The KL reference: with LoRA the policy itself with its adapters off (its base is frozen), so
         # no second model is held; a full fine-tune needs the starting weights kept apart.
         self.reference = None if has_lora(unwrap(self.model)) else self._build_reference()
-        self.estimator = build_estimator(rl.estimator.name, **rl.estimator.params)
+        self.estimator = build_rl_estimator(s, self.tokenizer)  # fitted to the rollout sampler
         self.rewards = build_rewards(self.reward_choice, rl.reward_weights, import_user=self.import_user)
         self.sampler = build_rollout_sampler(unwrap(self.model), self.tokenizer, s, self.mask_id)
         self.samples_per_step = rl.prompts_per_step
@@ -243,7 +243,7 @@ class GRPOTrainer(Trainer):
             gen = torch.Generator().manual_seed(draw_seed(s.train.seed, pos))
             prompt_ids = torch.tensor([pr.ids] * G, dtype=torch.long)  # [G, P]: one prompt, no padding
             draws = self.estimator.draw(prompt_ids, g.completion_ids, g.completion_mask, self.mask_id, gen)
-            draws = _to(draws, device)
+            draws = draws.to(device)
             with torch.no_grad(), self.autocast:
                 ref = self._reference_logp(draws)  # [G, C]
                 old = self.estimator.token_logp(unwrap(self.model), draws) if rl.num_iterations > 1 else None
@@ -316,12 +316,6 @@ class GRPOTrainer(Trainer):
             pred = gsm8k_extract_flexible(decode_response(self.tokenizer, seq))
             correct += float(pred is not None and pred == gold_answer(p.answer))
         return reduce_sums({"c": correct}, info)["c"] / len(self._heldout)
-
-
-def _to(draws: Any, device: torch.device) -> Any:
-    from dataclasses import fields, replace
-
-    return replace(draws, **{f.name: getattr(draws, f.name).to(device) for f in fields(draws)})
 
 
 def _first_failure(failures: list, info) -> Any:

@@ -125,7 +125,7 @@ def masked_entropy(model: nn.Module, draws: Any) -> tuple[float, float]:
     from dllmflow.models.wrappers import unwrap
 
     K, B, T = draws.noisy_ids.shape
-    C = draws.targets.shape[-1]
+    C, P = draws.targets.shape[-1], draws.prompt_len
     ids = draws.noisy_ids.reshape(K * B, T)  # [K*B, T]
     valid = draws.attention_mask.repeat(K, 1)  # [K*B, T]
     if getattr(getattr(unwrap(model), "config", None), "model_type", None) in NATIVELY_BIDIRECTIONAL:
@@ -136,7 +136,7 @@ def masked_entropy(model: nn.Module, draws: Any) -> tuple[float, float]:
         logits = model_logits(
             model, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
         )
-    logp = torch.log_softmax(logits[:, T - C :].float(), dim=-1)  # [K*B, C, V]
+    logp = draws.log_probs(logits[:, P : P + C])  # [K*B, C, V], the scored policy's
     entropy = -(logp.exp() * logp).sum(-1).view(K, B, C)  # [K, B, C]
     scored = draws.weights > 0  # [K, B, C]
     return float(entropy[scored].sum()), float(scored.sum())

@@ -165,6 +165,13 @@ class Settings(BaseSettings):
                 "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
             )
         self.dataset.check_packing(self.dllm)
+        if self.eval.ar_control is not None:
+            self.eval.ar_control.check(self.dllm, self.model)
+        if self.eval.ar_baseline and self.dllm.mode == "ar":
+            raise ValueError(
+                "eval.ar_baseline: dllm.mode=ar is the AR model itself, evaluated as `ar`; use "
+                "eval.untrained_baseline for its before"
+            )
         world = self.launch.nnodes * self.launch.nproc_per_node
         check_rl_mode(self.rl, self.dllm, world)
         check_lockstep_rollouts(self.rl, self.distributed.strategy, world)

@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Literal, get_args
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -15,12 +17,15 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    field_validator,
     model_validator,
 )
 
 from .sections import BatchRows, ResourcesConfig, SafeName, Section, Tokens
 
 __all__ = [
+    "AR_CONTROL",
+    "ARControlConfig",
     "CACHE_MODES",
     "CacheMode",
     "EvalConfig",
@@ -81,6 +86,80 @@ class SweepGrid(Section):
 
 
 AR_EVALUATION = "ar"  # the flow's evaluation of the AR base model (`eval.ar_baseline`), beside the samplers
+AR_CONTROL = (
+    "ar_control"  # the flow's evaluation of the AR control (`eval.ar_control`): the base fine-tuned AR
+)
+
+# Base models that are not causal LMs (the name of a hub id or a local config.json's model_type): an AR
+# control cannot fine-tune them next-token (a natively bidirectional LLaDA, DiffusionGemma's
+# encoder-decoder, a dLLM checkpoint such as Nemotron-Labs-Diffusion or Dream).
+NON_CAUSAL_BASES = ("llada", "diffusiongemma", "diffusion_gemma", "labs-diffusion", "dream")
+
+
+class ARControlConfig(Section):
+    """`eval.ar_control`: beside the dLLM run, the flow fine-tunes the base causal LM next-token (mode
+    `ar`) on the same prepared rows with the same optimizer settings and step budget, evaluates it on
+    the same prompts with the same answer parser, and reports both side by side (results table, card,
+    MLflow run and registered version: exact match, seconds per answer at batch 1, tokens/s at batch 16,
+    training tokens and seconds). The budget is optimizer steps; both arms' wall seconds and tokens are
+    recorded so a reader sees the compute each spent."""
+
+    enabled: bool = True
+    steps: int | None = Field(
+        None,
+        description="The control's optimizer steps; null = train.max_steps (the dLLM's budget). Set it for "
+        "equal compute when a dLLM step costs more than an AR step (I-DLM: about 2x).",
+    )
+    max_em_gap: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Gate: the dLLM's exact match must be >= the control's minus this (0.01 = 1 point) "
+        "for the version to become champion; null = reported, not gated.",
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _trains(cls, steps: int | None) -> int | None:
+        if steps is not None and steps < 1:
+            raise ValueError(
+                f"{steps} steps leave the AR control untrained; give at least 1, or null for train.max_steps"
+            )
+        return steps
+
+    def check(self, dllm: Any, model: Any) -> None:
+        """The mode and the base model can be fine-tuned causally (ValueError naming the field and why)."""
+        if not self.enabled:
+            return
+        refusal = getattr(dllm, "ar_control_refusal", None)
+        if refusal is not None:
+            raise ValueError(
+                f"eval.ar_control cannot run with dllm.mode={dllm.mode}: {refusal}; remove eval.ar_control"
+            )
+        base = non_causal_base(model)
+        if base is not None:
+            raise ValueError(
+                f"eval.ar_control: model.pretrained_model_name_or_path {model.pretrained_model_name_or_path!r} "
+                f"is {base}, not a causal LM the control can fine-tune next-token; remove eval.ar_control "
+                "(the control needs the AR model a dLLM was converted from)"
+            )
+
+
+def non_causal_base(model: Any) -> str | None:
+    """Why `model` (the `model:` section) is no causal LM, or None: a tiny model is a causal decoder; a
+    pretrained one is judged by its local config.json's model_type, else its hub id (`NON_CAUSAL_BASES`)."""
+    name = model.pretrained_model_name_or_path
+    if name is None:
+        return None
+    config = Path(name) / "config.json"
+    what = name.lower()
+    if config.is_file():
+        try:
+            what = str(json.loads(config.read_text()).get("model_type", what)).lower()
+        except (OSError, ValueError):
+            pass
+    hit = next((n for n in NON_CAUSAL_BASES if n in what), None)
+    return f"a non-causal {hit} model" if hit is not None else None
 
 
 class EvalConfig(Section):
@@ -110,6 +189,11 @@ class EvalConfig(Section):
         False,
         description="Also evaluate the AR base model (`model`, before conversion) decoding greedily on the "
         "same examples with the same answer parser: the flow's `ar` evaluation (evaluation/ar_baseline.py).",
+    )
+    ar_control: ARControlConfig | None = Field(
+        None,
+        description="Train and evaluate the AR control beside the dLLM (same rows, optimizer, step budget, "
+        "prompts, parser) and report both side by side; `{}` turns it on with the defaults.",
     )
     sweep: SweepGrid | None = Field(
         None,

@@ -49,7 +49,7 @@ __all__ = [
 
 # The names `dllmflow.rl.estimators.ESTIMATORS` and `dllmflow.rl.rewards.REWARDS` register (a unit test
 # keeps these equal to the registries, which live above settings and import torch).
-RL_ESTIMATORS: tuple[str, ...] = ("one_step", "mc_elbo", "coupled")
+RL_ESTIMATORS: tuple[str, ...] = ("one_step", "mc_elbo", "coupled", "ar_order")
 RL_REWARDS: tuple[str, ...] = ("exact_match", "exact_match_strict", "format")
 _USER_REWARD = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -157,6 +157,27 @@ class RLConfig(Section):
                 "train.seed; set rl.temperature"
             )
         return overrides
+
+    @model_validator(mode="after")
+    def _ar_order_rollouts(self) -> RLConfig:
+        """ar_order scores the left-to-right policy: the rollouts must be decoded by it (llada, one
+        position per block, sampled); steps = max_new_tokens is checked where the sampler is known."""
+        if self.estimator.name != "ar_order":
+            return self
+        wrong = []
+        if self.sampler != "llada":
+            wrong.append(f"rl.sampler={self.sampler}")
+        if self.sampler_overrides.get("block_size") != 1:
+            wrong.append(f"rl.sampler_overrides.block_size={self.sampler_overrides.get('block_size')}")
+        if self.temperature == 0:
+            wrong.append("rl.temperature=0")
+        if wrong:
+            raise ValueError(
+                f"rl.estimator.name=ar_order needs rollouts decoded left to right (rl.sampler: llada, "
+                f"rl.sampler_overrides.block_size: 1, steps = max_new_tokens, rl.temperature > 0); got "
+                f"{', '.join(wrong)}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _weights_per_reward(self) -> RLConfig:

@@ -11,7 +11,8 @@ recorded, the metric missing or NaN) the champion is evaluated again here under 
 protocol (its registered checkpoint downloaded, the candidate's prepared held-out rows), unless
 `registry.gate.remeasure_champion` is off or that cannot be done (the rows are not on this machine, a
 DFlash acceptance figure): then the figure is NaN and the note names the version and what differs,
-and the gate refuses to promote.
+and the gate refuses to promote. The re-measure loads the champion with the registering run's own
+settings (`model.trust_remote_code` included: the caller's recipe, never the champion's record).
 """
 
 from __future__ import annotations

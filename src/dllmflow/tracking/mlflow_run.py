@@ -169,6 +169,23 @@ def log_eval(settings: Settings, run_id: str, sampler: str, result: dict[str, An
         client.log_artifact(run_id, str(path), artifact_path="eval")
 
 
+def log_comparison(settings: Settings, run_id: str, side: dict[str, Any]) -> None:
+    """The dLLM vs AR-control side by side (`eval.ar_control`) into the run: `control/dllm/<figure>`,
+    `control/ar_control/<figure>` and `control/em_gap` metrics (step 0), `control.sampler` tag."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    connect(settings)
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"control/{arm}/{k}", float(v), now, 0) for arm in ("dllm", "ar_control")
+               for k, v in side[arm].items() if is_number(v)]  # fmt: skip
+    if is_number(side.get("em_gap")):
+        metrics.append(Metric("control/em_gap", float(side["em_gap"]), now, 0))
+    client = MlflowClient()
+    client.log_batch(run_id, metrics=metrics)
+    client.set_tag(run_id, "control.sampler", side["sampler"])
+
+
 def backfill_train_metrics(client: Any, run_id: str, run_dir: str | os.PathLike) -> int:
     """Log the steps of metrics.jsonl that the run does not hold yet (by `train/loss` history), in
     batches. Returns how many steps were backfilled."""

@@ -61,7 +61,7 @@ class DllmGenerator(PythonModel):
         else:
             from dllmflow.inference.generate import load_for_generation
 
-            self.model, self.tokenizer, _ = load_for_generation(
+            self.model, self.tokenizer, self.trained = load_for_generation(
                 context.artifacts["checkpoint"], trust_remote_code=trust
             )
 
@@ -98,6 +98,7 @@ class DllmGenerator(PythonModel):
             prompts,
             sampler=sampler,
             overrides=overrides,
+            trained=self.trained,
             **settings,
         )
 

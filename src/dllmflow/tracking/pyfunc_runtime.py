@@ -5,7 +5,7 @@ which registration logs.
 
     sampler, settings, overrides = split_params(generation, params)   # generation.json + predict params
     texts = generate_texts(model, tokenizer, prompts, sampler=sampler,      # prompts: pyfunc.prompts_of
-                           overrides=overrides, **settings)
+                           overrides=overrides, trained=trained, **settings)   # trained: load_for_generation's
 
 Whether the sampler may decode the registered mode is `diffusion.modes.check_sampler` (an error here:
 a served model must not answer with a sampler that decodes another mode's model).
@@ -25,6 +25,7 @@ def generate_texts(
     *,
     sampler: str = "llada",
     overrides: dict[str, Any] | None = None,
+    trained: Any = None,
     **settings: Any,
 ) -> list[str]:
     """Chat-templated prompts -> generated texts with `sampler`: its preset, then the recorded
@@ -38,16 +39,16 @@ def generate_texts(
     from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.diffusion.samplers.asked import build_asked_config
-    from dllmflow.diffusion.samplers.base import TRAINING_SETTINGS_ATTR
     from dllmflow.inference.generate import decode_response, encode_prompt, validate_sampler_request
     from dllmflow.models.limits import check_generation_fits
 
     validate_sampler_request(sampler)
-    trained = getattr(model, TRAINING_SETTINGS_ATTR, None)  # set by load_for_generation
     check_sampler(getattr(getattr(trained, "dllm", None), "mode", None), sampler)
     config = build_asked_config(sampler, overrides, tokenizer, defaults=settings)  # strict, then capped
     torch.manual_seed(config.seed)
-    runner = SAMPLERS[sampler](model, tokenizer, config, mask_id=model.config.mask_token_id)
+    runner = SAMPLERS[sampler](
+        model, tokenizer, config, mask_id=model.config.mask_token_id, training_settings=trained
+    )
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     check_generation_fits(model, max(map(len, ids), default=0), config.max_new_tokens, runner.mask_id)
     result = runner.generate(ids)

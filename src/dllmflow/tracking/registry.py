@@ -20,6 +20,7 @@ import json
 import math
 import os
 import tempfile
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -234,8 +235,29 @@ def gate_decision(
     )
 
 
+def control_decision(
+    promote: bool, reason: str, side: dict[str, Any] | None, max_gap: float | None
+) -> tuple[bool, str]:
+    """The AR-control rule after `gate_decision` (`eval.ar_control.max_em_gap`): a version the gate
+    would promote stays a candidate unless the dLLM's exact match is >= the AR control's minus
+    `max_gap`. `side`: `evaluation.control.compare_arms`; no rule without it or without `max_gap`."""
+    if side is None or max_gap is None or not promote:
+        return promote, reason
+    dllm, control = side["dllm"]["exact_match_flexible"], side["ar_control"]["exact_match_flexible"]
+    if dllm is None or control is None:
+        return False, "AR control exact match missing (eval.ar_control.max_em_gap is set)"
+    rule = f"dLLM EM {dllm:.4f} {{}} AR control EM {control:.4f} - {max_gap} (eval.ar_control.max_em_gap)"
+    if dllm >= control - max_gap:
+        return True, f"{reason}; {rule.format('>=')}"
+    return False, rule.format("<")
+
+
 def apply_gate(
-    settings: Settings, version: Any, evals: dict[str, dict[str, Any]], sampler: str
+    settings: Settings,
+    version: Any,
+    evals: dict[str, dict[str, Any]],
+    sampler: str,
+    control: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Move `champion` to `version` when `gate_decision` says so (its metric at or above the absolute
     floor, not below the current champion's minus `registry.gate.tolerance`, its speed at or above
@@ -243,7 +265,8 @@ def apply_gate(
     chosen `eval.sweep` point, tag `gate.setting`). The champion's figure is one measured under this
     version's protocol (`tracking.champion`: recorded, re-measured, or none and refused); the protocol
     is recorded as the version's `eval.protocol`. The decision and its reason are written as tags on
-    the model version and on its run."""
+    the model version and on its run. `control`: the dLLM vs AR-control side by side (`eval.ar_control`),
+    tagged on the version (`control.<arm>.<figure>`, `control.em_gap`) and gated by `control_decision`."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -262,20 +285,22 @@ def apply_gate(
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
         champion = None
-    figure = ChampionFigure(float("nan"), "")
-    if champion is not None and str(champion.version) != str(version.version):
-        figure = champion_figure(settings, champion, protocol, gate.metric)
-    promote, reason = gate_decision(
-        gate,
-        acc,
-        speed,
-        sampler=sampler,
-        version=version.version,
-        champion_version=champion.version if champion is not None else None,
-        champion_value=figure.value,
-        setting=setting_label(setting) if setting is not None else None,
-        champion_note=figure.note,
+    decide = partial(gate_decision, gate, acc, speed, sampler=sampler, version=version.version,
+                     setting=setting_label(setting) if setting is not None else None)  # fmt: skip
+    promote, reason = decide()  # its own floors first: a version below them needs no champion figure
+    if promote and champion is not None:
+        figure = ChampionFigure(float("nan"), "")
+        if str(champion.version) != str(version.version):
+            figure = champion_figure(settings, champion, protocol, gate.metric)
+        promote, reason = decide(
+            champion_version=champion.version, champion_value=figure.value, champion_note=figure.note
+        )
+    ar_control = settings.eval.ar_control
+    promote, reason = control_decision(
+        promote, reason, control, ar_control.max_em_gap if ar_control else None
     )
+    for key, value in control_tags(control).items():
+        client.set_model_version_tag(name, version.version, key, value)
 
     client.set_model_version_tag(name, version.version, PROTOCOL_TAG, recorded_protocol(protocol))
     client.set_model_version_tag(name, version.version, f"eval.{gate.metric}", f"{acc:.6f}")
@@ -302,3 +327,16 @@ def apply_gate(
         "tokens_per_s": speed,
         "setting": setting,
     }
+
+
+def control_tags(side: dict[str, Any] | None) -> dict[str, str]:
+    """The side by side as version tags: `control.dllm.<figure>`, `control.ar_control.<figure>`,
+    `control.em_gap` and `control.sampler` (none without a control)."""
+    if side is None:
+        return {}
+    tags = {f"control.{arm}.{k}": f"{v:.6g}" for arm in ("dllm", "ar_control") for k, v in side[arm].items()
+            if v is not None}  # fmt: skip
+    tags["control.sampler"] = side["sampler"]
+    if side["em_gap"] is not None:
+        tags["control.em_gap"] = f"{side['em_gap']:.6f}"
+    return tags

@@ -107,11 +107,13 @@ def build_app(
     overwrite: bool = False,
     mlflow_run_id: str | None = None,
     entry: str = "dllmflow.training.main",
+    tether_to: int | None = None,
 ):
     """The torchx AppDef that runs the trainer on `launch.nnodes` x `launch.nproc_per_node` processes.
     `endpoint` overrides the rendezvous endpoint `rdzv_endpoint(settings)` picks; with `mlflow_run_id`,
     rank 0 logs metrics live into that MLflow run (training/live.py). `entry`: the module torchrun runs
-    (dllmflow.rl for GRPO)."""
+    (dllmflow.rl for GRPO). `tether_to`: the pid of the process starting a local replica: torchrun then
+    gets SIGTERM when it dies (`training/tether.py`), so a killed `dllmflow train` takes its ranks along."""
     from torchx import specs
 
     lc = settings.launch
@@ -131,6 +133,8 @@ def build_app(
         cmd += ["--node_rank", specs.macros.replica_id]
     cmd += ["-m", entry, "--settings", str(settings_json)]
     cmd += ["--resume"] if resume else ["--overwrite"] if overwrite else []
+    if tether_to is not None:  # `exec`: the tether replaces bash, so its parent is the launcher itself
+        cmd = ["exec", sys.executable, "-m", "dllmflow.training.tether", str(tether_to), "--", *cmd]
     # shlex-quote everything but the endpoint, which may hold a ${RANK0_HOST} for bash to expand
     script = " ".join(arg if isinstance(arg, _Raw) else shlex.quote(arg) for arg in cmd)
     env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"), "PYTHONUNBUFFERED": "1", **lc.env}
@@ -202,27 +206,88 @@ def launch(
         bindir = os.path.dirname(sys.executable)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    app = build_app(settings, run_dir, resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id, entry=entry)
+    # a local replica is this process's child: tethered, it stops when this process is killed (kill -9)
+    tether = os.getpid() if local and wait else None
+    app = build_app(settings, run_dir, resume, overwrite=overwrite, mlflow_run_id=mlflow_run_id, entry=entry,
+                    tether_to=tether)  # fmt: skip
     runner = get_runner()
     try:
         handle = runner.run(app, scheduler=lc.scheduler, cfg=cfg)
     except (ValueError, KeyError) as e:
         raise UserError(f"launch.scheduler={lc.scheduler!r}: cannot submit ({e})") from e
+    # this attempt's logs only: earlier attempts of the run dir keep theirs beside them
+    app_logs = app_log_dir(log_dir, handle)
     if not wait:
-        return LaunchResult(handle, None, log_dir, run_dir)
-    status = wait_and_stream(runner, handle, log_dir if stream else None)
+        return LaunchResult(handle, None, app_logs, run_dir)
+    with stop_on_signals() as stopped:
+        try:
+            status = wait_and_stream(runner, handle, app_logs if stream else None)
+        except RunStopped:
+            runner.cancel(handle)  # SIGTERM to the replicas: torchrun stops the ranks
+            raise RunStopped(stopped.signum, f"{stopped.name}: the run was cancelled ({handle}); its last "
+                             f"complete checkpoint stays in {run_dir}: continue with --resume") from None  # fmt: skip
     state = status.state if status is not None else AppState.UNKNOWN
     if state != AppState.SUCCEEDED:
-        raise UserError(describe_failure(handle, AppState(state).name, log_dir, status))
-    return LaunchResult(handle, AppState(state).name, log_dir, run_dir)
+        raise UserError(describe_failure(handle, AppState(state).name, app_logs, status))
+    return LaunchResult(handle, AppState(state).name, app_logs, run_dir)
+
+
+def app_log_dir(log_dir: Path | None, handle: str) -> Path | None:
+    """Where a local scheduler writes THIS app's logs: <log_dir>/<session>/<app id>."""
+    from torchx.specs import parse_app_handle
+
+    if log_dir is None:
+        return None
+    parsed = parse_app_handle(handle)
+    return log_dir / parsed.session_name / parsed.app_id
+
+
+class RunStopped(KeyboardInterrupt):
+    """The launcher got SIGINT/SIGTERM while waiting: the app is cancelled; the CLI prints this one
+    line and exits 128 + the signal (no traceback)."""
+
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+@dataclass
+class _Stop:
+    signum: int = 0
+    name: str = ""
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[_Stop]:
+    """SIGINT and SIGTERM raise RunStopped inside the block (torchx's handlers raise an exception with a
+    traceback); the previous handlers come back after it."""
+    import signal
+    import threading
+
+    stopped = _Stop()
+
+    def stop(signum, frame):
+        stopped.signum, stopped.name = signum, signal.Signals(signum).name
+        raise RunStopped(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield stopped
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopped
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def wait_and_stream(runner, handle: str, log_dir: Path | None, poll_s: float = 1.0):
-    """Poll until the app is terminal, printing new lines of each replica's stdout log (local schedulers)."""
+    """Poll until the app is terminal, printing new lines of each replica's stdout log (local schedulers;
+    `log_dir`: the app's own, `app_log_dir`)."""
     offsets: dict[Path, int] = {}
 
     def echo() -> None:
-        for log in sorted(log_dir.glob(f"*/*/{ROLE}/*/stdout.log")) if log_dir else []:
+        for log in sorted(log_dir.glob(f"{ROLE}/*/stdout.log")) if log_dir else []:
             data = log.read_bytes()
             end = data.rfind(b"\n") + 1  # only complete lines
             if end > offsets.get(log, 0):

@@ -6,15 +6,19 @@ plain run artifacts, so it can be rendered for any run:
     from dllmflow.workflow.card import build_card_components
     for c in build_card_components(settings, run_dir, evals, data, training, registration):
         current.card["report"].append(c)
+
+`results_table(evals)` is the same evaluation as the plain text the flow prints last, and
+`comparison_table(side)` the dLLM beside its AR control (`eval.ar_control`).
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from dllmflow.runs import read_metrics
 from dllmflow.settings import Settings
-from dllmflow.settings.pipeline import AR_EVALUATION
+from dllmflow.settings.pipeline import AR_CONTROL, AR_EVALUATION
 
 EVAL_COLUMNS = ("exact_match_strict", "exact_match_flexible", "tokens_per_s", "nfe", "tokens_per_forward")
 
@@ -224,6 +228,14 @@ def build_card_components(
             Table(rows, headers=["sampler", "setting", "exact match", "tokens/s", "NFE", "Pareto", ""]),
         ]
     parts += before_after_parts(evals, Markdown, Table)
+    side = registration.get("ar_control")
+    if side:  # eval.ar_control: the dLLM vs the base fine-tuned AR on the same rows, steps and prompts
+        headers, rows = comparison_rows(side)
+        parts += [
+            Markdown("## dLLM vs AR control (same rows, same steps, same prompts and parser)"),
+            Table(rows, headers=headers),
+            Markdown(gap_line(side)),
+        ]
     samples = [
         sample_row(name, p) for name, result in evals.items() for p in result.get("predictions", [])[:3]
     ]
@@ -251,3 +263,100 @@ def build_card_components(
 def _clip(text: str, n: int = 160) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+# ---- the results table the flow prints ---------------------------------------------------------------
+
+# How the untrained AR base's row is named: the "before" of the AR control (`eval.ar_control`).
+AR_BASE_LABEL = f"{AR_EVALUATION} (untrained)"
+
+
+def results_table(evals: dict[str, dict[str, Any]]) -> str:
+    """Per sampler: exact match (flexible) of the model before training (same seed, same examples, when
+    measured: `eval.untrained_baseline`) and after, tokens/s, NFE per example; DFlash's acceptance shows
+    tau; with `eval.sweep`, the setting each sampler was chosen at. With `eval.ar_baseline`, an "EM AR"
+    column holds the AR base model's greedy exact match on every row, and its own row, `ar (untrained)`,
+    its speed. With `eval.ar_control`, the `ar_control` row is the base fine-tuned AR on the same rows:
+    its "EM before" is the untrained base's. Plain text (no colour codes), for a terminal and a CI log."""
+    from dllmflow.evaluation.sweep import chosen_setting, setting_label
+
+    swept = any(r.get("sweep") for r in evals.values())  # the setting column: the sweep's chosen point
+    ar = evals.get(AR_EVALUATION)  # the AR base model's row: its EM goes beside every sampler's
+    ar_em = ar.get("metrics", {}).get("exact_match_flexible") if ar is not None else None
+    headers = ["sampler", *(["setting"] if swept else []), "examples", *(["EM AR"] if ar else []),
+               "EM before", "EM after", "tok/s", "NFE", "tau"]  # fmt: skip
+    rows = []
+    for name, result in evals.items():
+        m = result.get("metrics", {})
+        before = result.get("baseline", {}).get("metrics", {}).get("exact_match_flexible")
+        before = ar_em if name == AR_CONTROL else before  # the control's before: the untrained base
+        setting = chosen_setting(result)
+        is_ar = name == AR_EVALUATION
+        rows.append([
+            AR_BASE_LABEL if is_ar else name,
+            *([setting_label(setting) if setting is not None else "-"] if swept else []),
+            _cell(m.get("num_examples")),
+            *([_cell(ar_em)] if ar else []),
+            _cell(before),
+            _cell(None if is_ar else m.get("exact_match_flexible")),
+            _cell(m.get("tokens_per_s"), "{:,.0f}"),
+            _cell(m.get("nfe"), "{:.1f}"),
+            _cell(m.get("tau"), "{:.2f}"),
+        ])  # fmt: skip
+    return plain_table("Evaluation (held-out examples)", headers, rows)
+
+
+def plain_table(title: str, headers: list[str], rows: list[list[str]], first_columns: int = 1) -> str:
+    """A rich table as plain text, 110 columns wide; the first `first_columns` left-aligned."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i < first_columns or header == "setting" else "right")
+    for row in rows:
+        table.add_row(*row)
+    console = Console(file=io.StringIO(), width=110, force_terminal=False, color_system=None)
+    console.print(table)
+    return console.file.getvalue().rstrip()
+
+
+def _cell(value: Any, fmt: str = "{:.3f}") -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value) if isinstance(value, float) else str(value)
+
+
+# ---- the dLLM vs AR control (`eval.ar_control`) ----------------------------------------------------
+
+
+def comparison_rows(side: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows) of the side by side: one row per arm."""
+    from dllmflow.evaluation.control import SIDE_BY_SIDE
+
+    headers = ["arm", *SIDE_BY_SIDE.values()]
+    arms = ((f"dLLM ({side['sampler']})", side["dllm"]), ("AR control (ar)", side["ar_control"]))
+    return headers, [[name, *(_figure(k, figures.get(k)) for k in SIDE_BY_SIDE)] for name, figures in arms]
+
+
+def comparison_table(side: dict[str, Any]) -> str:
+    """The side by side as plain text, with the exact-match gap under it."""
+    headers, rows = comparison_rows(side)
+    return (
+        plain_table("dLLM vs AR control (same rows, same steps, same prompts)", headers, rows)
+        + "\n"
+        + gap_line(side)
+    )
+
+
+def gap_line(side: dict[str, Any]) -> str:
+    gap = side.get("em_gap")
+    return f"EM gap (dLLM - AR control): {gap:+.3f}" if gap is not None else "EM gap (dLLM - AR control): -"
+
+
+_FORMATS = {"exact_match_flexible": "{:.3f}", "latency_s_b1": "{:.3f}", "tokens_per_s_b16": "{:,.0f}",
+            "train_steps": "{:,.0f}", "train_tokens": "{:,.0f}", "train_seconds": "{:,.1f}"}  # fmt: skip
+
+
+def _figure(key: str, value: Any) -> str:
+    return "-" if value is None else _FORMATS[key].format(value)

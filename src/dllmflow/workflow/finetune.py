@@ -14,7 +14,6 @@ a run come from `dllmflow.runs`.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -27,7 +26,9 @@ from dllmflow import runs
 from dllmflow.common.files import atomic_write_json
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings, load_settings_text
-from dllmflow.settings.pipeline import AR_EVALUATION
+from dllmflow.settings.pipeline import AR_CONTROL, AR_EVALUATION
+from dllmflow.workflow import ar_control
+from dllmflow.workflow.card import comparison_table, results_table
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,11 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
         handles.append(result.app_handle)
         resumed, log_dir = resumed or resume, result.log_dir
     final_dir = str(stages[-1].resolved_run_dir)
+    control = None
+    if ar_control.enabled(s):  # the AR arm after the dLLM: its run's rows, optimizer and steps, mode ar
+        control = train(ar_control.control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
     return {
+        "ar_control": control,
         "run_dir": final_dir,
         "stages": [str(st.resolved_run_dir) for st in stages],
         "app_handle": handles[-1] if handles else None,
@@ -216,6 +221,7 @@ def eval_samplers(settings: SettingsLike) -> list[str]:
     extra = list(spec.extra_evaluations)
     # eval.ar_baseline: the AR base model greedy, one more evaluation beside the samplers
     ar = [AR_EVALUATION] if s.eval.ar_baseline else []
+    ar += [AR_CONTROL] if ar_control.enabled(s) else []
     if s.eval.samplers:
         unknown = [n for n in s.eval.samplers if n not in SAMPLERS and n not in extra]
         if unknown:
@@ -260,6 +266,8 @@ def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict
         baseline = untrained_baseline(s, sampler, setting)
         if baseline is not None:
             result["baseline"] = baseline
+        if ar_control.enabled(s) and sampler == _gated_sampler(s, dict.fromkeys(eval_samplers(s))):
+            ar_control.add_dllm_figures(s, run_dir, sampler, result)  # its side of the comparison
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
     return result
 
@@ -279,7 +287,11 @@ def _evaluate_ar(s: Settings, run_dir: str) -> dict[str, Any]:
 
 
 # Evaluations that are not a sampler decoding the run's checkpoint: name -> (settings, run dir) -> result
-OTHER_EVALUATIONS = {"acceptance": _evaluate_acceptance, AR_EVALUATION: _evaluate_ar}
+OTHER_EVALUATIONS = {
+    "acceptance": _evaluate_acceptance,
+    AR_EVALUATION: _evaluate_ar,
+    AR_CONTROL: ar_control.evaluate_control,
+}
 
 
 def sweep_metric(settings: Settings) -> str:
@@ -357,8 +369,9 @@ def register(
         "torchx_app_handle": training.get("app_handle"),
         "git_sha": mlflow_run.git_sha(),
     }
-    run_id = mlflow_run.log_run(s, run_dir, evals=evals, lineage=lineage, run_id=mlflow_run_id)
     gated = _gated_sampler(s, evals)
+    side = ar_control.comparison(s, evals, gated)  # eval.ar_control; unlike protocols refused here
+    run_id = mlflow_run.log_run(s, run_dir, evals=evals, lineage=lineage, run_id=mlflow_run_id)
     protocol = evals.get(gated, {}).get("protocol", {})
     sampler_settings = protocol.get("sampler_settings") or {"max_new_tokens": protocol.get("max_new_tokens")}
     from dllmflow.models.model_card import update_model_card
@@ -368,7 +381,9 @@ def register(
         s, run_id, training["consolidated_dir"], sampler=gated, sampler_settings=sampler_settings,
         setting=chosen_setting(evals.get(gated, {})),
     )  # fmt: skip
-    decision = registry.apply_gate(s, version, evals, gated)
+    if side is not None:
+        mlflow_run.log_comparison(s, run_id, side)
+    decision = registry.apply_gate(s, version, evals, gated, control=side)
     return {
         "tracking_uri": mlflow_run.resolve_tracking_uri(s),
         "run_id": run_id,
@@ -378,6 +393,7 @@ def register(
         "setting": chosen_setting(evals.get(gated, {})),  # the sweep point it is registered at (or None)
         "lineage": lineage,
         **{f"gate_{k}": v for k, v in decision.items()},
+        "ar_control": side,
     }
 
 
@@ -402,54 +418,6 @@ def fill_card(card, settings, run_dir, evals, data, training, registration) -> N
         Settings.coerce(settings), run_dir, evals, data, training, registration
     ):
         card.append(component)
-
-
-RESULT_COLUMNS = (("EM", "exact_match_flexible"), ("tok/s", "tokens_per_s"), ("NFE", "nfe"))
-
-
-def results_table(evals: dict[str, dict[str, Any]]) -> str:
-    """Per sampler: exact match (flexible) of the model before training (same seed, same examples, when
-    measured: `eval.untrained_baseline`) and after, tokens/s, NFE per example; DFlash's acceptance shows
-    tau; with `eval.sweep`, the setting each sampler was chosen at. With `eval.ar_baseline`, an "EM AR"
-    column holds the AR base model's greedy exact match on every row, and its own `ar` row its speed.
-    Plain text (no colour codes), for a terminal and a CI log alike."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from dllmflow.evaluation.sweep import chosen_setting, setting_label
-
-    table = Table(title="Evaluation (held-out examples)", title_justify="left")
-    swept = any(r.get("sweep") for r in evals.values())  # the setting column: the sweep's chosen point
-    ar = evals.get(AR_EVALUATION)  # the AR base model's row: its EM goes beside every sampler's
-    ar_em = ar.get("metrics", {}).get("exact_match_flexible") if ar is not None else None
-    for header in ("sampler", *(("setting",) if swept else ()), "examples", *(("EM AR",) if ar else ()),
-                   "EM before", "EM after", "tok/s", "NFE", "tau"):  # fmt: skip
-        table.add_column(header, justify="left" if header in ("sampler", "setting") else "right")
-    for name, result in evals.items():
-        m = result.get("metrics", {})
-        base = result.get("baseline", {}).get("metrics", {})
-        setting = chosen_setting(result)
-        is_ar = name == AR_EVALUATION
-        table.add_row(
-            name,
-            *((setting_label(setting) if setting is not None else "-",) if swept else ()),
-            _cell(m.get("num_examples")),
-            *((_cell(ar_em),) if ar else ()),
-            _cell(base.get("exact_match_flexible")),
-            _cell(None if is_ar else m.get("exact_match_flexible")),
-            _cell(m.get("tokens_per_s"), "{:,.0f}"),
-            _cell(m.get("nfe"), "{:.1f}"),
-            _cell(m.get("tau"), "{:.2f}"),
-        )
-    console = Console(file=io.StringIO(), width=110, force_terminal=False, color_system=None)
-    console.print(table)
-    return console.file.getvalue().rstrip()
-
-
-def _cell(value: Any, fmt: str = "{:.3f}") -> str:
-    if value is None:
-        return "-"
-    return fmt.format(value) if isinstance(value, float) else str(value)
 
 
 def _pastable(text: str | None) -> bool:
@@ -478,6 +446,8 @@ def next_steps_message(
         (p["prompt"] for p in gated.get("predictions", []) if _pastable(p.get("prompt"))), "What is 2 + 3?"
     )
     lines = ["", results_table(evals), ""] if evals else [""]
+    if registration.get("ar_control"):
+        lines += [comparison_table(registration["ar_control"]), ""]
     lines += [
         f"Model {registration['model_name']} v{registration['version']} {status}",
         f"  gate ({registration.get('sampler')}): {registration.get('gate_reason')}",

@@ -103,7 +103,7 @@ def starting_settings(
 def check_rl_settings(settings: Settings, *, import_user: bool = True) -> None:
     """What the settings cannot check without the torch side: the rollout sampler (its options, its
     fit to the mode) and the estimator's and rewards' construction."""
-    from dllmflow.rl.estimators import build_estimator
+    from dllmflow.rl.estimators import build_rl_estimator
     from dllmflow.rl.rewards import build_rewards
     from dllmflow.rl.rollout import rollout_sampler_config
 
@@ -112,7 +112,7 @@ def check_rl_settings(settings: Settings, *, import_user: bool = True) -> None:
         rollout_sampler_config(settings)
     except UserError as e:
         raise UserError(f"rl.sampler / rl.sampler_overrides: {e}") from None
-    build_estimator(rl.estimator.name, **rl.estimator.params)
+    build_rl_estimator(settings)  # and its fit to the rollouts (ar_order: left-to-right decoding)
     build_rewards(rl.rewards, rl.reward_weights, import_user=import_user)
 
 

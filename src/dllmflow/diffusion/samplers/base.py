@@ -30,9 +30,6 @@ from dllmflow.models.mask_id import resolve_mask_id
 from .configs import SamplerConfig, SamplerSettingError, build_sampler_config  # noqa: F401  (their home)
 from .loop import SETTLED_LISTENER, SettledListener
 
-# Attribute `load_for_generation` sets on a loaded model: the training Settings of its checkpoint.
-TRAINING_SETTINGS_ATTR = "dllmflow_training_settings"
-
 
 def sampler_supports(name: str, feature: Literal["infill", "kv_cache", "batching"]) -> bool:
     """The sampler class's `supports_<feature>` flag (the sampler modules import only torch)."""
@@ -144,10 +141,8 @@ class Sampler(ABC):
         if getattr(config, "eos_token_id", None) == "tokenizer":  # the preset's "use the tokenizer's EOS"
             config = config.model_copy(update={"eos_token_id": getattr(tokenizer, "eos_token_id", None)})
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        # The checkpoint's training Settings (settings.json), or None: given, or left on the model by
-        # `dllmflow.inference.generate.load_for_generation`.
-        if training_settings is None:
-            training_settings = getattr(model, TRAINING_SETTINGS_ATTR, None)
+        # The checkpoint's training Settings (its settings.json, what `load_for_generation` returns) or
+        # None: the values a sampler must match (scdd's schedule) are read from them.
         self.training_settings = training_settings
         self.mask_id = resolve_mask_id(mask_id, tokenizer, model) if self.uses_mask else None
         fill = getattr(tokenizer, "eos_token_id", None)

@@ -96,4 +96,6 @@ class LLaDASampler(Sampler):
             )
         out = [x[b, : int(n)].tolist() for b, n in enumerate(lengths)]
         filled = sum(s.count(self.mask_id) for s in seqs)
-        return GenerationResult(out, nfe, filled, time.perf_counter() - t0, [nfe] * len(seqs))
+        # every forward runs over each whole sequence (the masks may sit anywhere: no EOS stop applies)
+        positions = [nfe * len(q) for q in seqs]
+        return GenerationResult(out, nfe, filled, time.perf_counter() - t0, [nfe] * len(seqs), positions)

@@ -1,0 +1,105 @@
+"""The AR control arm of the finetune flow (`eval.ar_control`): the base causal LM fine-tuned next-token
+(mode `ar`) on the run's own prepared rows, beside the dLLM, and the side by side of the two.
+
+    control = train(ar_control.control_settings(settings, run_dir), ar_control.control_dir(run_dir))
+    result = ar_control.evaluate_control(settings, run_dir)    # the `ar_control` evaluation branch
+    side = ar_control.comparison(settings, evals, "llada")    # register: dLLM vs control, or None
+    print(card.comparison_table(side))                       # (workflow/card.py: its tables)
+
+The control's settings are the run's with `dllm: {mode: ar}` (the mask id kept: the same tokenizer and
+embedding rows), its own run dir `<flow run>/ar_control`, the step budget of `eval.ar_control.steps`
+(default `train.max_steps`) and nothing of the dLLM's evaluation knobs; the model, LoRA, optimizer,
+schedule, batch sizes, seed, data and launch are the run's. It is evaluated with the run's own eval
+section (same prompts, limit, generation length, batch size, answer parser: `evaluation/control.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dllmflow import runs
+from dllmflow.settings import Settings, deep_merge
+from dllmflow.settings.pipeline import AR_CONTROL
+
+CONTROL_DIR = AR_CONTROL  # <flow run dir>/ar_control
+
+
+def enabled(settings: Settings) -> bool:
+    """`eval.ar_control` is on and this is a fine-tune (a GRPO run, `rl:`, has no control arm: its
+    recipe may share the eval section of the fine-tune it starts from)."""
+    control = settings.eval.ar_control
+    return control is not None and control.enabled and settings.rl is None
+
+
+def flow_dir(run_dir: str | Path) -> Path:
+    """The flow run's dir from a training run dir (a curriculum's last stage dir is below it)."""
+    path = Path(run_dir)
+    return path.parent if path.name.startswith(runs.STAGE_PREFIX) else path
+
+
+def control_dir(run_dir: str | Path) -> Path:
+    return flow_dir(run_dir) / CONTROL_DIR
+
+
+def control_settings(settings: Settings, run_dir: str | Path) -> Settings:
+    """The AR control's settings: the run's, trained causally into `control_dir(run_dir)`."""
+    s = settings
+    update = {
+        "dllm": {"mode": "ar", "mask_token_id": s.dllm.mask_token_id},
+        "train": {"max_steps": s.eval.ar_control.steps or s.train.max_steps},
+        "run_dir": str(control_dir(run_dir)),
+        "dataset": {"packing": False},  # a causal read of a packed row would cross documents
+        "dflash": None,
+        # nothing of the dLLM samplers' knobs; what is asked and how it is scored stays the run's
+        "eval": {"samplers": None, "cache": None, "sweep": None, "ar_baseline": False,
+                 "untrained_baseline": False, "ar_control": None},
+    }  # fmt: skip
+    data = s.to_dict()
+    data["dllm"] = {}  # the dLLM mode's own fields do not carry over
+    return Settings.model_validate(deep_merge(data, update))
+
+
+def training_of(run_dir: str | Path) -> dict[str, float]:
+    """Steps, tokens and seconds of a run, summed over its curriculum stages when it has some."""
+    from dllmflow.evaluation.control import training_summary
+
+    stages = runs.RunLayout(flow_dir(run_dir)).stages()
+    parts = [training_summary(st.root) for st in stages] or [training_summary(run_dir)]
+    return {k: sum(p[k] for p in parts) for k in parts[0]}
+
+
+def evaluate_control(settings: Settings, run_dir: str) -> dict[str, Any]:
+    """The `ar_control` evaluation: the control's export decoded by the `ar` sampler, asked and scored
+    with the run's own eval section (so as the dLLM is), its speed and its training beside."""
+    from dllmflow.evaluation.accuracy import evaluate
+    from dllmflow.evaluation.control import speed_of
+
+    checkpoint = runs.find_consolidated(control_dir(run_dir))
+    result = evaluate(checkpoint, settings=settings, sampler="ar", limit=settings.eval.limit)
+    result["metrics"].update(speed_of(checkpoint, settings, "ar"))
+    result["training"] = training_of(control_dir(run_dir))
+    result["model"] = (
+        f"AR control: {settings.model.pretrained_model_name_or_path or 'the tiny base'} fine-tuned next-token"
+    )
+    return result
+
+
+def add_dllm_figures(settings: Settings, run_dir: str, sampler: str, result: dict[str, Any]) -> None:
+    """The gated dLLM sampler's side of the comparison, in its result: speed at the setting it is
+    registered at, and its training's steps, tokens and seconds."""
+    from dllmflow.evaluation.control import speed_of
+    from dllmflow.evaluation.sweep import chosen_setting
+
+    checkpoint = runs.find_consolidated(run_dir)
+    result["metrics"].update(speed_of(checkpoint, settings, sampler, chosen_setting(result)))
+    result["training"] = training_of(run_dir)
+
+
+def comparison(settings: Settings, evals: dict[str, dict[str, Any]], gated: str) -> dict[str, Any] | None:
+    """The dLLM (`gated`) vs the AR control, or None without the control (evaluation/control.py)."""
+    from dllmflow.evaluation.control import compare_arms
+
+    if not enabled(settings) or AR_CONTROL not in evals or gated not in evals:
+        return None
+    return compare_arms(gated, evals[gated], evals[AR_CONTROL])
