@@ -1,4 +1,5 @@
-"""FinetuneFlow: prepare -> train (torchx/torchrun) -> evaluate (one branch per sampler) -> register.
+"""FinetuneFlow: prepare (planned, one task per data unit, joined) -> train (torchx/torchrun) -> evaluate
+(one branch per sampler) -> register.
 
     python flows/finetune.py run                         # the demo recipe: params/tiny_addition.yaml
     python flows/finetune.py --config recipe params/tiny_mdlm.yaml run --max-steps 20 --eval-limit 8
@@ -49,13 +50,33 @@ class FinetuneFlow(FlowSpec):
             settings, pathspec=f"{current.flow_name}/{current.run_id}"
         )
         current.run.add_tags(run_tags(self.settings))
+        self.next(self.prepare_plan)
+
+    # Data prep fans out: the plan (DVC repro or reuse, the source cut into units, the tokenizer fitted
+    # once), one task per unit (run in parallel; --max-workers locally), and the join `prepare`, which
+    # checks every unit's shards against their checksums and swaps the data into place.
+    @step
+    def prepare_plan(self):
+        from dllmflow.workflow import finetune as workflow
+
+        self.data_plan = workflow.plan_data(self.settings, force=self.force_prepare)
+        self.data_units = workflow.data_units(self.data_plan)
+        self.next(self.prepare_unit, foreach="data_units")
+
+    @retry(times=2)  # a unit killed mid-shard reruns; it rewrites only its own shards
+    @step
+    def prepare_unit(self):
+        from dllmflow.workflow import finetune as workflow
+
+        workflow.prepare_unit(self.settings, self.data_plan, self.input)
         self.next(self.prepare)
 
     @step
-    def prepare(self):
+    def prepare(self, inputs):
         from dllmflow.workflow import finetune as workflow
 
-        self.data = workflow.prepare_data(self.settings, force=self.force_prepare)
+        self.merge_artifacts(inputs, include=["settings", "run_dir", "mlflow_run_id", "data_plan"])
+        self.data = workflow.join_data(self.settings, self.data_plan)
         current.run.add_tags(run_tags(self.settings, self.data))
         self.next(self.train)
 

@@ -113,12 +113,20 @@ def test_finetune_local_scheduler_without_cron(s3_env, tmp_path):
 
     tasks = dag_tasks(wf, "FinetuneFlow")
     assert list(tasks) == [
-        "start", "prepare", "train", "train-foreach-samplers", "register", "end",
+        "start", "prepare-plan", "prepare-plan-foreach-data-units", "prepare", "train",
+        "train-foreach-samplers", "register", "end",
     ]  # fmt: skip
+    # foreach over the data units: one prepare_unit task per unit the plan lists, joined by prepare
+    assert (
+        "prepare-plan.outputs.parameters.num-splits" in tasks["prepare-plan-foreach-data-units"]["withParam"]
+    )
+    assert [t["template"] for t in templates(wf)["prepare-plan-foreach-data-units"]["dag"]["tasks"]] == [
+        "prepare-unit"
+    ]
     # foreach over the samplers: one evaluate task per sampler the train step lists
     assert "train.outputs.parameters.num-splits" in tasks["train-foreach-samplers"]["withParam"]
     assert [t["template"] for t in templates(wf)["train-foreach-samplers"]["dag"]["tasks"]] == ["evaluate"]
-    steps = {"start", "prepare", "train", "evaluate", "register", "end"}
+    steps = {"start", "prepare-plan", "prepare-unit", "prepare", "train", "evaluate", "register", "end"}
     assert all(templates(wf)[s]["container"]["image"] == IMAGE for s in steps)
 
     train = templates(wf)["train"]

@@ -63,3 +63,23 @@ def test_bad_batch_sizes_and_empty_data_are_user_errors():
         GlobalBatches([{"id": 0}], list, 6, 4, 0, 1, seed=0)
     with pytest.raises(UserError, match="empty"):
         GlobalBatches([], list, 4, 4, 0, 1, seed=0)
+
+
+def test_data_position_resumes_exactly_across_world_sizes_and_refuses_other_data():
+    rows = [{"id": i} for i in range(13)]
+    saved = GlobalBatches(rows, list, 8, 2, 0, 2, seed=7).state(5)
+    assert saved["consumed_samples"] == 40 and saved["world_size"] == 2
+    # another world size: the same positions at the same step, so it resumes on the next sample
+    for world in (1, 4):
+        gb = GlobalBatches(rows, list, 8, 2, 0, world, seed=7)
+        gb.check_resume(saved, 5)
+        firsts = sorted(p for r in range(world) for j in range(gb.grad_accum_steps)
+                        for p in GlobalBatches(rows, list, 8, 2, r, world, seed=7).positions(5, j))  # fmt: skip
+        assert firsts == list(range(40, 48))
+    with pytest.raises(UserError, match=r"num_rows 13 -> 14"):
+        GlobalBatches(rows + [{"id": 13}], list, 8, 2, 0, 2, seed=7).check_resume(saved, 5)
+    with pytest.raises(UserError, match=r"global_batch_size 8 -> 4.*seed 7 -> 8"):
+        GlobalBatches(rows, list, 4, 2, 0, 2, seed=8).check_resume(saved, 10)
+    with pytest.raises(UserError, match=r"consumed_samples 40 != step 4 x 8"):
+        GlobalBatches(rows, list, 8, 2, 0, 2, seed=7).check_resume(saved, 4)
+    GlobalBatches(rows, list, 8, 2, 0, 2, seed=7).check_resume(None, 4)  # an older checkpoint: resume = step

@@ -45,6 +45,7 @@ class ChatSource:
     sha256: str = ""  # fingerprint of the input data (file bytes, embedded hash, or datasets fingerprint)
     files: list[str] = field(default_factory=list)
     num_read: int = 0
+    columns: dict[str, set] = field(default_factory=dict)  # JSONL file -> the columns its records had
 
 
 def load_chat_rows(
@@ -118,11 +119,12 @@ def _read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES):
     yield from ((f"line {n}", rec) for n, rec in _jsonl_records(path, max_row_bytes))
 
 
-def _bounded_lines(f, max_row_bytes: int):
-    """(line number, bytes or None) per line of the binary file `f`; None for a line (newline
-    included) longer than `max_row_bytes`, whose rest is skipped in chunks, never held whole."""
-    n = 0
-    while line := f.readline(max_row_bytes + 1):
+def _bounded_lines(f, max_row_bytes: int, line: int = 0, stop: int | None = None):
+    """(line number, bytes or None) per line of the binary file `f` (numbered after `line`, up to byte
+    offset `stop`); None for a line (newline included) longer than `max_row_bytes`, whose rest is
+    skipped in chunks, never held whole."""
+    n = line
+    while (stop is None or f.tell() < stop) and (line := f.readline(max_row_bytes + 1)):
         n += 1
         if len(line) <= max_row_bytes:
             yield n, line
@@ -132,9 +134,26 @@ def _bounded_lines(f, max_row_bytes: int):
         yield n, None
 
 
-def _jsonl_records(path: Path, max_row_bytes: int = MAX_ROW_BYTES):
-    with open(path, "rb") as f:
-        for n, raw in _bounded_lines(f, max_row_bytes):
+def open_binary(path: str | Path):
+    """A local file with open(); a URL (s3://, gs://, any fsspec protocol) through fsspec, buffered so
+    lines read as from a local file."""
+    if "://" not in str(path):
+        return open(path, "rb")
+    import io
+
+    import fsspec
+
+    return io.BufferedReader(fsspec.open(str(path), "rb").open(), 1 << 20)
+
+
+def _jsonl_records(
+    path: Path, max_row_bytes: int = MAX_ROW_BYTES, start: int = 0, stop: int | None = None, line: int = 0
+):
+    """(line number, record or drop reason) per non-blank line of bytes [start, stop) of `path`
+    (`line` = the number of lines before `start`)."""
+    with open_binary(path) as f:
+        f.seek(start)
+        for n, raw in _bounded_lines(f, max_row_bytes, line, stop):
             if raw is None:
                 yield n, f"malformed: line longer than dataset.max_row_bytes={max_row_bytes}"
                 continue
@@ -167,6 +186,16 @@ def _load_hf(
     messages_column: str = "messages",
     spec: RowSpec | None = None,
 ) -> ChatSource:
+    spec = spec or RowSpec.build(messages_column=messages_column)
+    ds = load_hf_dataset(source, split, dataset_name, spec)
+    out = ChatSource(rows=[], sha256=f"datasets:{ds._fingerprint}", files=[f"{source}:{split}"])
+    for i, rec in enumerate(ds):
+        _add(out, rec, f"{source.replace('/', '_')}-{i:06d}", spec, f"{source}:{split}: row {i}")
+    return out
+
+
+def load_hf_dataset(source: str, split: str, dataset_name: str | None, spec: RowSpec):
+    """The `datasets` split (memory-mapped Arrow), its columns checked against `spec`."""
     import datasets
 
     try:
@@ -175,20 +204,26 @@ def _load_hf(
         raise UserError(
             f"dataset.path_or_dataset_id={source!r} (split {split!r}): cannot load with datasets ({e})"
         ) from None
-    spec = spec or RowSpec.build(messages_column=messages_column)
     if spec.format == "auto" and spec.detect(dict.fromkeys(ds.column_names)) is None:
         raise UserError(
             f"dataset.messages_column={spec.column('messages')!r} is not a column of {source} and no other format fits; "
             f"columns: {ds.column_names} (set dataset.format / dataset.fields, docs/data_formats.md)"
         )
     spec.check_columns(ds.column_names, f"{source}:{split}")
-    out = ChatSource(rows=[], sha256=f"datasets:{ds._fingerprint}", files=[f"{source}:{split}"])
-    for i, rec in enumerate(ds):
-        _add(out, rec, f"{source.replace('/', '_')}-{i:06d}", spec, f"{source}:{split}: row {i}")
-    return out
+    return ds
 
 
 def _add(out: ChatSource, rec: dict | str | None, default_id: str, spec: RowSpec, where: str) -> None:
+    row = convert_record(out, rec, default_id, spec, where)
+    if row is not None:
+        out.rows.append(row)
+
+
+def convert_record(
+    out: ChatSource, rec: dict | str | None, default_id: str, spec: RowSpec, where: str
+) -> dict | None:
+    """The internal row of one source record, or None after counting why it was dropped in `out`
+    (a str record is the reader's drop reason, None a line that is not a JSON object)."""
     out.num_read += 1
     if rec is None or isinstance(rec, str):
         reason = rec or "malformed: line is not a JSON object"
@@ -198,6 +233,6 @@ def _add(out: ChatSource, rec: dict | str | None, default_id: str, spec: RowSpec
         out.dropped[reason] += 1
         if len(out.examples) < MAX_EXAMPLES:
             out.examples.append(f"{where}: {reason}")
-        return
+        return None
     row_id = rec.get("id")
-    out.rows.append({"id": str(row_id) if row_id is not None else default_id, **row})
+    return {"id": str(row_id) if row_id is not None else default_id, **row}

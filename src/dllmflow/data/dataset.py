@@ -16,13 +16,16 @@ from pathlib import Path
 from dllmflow.errors import UserError
 
 from .prepare import MANIFEST, read_manifest
+from .shards import TokenStore
+
+ROW_COLUMNS = ("id", "messages", "answer", "prompt_length")
 
 
 class PreparedDataset:
-    def __init__(self, prepared_dir: str | os.PathLike, split: str = "train"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    """One split, its tokens memory-mapped (data/shards.py): opening reads the manifest only, a row
+    costs the pages of its own tokens, so each rank touches only the rows its sampler gives it."""
 
+    def __init__(self, prepared_dir: str | os.PathLike, split: str = "train"):
         self.prepared_dir = Path(prepared_dir)
         manifest = read_manifest(self.prepared_dir)
         if manifest is None:
@@ -33,34 +36,41 @@ class PreparedDataset:
             raise UserError(
                 f"split {split!r} not in {self.prepared_dir}; choose one of {sorted(manifest['splits'])}"
             )
+        if "files" not in manifest:
+            raise UserError(
+                f"{self.prepared_dir}: prepared before token files (its manifest lists no `files`); run "
+                "`dllmflow prepare --params <recipe.yaml>` again (it rebuilds the dir)"
+            )
         self.manifest, self.split = manifest, split
-        tables = [pq.read_table(self.prepared_dir / f) for f in manifest["splits"][split]["shards"]]
-        self._table = pa.concat_tables(tables).combine_chunks()
-        self._ids = self._table.column("input_ids")
-        self._mask = self._table.column("loss_mask")
+        self.shards = manifest["splits"][split]["shards"]
+        self._store = TokenStore(
+            self.prepared_dir, self.shards, [manifest["files"][f]["rows"] for f in self.shards]
+        )
 
     @property
     def tokenizer_dir(self) -> Path:
         return self.prepared_dir / "tokenizer"
 
     def __len__(self) -> int:
-        return self._table.num_rows
+        return len(self._store)
 
     def __getitem__(self, i: int) -> dict:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
-        i %= len(self)
-        return {
-            "id": self._table.column("id")[i].as_py(),
-            "input_ids": self._ids[i].as_py(),
-            "loss_mask": self._mask[i].as_py(),
-            "prompt_length": self._table.column("prompt_length")[i].as_py(),
-        }
+        return self._store[i % len(self)]
 
     def rows(self, limit: int | None = None) -> list[dict]:
-        """The chats behind the rows: `messages` (decoded list), `answer` (reference text), `id`."""
+        """The chats behind the first `limit` rows (all by default): `messages` (decoded list), `answer`
+        (reference text), `id`, `prompt_length`; read from the parquet shards, only as many as needed."""
+        import pyarrow.parquet as pq
+
         n = len(self) if limit is None else min(limit, len(self))
-        sub = self._table.slice(0, n).select(["id", "messages", "answer", "prompt_length"]).to_pylist()
-        for r in sub:
+        out: list[dict] = []
+        for shard in self.shards:
+            if len(out) >= n:
+                break
+            table = pq.read_table(self.prepared_dir / shard, columns=list(ROW_COLUMNS))
+            out += table.select(list(ROW_COLUMNS)).slice(0, n - len(out)).to_pylist()
+        for r in out:
             r["messages"] = json.loads(r["messages"])
-        return sub
+        return out

@@ -1,6 +1,6 @@
 """`dllmflow prepare`: chat rows in, tokenised parquet shards + tokenizer + manifest out (the DVC stage).
 
-    dllmflow prepare --params params/tiny_mdlm.yaml [more.yaml ...] [--force]
+    dllmflow prepare --params params/tiny_mdlm.yaml [more.yaml ...] [--force] [--workers N]
     manifest = prepare(load_settings("params/tiny_mdlm.yaml"))
 
 Layout of `dataset.prepared_dir` (docs/contracts.md): manifest.json, tokenizer/, train/shard-*.parquet,
@@ -25,14 +25,14 @@ from collections import Counter
 from pathlib import Path
 
 from dllmflow.common.outputs import LOCK_FILE, OutputPathError, check_output_dir, hold_dir_lock
-from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 
 from .chat import ChatSource, load_chat_rows
-from .formats import RowSpec, row_texts, split_key
+from .formats import RowSpec, split_key
 from .gsm8k import split_of
 from .mixture import mix_rows
-from .tokenizer import build_tokenizer, encode_chat
+from .shards import TOKENS_SUFFIX
+from .tokenizer import encode_chat
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
@@ -45,7 +45,7 @@ _PREPARED_KEYS = frozenset({"format", "fingerprint", "splits", "content_hash"}) 
 
 
 # Added after format 1 shipped: left out of the fingerprint while unset, so existing prepared data is reused.
-_NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed", "max_row_bytes")
+_NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed", "max_row_bytes", "task_rows")
 # Read at batch time (dllmflow.data.pack), not by prepare: never part of the fingerprint.
 _BATCH_TIME_KEYS = ("packing", "packing_overflow")
 
@@ -86,8 +86,9 @@ def read_manifest(prepared_dir: str | os.PathLike) -> dict | None:
 def _reusable(manifest: dict | None, fingerprint: str, out_dir: Path) -> bool:
     if not manifest or manifest.get("fingerprint") != fingerprint:
         return False
-    files = [f for s in manifest["splits"].values() for f in s["shards"]]
-    return all((out_dir / f).is_file() for f in files) and (out_dir / "tokenizer").is_dir()
+    # a dir prepared before token files (no `files` checksums) is rebuilt once
+    files = manifest.get("files")
+    return bool(files) and all((out_dir / f).is_file() for f in files) and (out_dir / "tokenizer").is_dir()
 
 
 # ---- tokenisation -------------------------------------------------------------------------------
@@ -114,6 +115,11 @@ def encode_row(tok, row: dict, mask_history: bool) -> tuple[list[int], list[int]
 def tokenize_row(tok, row: dict, seq_length: int, mask_history: bool, drop_truncated: bool) -> dict | None:
     """One output row, or None when the supervised response does not fit `seq_length`."""
     ids, mask = encode_row(tok, row, mask_history)
+    return fit_row(row, ids, mask, seq_length, drop_truncated)
+
+
+def fit_row(row: dict, ids: list[int], mask: list[int], seq_length: int, drop_truncated: bool) -> dict | None:
+    """The shard row of `row` encoded as (ids, mask), or None when its response does not fit."""
     if not any(mask):
         return None
     prompt_length = mask.index(1)
@@ -133,34 +139,17 @@ def tokenize_row(tok, row: dict, seq_length: int, mask_history: bool, drop_trunc
     }  # fmt: skip
 
 
-def _write_shards(rows: list[dict], split_dir: Path, shard_size: int) -> list[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("input_ids", pa.list_(pa.int32())),
-            ("loss_mask", pa.list_(pa.int8())),
-            ("prompt_length", pa.int32()),
-            ("messages", pa.string()),
-            ("answer", pa.string()),
-        ]
-    )
-    split_dir.mkdir(parents=True, exist_ok=True)
-    names = []
-    for k, start in enumerate(range(0, max(len(rows), 1), shard_size)):
-        chunk = rows[start : start + shard_size]
-        name = f"shard-{k:06d}.parquet"
-        pq.write_table(pa.Table.from_pylist(chunk, schema=schema), split_dir / name)
-        names.append(f"{split_dir.name}/{name}")
-    return names
-
-
 def content_hash(out_dir: Path) -> str:
-    """sha256 over the shard and tokenizer files (relative path + bytes), in a fixed order."""
+    """sha256 over the parquet shards and tokenizer files (relative path + bytes), in a fixed order: the
+    data's identity. The token files are derived from the shards (the manifest's `files` checksums
+    cover them), so the same rows and tokenizer keep the hash they had before there were token files."""
     h = hashlib.sha256()
-    files = sorted(p for sub in (*SPLITS, "tokenizer") for p in (out_dir / sub).rglob("*") if p.is_file())
+    files = sorted(
+        p
+        for sub in (*SPLITS, "tokenizer")
+        for p in (out_dir / sub).rglob("*")
+        if p.is_file() and not p.name.endswith(TOKENS_SUFFIX)
+    )
     for p in files:
         h.update(str(p.relative_to(out_dir)).encode() + b"\0")
         h.update(p.read_bytes())
@@ -226,16 +215,17 @@ def source_name(dcfg) -> str:
     return "mixture(" + ", ".join(f"{m.path}:{m.weight:g}" for m in dcfg.mixture) + ")"
 
 
-def prepare(settings, force: bool = False) -> dict:
+def prepare(settings, force: bool = False, workers: int = 1) -> dict:
     """Build (or reuse) `settings.dataset.prepared_dir`; returns the manifest. The dir is replaced only
-    when it is a prepared dataset (its manifest proves it), and by one `prepare` at a time (its lock)."""
+    when it is a prepared dataset (its manifest proves it), and by one `prepare` at a time (its lock).
+    The source streams through in units (data/prepare_units.py), `workers` processes at a time."""
     out_dir = Path(settings.dataset.prepared_dir)
     check_prepared_dir(out_dir)  # before the lock: no lock file is ever written into a dir not ours
     created = not out_dir.exists()
     with hold_dir_lock(out_dir, "prepare") as lock:
         check_prepared_dir(out_dir)  # another writer may have changed it before we held the lock
         try:
-            return _prepare_locked(settings, out_dir, force)
+            return _prepare_locked(settings, out_dir, force, workers)
         except BaseException:
             if created and [p.name for p in out_dir.iterdir()] == [LOCK_FILE]:
                 lock.unlink()  # a failed first run leaves no dir behind, as before the lock
@@ -256,67 +246,27 @@ def check_prepared_dir(out_dir: Path) -> bool:
     return ours
 
 
-def _prepare_locked(settings, out_dir: Path, force: bool) -> dict:
-    dcfg = settings.dataset
-    src = load_source(dcfg)
-    used = _settings_used(settings)
-    fingerprint = _fingerprint(used, src.sha256)
-    existing = read_manifest(out_dir)
-    if not force and _reusable(existing, fingerprint, out_dir):
-        return existing
-    # 1) split, then fit the tokenizer on training text only (no eval leakage into the BPE)
-    splits = split_rows(src.rows, dcfg.eval_fraction, dcfg.limit)
-    if not splits["train"]:
-        _check_usable(settings, source_name(dcfg), [], 0, Counter(src.dropped), src.examples)
-    tok = build_tokenizer(settings, (t for r in splits["train"] for t in row_texts(r)))
-    # 2) tokenise every row; count what is dropped and why
-    tokenized, prompt_lengths = _tokenize_splits(tok, splits, dcfg)
-    truncated = {name: len(splits[name]) - len(tokenized[name]) for name in SPLITS}
-    dropped = Counter({"malformed": 0, "empty": 0, "truncated": sum(truncated.values())})
-    for reason, n in src.dropped.items():
-        dropped[reason.split(":")[0]] += n
-    _check_splits(settings, src, splits, tokenized, prompt_lengths, dropped)
-    # 3) write everything under a temporary sibling, then swap it into place
-    manifest = {
-        "format": FORMAT_VERSION,
-        "source": {"path_or_dataset_id": source_name(dcfg), "sha256": src.sha256, "rows_read": src.num_read},
-        "fingerprint": fingerprint,
-        "dropped": dict(dropped),
-        "dropped_reasons": dict(sorted(src.dropped.items())),
-        "dropped_examples": src.examples,
-        "seq_length": dcfg.seq_length,
-        "tokenizer": _tokenizer_facts(settings, tok),
-        "settings": used,
-    }
-    return _write_prepared(out_dir, tok, tokenized, truncated, manifest, dcfg.shard_size)
+def _prepare_locked(settings, out_dir: Path, force: bool, workers: int) -> dict:
+    from .prepare_units import join_prepare, make_plan, run_units
+
+    plan = make_plan(settings, out_dir, force)
+    if plan["reused"] is not None:
+        return plan["reused"]
+    try:
+        run_units(settings, plan, workers)
+        return join_prepare(settings, plan, locked=True)
+    except BaseException:
+        shutil.rmtree(plan["staging"], ignore_errors=True)  # the previous dir stays as it was
+        raise
 
 
-def _tokenize_splits(tok, splits: dict[str, list[dict]], dcfg) -> tuple[dict[str, list[dict]], list[int]]:
-    """The kept rows of each split, and the prompt lengths of the dropped ones (for the error)."""
-    tokenized: dict[str, list[dict]] = {}
-    prompt_lengths: list[int] = []
-    for name, rows in splits.items():
-        kept = []
-        with Progress(f"prepare {name}", len(rows), unit="rows") as bar:
-            for row in rows:
-                out = tokenize_row(tok, row, dcfg.seq_length, dcfg.mask_history, dcfg.drop_truncated)
-                if out is None:
-                    ids, mask = encode_row(tok, row, dcfg.mask_history)
-                    prompt_lengths.append(mask.index(1) if any(mask) else len(ids))
-                else:
-                    kept.append(out)
-                bar.advance()
-        tokenized[name] = kept
-    return tokenized, prompt_lengths
-
-
-def _check_splits(settings, src: ChatSource, splits, tokenized, prompt_lengths, dropped: Counter) -> None:
+def _check_splits(settings, examples, split_rows: dict, kept: dict, prompt_lengths, dropped: Counter) -> None:
     dcfg, source = settings.dataset, source_name(settings.dataset)
-    _check_usable(settings, source, prompt_lengths, len(tokenized["train"]), dropped, src.examples)
-    if dcfg.eval_fraction > 0 and not tokenized["eval"]:
+    _check_usable(settings, source, prompt_lengths, kept["train"], dropped, examples)
+    if dcfg.eval_fraction > 0 and not kept["eval"]:
         raise UserError(
-            f"{source}: dataset.eval_fraction={dcfg.eval_fraction} left no held-out row ({len(splits['eval'])} "
-            f"before tokenising, {len(tokenized['train'])} training rows); raise dataset.eval_fraction, add "
+            f"{source}: dataset.eval_fraction={dcfg.eval_fraction} left no held-out row ({split_rows['eval']} "
+            f"before tokenising, {kept['train']} training rows); raise dataset.eval_fraction, add "
             f"rows, or set it to 0 to train on every row (then evaluate on the train split)"
         )
 
@@ -332,29 +282,6 @@ def _tokenizer_facts(settings, tok) -> dict:
         "pad_token_id": tok.pad_token_id,
         "eos_token_id": tok.eos_token_id,
     }
-
-
-def _write_prepared(out_dir: Path, tok, tokenized, truncated, manifest: dict, shard_size: int) -> dict:
-    """Shards, tokenizer and manifest (completed with splits, lengths, content hash) into a temp
-    sibling, then swapped into place: a failure leaves the previous dir as it was."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tok.save_pretrained(str(tmp / "tokenizer"))
-        shards = {name: _write_shards(rows, tmp / name, shard_size) for name, rows in tokenized.items()}
-        lengths = [len(r["input_ids"]) for r in tokenized["train"]]
-        manifest["splits"] = {
-            name: {"rows": len(tokenized[name]), "truncated": truncated[name], "shards": shards[name]}
-            for name in SPLITS
-        }
-        manifest["train_lengths"] = {"max": max(lengths), "mean": round(sum(lengths) / len(lengths), 2)}
-        manifest["content_hash"] = content_hash(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _swap_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
 
 
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:
@@ -392,6 +319,9 @@ def add_cli_args(parser) -> None:
         help="Recipe YAML files (later override earlier).",
     )
     parser.add_argument("--force", action="store_true", help="Rebuild even if the inputs are unchanged.")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="Units tokenised in parallel, one process each (default 1)."
+    )
 
 
 def summary_lines(manifest: dict, out_dir: str) -> list[str]:
@@ -414,7 +344,7 @@ def cli_main(args) -> int:
     from dllmflow.settings import load_settings
 
     settings = load_settings(*args.params)
-    manifest = prepare(settings, force=args.force)
+    manifest = prepare(settings, force=args.force, workers=args.workers)
     lines = summary_lines(manifest, settings.dataset.prepared_dir)
     try:
         from rich.console import Console

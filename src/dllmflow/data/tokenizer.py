@@ -5,6 +5,7 @@
     tok = build_tokenizer(settings, texts)        # during `dllmflow prepare`
     tok = load_tokenizer("data/prepared/tiny")     # the one saved with the prepared data
     ids, loss_mask = encode_chat(tok, messages, mask_history=True)
+    pairs = encode_chats(tok, [messages, ...], mask_history=True)   # batched, same results
 
 A directory without tokenizer files loads in transformers as an empty tokenizer (every text encodes
 to nothing): `check_tokenizer_files` refuses it where a tokenizer enters (here and at generation),
@@ -218,6 +219,54 @@ def encode_chat(tok, messages: list[dict], mask_history: bool = True) -> tuple[l
     if mask_history:
         mask = keep_last_run(mask)
     return ids, mask
+
+
+def encode_chats(
+    tok, conversations: list[list[dict]], mask_history: bool = True
+) -> list[tuple[list[int], list[int]]]:
+    """`encode_chat` of many chats at once, with the same ids and masks: the template rendered with
+    its `{% generation %}` spans (transformers' renderer, as apply_chat_template does), the texts
+    encoded in one call of the Rust tokenizer, and a token supervised when it overlaps a span
+    (apply_chat_template's rule) computed on the token offsets there, not token by token in Python."""
+    if not conversations:
+        return []
+    if not _GENERATION_TAG.search(tok.chat_template or "") or not getattr(tok, "is_fast", False):
+        return [encode_chat(tok, m, mask_history) for m in conversations]
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts, spans = render_jinja_template(
+        conversations=conversations,
+        chat_template=tok.get_chat_template(),
+        return_assistant_tokens_mask=True,
+        **tok.special_tokens_map,
+    )
+    encodings = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    return [_span_mask(enc, gen, mask_history) for enc, gen in zip(encodings, spans)]
+
+
+def _span_mask(enc, spans: list[tuple[int, int]], mask_history: bool) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one encoding: the tokens overlapping any (start, end) char span (spans in order,
+    token offsets ascending, so each span's tokens are one index range)."""
+    ids, runs = enc.ids, []
+    for start, end in spans:
+        if end <= start:
+            continue
+        lo, hi = enc.char_to_token(start), enc.char_to_token(end - 1)
+        if lo is None or hi is None:  # a char no token covers: apply_chat_template's own rule
+            return ids, _overlap_mask(enc.offsets, spans, mask_history)
+        if runs and lo <= runs[-1][1]:  # touching the previous run: one run (keep_last_run's view)
+            runs[-1][1] = max(runs[-1][1], hi + 1)
+        else:
+            runs.append([lo, hi + 1])
+    mask = [0] * len(ids)
+    for lo, hi in runs[-1:] if mask_history else runs:
+        mask[lo:hi] = [1] * (hi - lo)
+    return ids, mask
+
+
+def _overlap_mask(offsets, spans, mask_history: bool) -> list[int]:
+    mask = [int(any(e > s0 and b < s1 for s0, s1 in spans)) for b, e in offsets]
+    return keep_last_run(mask) if mask_history else mask
 
 
 def _render_ids(tok, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:

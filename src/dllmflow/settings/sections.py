@@ -177,6 +177,11 @@ class DatasetConfig(Section):
     eval_fraction: float = Field(0.25, ge=0.0, lt=1.0, description="Held-out share (hash of the question).")
     limit: PositiveInt | None = Field(None, description="Keep at most this many training rows.")
     shard_size: PositiveInt = 1000
+    task_rows: PositiveInt = Field(
+        100_000,
+        description="Source records per prepare unit (one process / flow foreach task each); fixes the "
+        "shard numbering, so it is part of the data's fingerprint.",
+    )
     prepared_dir: str = "data/prepared/tiny"
     drop_truncated: bool = Field(True, description="Drop rows whose response does not fit seq_length.")
     max_row_bytes: PositiveInt = Field(

@@ -8,13 +8,19 @@ Every optimizer step consumes `global_batch_size` (gbs) consecutive global posit
 
 so a micro-batch is the same set of rows whatever the world size / accumulation split (for a fixed
 local batch size): padding, and therefore the loss, does not depend on the topology. With
-local_batch_size 1 this is k = r + j * world. Nothing is stored: resuming at step s is just asking for step s.
+local_batch_size 1 this is k = r + j * world. The data position is the number of samples consumed,
+`step * gbs`: each checkpoint records it (`state(step)`, with the data it indexes: rows, content hash,
+seed), and a resume checks it (`check_resume`) so the next sample is exactly the one after the last
+trained. Another world size resumes exactly (positions do not depend on it); other data, another
+global batch size or seed would not give the next sample, and are refused naming what changed.
 The global position p is also the sample's identity for seeding its corruption noise. With
 `dataset.packing` the collator packs the micro-batch's rows into fewer sequences
 (`dllmflow.data.pack`); `global_index` then lists the position of each document, not of each row.
 
     batches = GlobalBatches(dataset, collator, gbs=8, lbs=4, rank=0, world=2, seed=42)
     for mb in batches.step(17): ...      # list of collated micro-batches, each with "global_index" [B]
+    state = batches.state(17)            # {"consumed_samples": 136, ...}: saved with the checkpoint
+    batches.check_resume(state, 17)      # UserError when resuming there would not continue the data
 """
 
 from __future__ import annotations
@@ -86,3 +92,36 @@ class GlobalBatches:
             batch["global_index"] = index
             out.append(batch)
         return out
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The data position after `step` completed steps (JSON), for the checkpoint's trainer state."""
+        manifest = getattr(self.dataset, "manifest", None) or {}
+        return {
+            "consumed_samples": step * self.gbs,
+            "global_batch_size": self.gbs,
+            "seed": self.seed,
+            "num_rows": len(self.dataset),
+            "content_hash": manifest.get("content_hash"),
+            "world_size": self.world,
+        }
+
+    def check_resume(self, saved: dict[str, Any] | None, step: int) -> None:
+        """UserError when resuming at `step` from a checkpoint whose data position is `saved` would not
+        read exactly the sample after the last one trained. A checkpoint without one (saved before
+        data positions were recorded) resumes at `step`, as it always did."""
+        if not saved:
+            return
+        now = self.state(step)
+        changed = [
+            f"{key} {saved[key]} -> {now[key]}"
+            for key in ("global_batch_size", "seed", "num_rows", "content_hash")
+            if saved.get(key) is not None and saved[key] != now[key]
+        ]
+        if saved["consumed_samples"] != now["consumed_samples"]:
+            changed.insert(0, f"consumed_samples {saved['consumed_samples']} != step {step} x {self.gbs}")
+        if changed:
+            raise UserError(
+                "cannot resume on the next sample: the data position of the checkpoint does not match "
+                f"({'; '.join(changed)}); resume with the prepared data, train.seed and "
+                "train.global_batch_size it was trained with, or start a new run"
+            )

@@ -333,13 +333,19 @@ class Trainer:
         """The loop state saved with each checkpoint (trainer_state.json; the model, optimizer and
         scheduler are the Checkpointer's): the completed step, the samples consumed and every counter
         in `self.counters` (a subclass adds its own there in `build`)."""
-        return {"step": self.step, **self.counters}
+        return {"step": self.step, **self.counters, **self._data_position()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved (`resume`, from the checkpoint's trainer_state.json)."""
         self.step = int(state["step"])
+        if hasattr(self, "batches"):  # the SFT sampler: exactly the next sample, or refused
+            self.batches.check_resume(state.get("data"), self.step)
         for key in self.counters:
             self.counters[key] = int(state.get(key, 0))
+
+    def _data_position(self) -> dict[str, Any]:
+        """{"data": consumed samples and what they index} when this trainer reads `GlobalBatches`."""
+        return {"data": self.batches.state(self.step)} if hasattr(self, "batches") else {}
 
     def export(self, model_dir: Path) -> None:
         """Collective: the consolidated HF dir into `<model_dir>/consolidated` (rank 0 writes)."""

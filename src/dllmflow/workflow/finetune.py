@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from dllmflow.settings import Settings, load_settings_text
 from dllmflow.settings.pipeline import AR_CONTROL, AR_EVALUATION
 from dllmflow.workflow import ar_control
 from dllmflow.workflow.card import comparison_table, results_table
+from dllmflow.workflow.data import data_units, join_data, plan_data, prepare_data, prepare_unit  # noqa: F401 - steps
 
 log = logging.getLogger(__name__)
 
@@ -81,72 +80,6 @@ def start_tracking(settings: SettingsLike, *, pathspec: str | None = None) -> st
 def flow_run_dir(settings: SettingsLike, run_id: str) -> str:
     """One run dir per flow run; a resumed flow (`origin_run_id`) reuses it, so training resumes."""
     return str(runs.flow_run_dir(Settings.coerce(settings).resolved_run_dir, run_id))
-
-
-# ---- prepare ---------------------------------------------------------------------------------------------
-
-
-def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, Any]:
-    """Run or reuse data prep. When `dataset.prepared_dir` is the output of a `dvc.yaml` stage, run
-    `dvc repro` on it (DVC skips it when its params and deps hashes are unchanged); then check that the
-    result was prepared with exactly these settings, else prepare directly (which also skips work
-    when its input fingerprint is unchanged). Returns the data hash and how it was obtained."""
-    from dllmflow.data.prepare import prepare, read_manifest
-
-    s = Settings.coerce(settings)
-    via_dvc, dvc_skipped = None if force else _dvc_repro(s.dataset.prepared_dir)
-    before = read_manifest(s.dataset.prepared_dir)
-    manifest = prepare(s, force=force)
-    return {
-        "prepared_dir": s.dataset.prepared_dir,
-        "content_hash": manifest["content_hash"],
-        # sha256 of the input files (for DFlash: the regenerated shards), for the model's lineage.
-        "source_sha256": manifest.get("source", {}).get("sha256"),
-        # True when nothing was rebuilt: DVC skipped the stage, or prepare() matched its fingerprint.
-        "reused": dvc_skipped
-        if via_dvc
-        else bool(before and before.get("content_hash") == manifest["content_hash"]),
-        "dvc_stage": via_dvc,
-        "dvc_rev": _git_rev() if via_dvc else None,
-        "rows": {name: split["rows"] for name, split in manifest.get("splits", {}).items()},
-    }
-
-
-def _dvc_repro(out_dir: str) -> tuple[str | None, bool]:
-    """`dvc repro` of the dvc.yaml stage whose `outs` is `out_dir`, through DVC's Python API (the CLI
-    in a subprocess imported DVC a second time: the tiny flow's prepare step took 6.6 s, now 1.8 s). Returns
-    (stage name, skipped: its params and deps hashes were unchanged), or (None, False) when this is
-    not a DVC repo, no stage makes `out_dir`, or DVC failed (then prepare() runs directly)."""
-    if not Path("dvc.yaml").is_file() or not Path(".dvc").is_dir():
-        return None, False
-    stage = None
-    try:
-        from dvc.repo import Repo
-
-        with Repo(".") as repo:
-            stage = next(
-                (
-                    st.addressing
-                    for st in repo.index.stages
-                    if any(os.path.normpath(str(o.def_path)) == os.path.normpath(out_dir) for o in st.outs)
-                ),
-                None,
-            )
-            if stage is None:
-                return None, False
-            return stage, not repo.reproduce(stage)  # [] = nothing reproduced: it didn't change
-    except Exception as e:  # a broken DVC setup must not stop the flow: prepare() still runs
-        log.warning("dvc repro %s failed, preparing directly: %s", stage or "(reading dvc.yaml)", e)
-    return None, False
-
-
-def _git_rev() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 # ---- train -----------------------------------------------------------------------------------------------

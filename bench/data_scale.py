@@ -1,0 +1,288 @@
+"""Data at scale: `dllmflow prepare` rows/s, peak RSS and bytes on disk, and a rank's dataset memory and
+loader speed, on synthetic GSM8K-length chats (user ~60 words, assistant ~180 words, seq 512).
+
+    python bench/data_scale.py --rows 60000                          # minutes on 2 cores
+    nohup python bench/data_scale.py --rows 1000000 --baseline-rows 0 > /tmp/ds1m.log 2>&1 &
+    python bench/data_scale.py --rows 60000 --baseline-src /tmp/main/src   # old code path from main
+
+What runs, each in a fresh child process (peak RSS = the largest VmHWM of any one process, the child's
+own and its workers', from getrusage):
+  baseline  the old code path (`--baseline-src`: a checkout's src/, e.g. `git archive main src`) on
+            `--baseline-rows` rows: one process, rows tokenised one at a time;
+  prepare   this tree, `--workers` N = 1, 2 (one process per unit, `dataset.task_rows` rows each);
+  dataset   open the train split, read 1,000 random rows: RSS added (VmRSS after - before);
+  loader    samples/s through `GlobalBatches` + the tiny_mdlm collator, against what one tiny_mdlm
+            training step consumes (global batch / step time of a 4-step run on this machine).
+Every prepare child runs with RAYON_NUM_THREADS=1 (the fast tokenizer on one core per process), so
+rows/s of one worker is rows/s per core; rows per CPU-second (user + sys of every process) is printed
+too. The tokenizer is a byte-level BPE of 4,096 fitted once on 5,000 of the rows and given as
+`tokenizer.name_or_path` (a real recipe's is the model's): prepare measures tokenising, not fitting.
+
+Goals (issue 40): prepare peak RSS of any process <= 1.5 GB at 1M rows; per-core rows/s >= 3x the
+old path's; 2 workers >= 1.6x one; dataset RSS added <= 100 MB, flat from 60k to 1M; loader >= 20x a
+step's consumption. Measured figures: docs/contracts.md (data at scale) and the commit messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
+SEQ = 512
+_SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "ve", "zo", "ba", "de", "fi", "go", "hu", "ji", "pe"]
+
+
+def _phrases(rng: random.Random, n: int = 4096, words: int = 20) -> list[str]:
+    """Random 20-word phrases over 6,000 made-up words and numbers (a row picks whole phrases: fast)."""
+    vocab = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(6000)]
+    return [
+        " ".join(rng.choice(vocab) if rng.random() > 0.1 else str(rng.randint(1, 999)) for _ in range(words))
+        for _ in range(n)
+    ]
+
+
+def write_chats(path: Path, rows: int) -> None:
+    """GSM8K-length chats: a 60-word question (3 phrases), a 180-word answer (9 phrases) ending `#### N`."""
+    if path.is_file():
+        return
+    rng = random.Random(0)
+    phrases = _phrases(rng)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for i in range(rows):
+            q, a = " ".join(rng.choices(phrases, k=3)), " ".join(rng.choices(phrases, k=9))
+            chat = [
+                {"role": "user", "content": f"{q} {i}?"},
+                {"role": "assistant", "content": f"{a}. #### {i % 997}"},
+            ]
+            f.write(json.dumps({"id": f"r{i}", "messages": chat}) + "\n")
+    tmp.rename(path)
+
+
+def fit_tokenizer(chats: Path, out: Path) -> None:
+    if out.is_dir():
+        return
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+
+    texts = []
+    with open(chats) as f:
+        for _, line in zip(range(5000), f):
+            texts += [m["content"] for m in json.loads(line)["messages"]]
+    train_bpe_tokenizer(texts, 4096, "<|mask|>", "<|pad|>", "<|eos|>").save_pretrained(str(out))
+
+
+def _settings(chats: Path, tok: Path, out: Path, task_rows: int):
+    from dllmflow.settings import load_settings
+
+    data = {
+        "path_or_dataset_id": str(chats),
+        "seq_length": SEQ,
+        "eval_fraction": 0.02,
+        "prepared_dir": str(out),
+    }
+    if task_rows:
+        data["task_rows"] = task_rows
+    return load_settings(RECIPE, dataset=data, tokenizer={"name_or_path": str(tok)})
+
+
+def _peak_gb() -> float:
+    """The largest peak RSS of this process and of any child it waited for (ru_maxrss is in KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 2**20
+
+
+def _cpu_s() -> float:
+    return sum(
+        getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for f in ("ru_utime", "ru_stime")
+    )  # fmt: skip
+
+
+def child_prepare(a) -> dict:
+    from dllmflow.data.prepare import prepare
+
+    s = _settings(Path(a.chats), Path(a.tok), Path(a.out), a.task_rows)
+    t0, cpu0 = time.perf_counter(), _cpu_s()  # after the imports: the work itself
+    workers = int(a.workers)
+    m = prepare(s, force=True, **({"workers": workers} if workers > 1 else {}))
+    wall = time.perf_counter() - t0
+    rows = m["source"]["rows_read"]
+    return {"rows": rows, "wall_s": wall, "rows_s": rows / wall, "rows_per_cpu_s": rows / (_cpu_s() - cpu0),
+            "peak_gb": _peak_gb(), "train_rows": m["splits"]["train"]["rows"]}  # fmt: skip
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child_dataset(a) -> dict:
+    import torch  # noqa: F401 - imported before the first RSS reading, as in a trainer
+
+    from dllmflow.data.dataset import PreparedDataset
+
+    before = _rss_mb()
+    t0 = time.perf_counter()
+    ds = PreparedDataset(a.out, "train")
+    open_s = time.perf_counter() - t0
+    rng = random.Random(1)
+    picks = [rng.randrange(len(ds)) for _ in range(1000)]
+    t0 = time.perf_counter()
+    tokens = sum(len(ds[i]["input_ids"]) for i in picks)
+    read_s = time.perf_counter() - t0
+    return {"rows": len(ds), "open_s": open_s, "random_rows_s": 1000 / read_s, "tokens": tokens,
+            "rss_added_mb": _rss_mb() - before}  # fmt: skip
+
+
+def child_loader(a) -> dict:
+    from dllmflow.data.dataset import PreparedDataset
+    from dllmflow.data.pack import build_collator
+    from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.settings import load_settings
+    from dllmflow.training.data import GlobalBatches
+
+    s = load_settings(RECIPE, dataset={"seq_length": SEQ, "prepared_dir": a.out})
+    ds = PreparedDataset(a.out, "train")
+    collate = build_collator(s, load_tokenizer(a.out))
+    t = s.train
+    batches = GlobalBatches(ds, collate, t.global_batch_size, t.local_batch_size, 0, 1, t.seed)
+    steps = range(1000, 1000 + 60)  # mid-run steps: random rows of the epoch permutation
+    batches.step(steps[0])
+    t0 = time.perf_counter()
+    for step in steps:
+        batches.step(step)
+    return {"samples_s": len(steps) * t.global_batch_size / (time.perf_counter() - t0)}
+
+
+def child_step(a) -> dict:
+    """One tiny_mdlm step's consumption: global batch / median step time of a 4-step run."""
+    import statistics
+
+    from dllmflow.data.prepare import prepare
+    from dllmflow.runs import read_metrics
+    from dllmflow.settings import load_settings
+    from dllmflow.training.trainer import run_training
+
+    work = Path(tempfile.mkdtemp(prefix="data-scale-step-"))
+    s = load_settings(RECIPE, dataset={"limit": 64, "prepared_dir": str(work / "prep")}, train={"max_steps": 4},
+                      checkpoint={"every_steps": 100, "save_consolidated": "false"})  # fmt: skip
+    prepare(s)
+    run_training(s, work / "run")
+    times = [r["tokens_per_step"] / r["tps"] for r in read_metrics(work / "run") if "tps" in r][1:]
+    step_s = statistics.median(times)
+    return {"step_s": step_s, "samples_per_step": s.train.global_batch_size,
+            "consumed_samples_s": s.train.global_batch_size / step_s}  # fmt: skip
+
+
+CHILDREN = {"prepare": child_prepare, "dataset": child_dataset, "loader": child_loader, "step": child_step}
+
+
+def run_child(kind: str, src: str | None = None, **kw) -> dict:
+    env = {**os.environ, "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join([src or str(ROOT / "src"), str(ROOT)])
+    args = [sys.executable, __file__, "--child", kind] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in kw.items()
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{kind} child failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def disk_bytes(prepared: Path) -> dict[str, float]:
+    sizes = {"parquet": 0, "tokens.arrow": 0, "other": 0}
+    for p in prepared.rglob("*"):
+        if p.is_file():
+            kind = (
+                "parquet"
+                if p.suffix == ".parquet"
+                else "tokens.arrow"
+                if p.name.endswith(".tokens.arrow")
+                else "other"
+            )
+            sizes[kind] += p.stat().st_size
+    return {k: round(v / 2**30, 3) for k, v in sizes.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=60000)
+    p.add_argument("--baseline-rows", type=int, default=5000, help="Rows for the old path (0: skip it).")
+    p.add_argument("--baseline-src", default=None, help="src/ of the old code (e.g. git archive main src).")
+    p.add_argument("--workers", default="1,2")
+    p.add_argument("--task-rows", type=int, default=0, help="dataset.task_rows (0: rows / max workers).")
+    p.add_argument("--workdir", default="/tmp/data_scale")
+    p.add_argument("--skip-step", action="store_true", help="Skip the tiny_mdlm step timing.")
+    p.add_argument("--child", choices=sorted(CHILDREN))
+    p.add_argument("--chats"), p.add_argument("--tok"), p.add_argument("--out")
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(CHILDREN[a.child](a)))
+        return
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    chats, tok = work / f"chats-{a.rows}.jsonl", work / "tok"
+    t0 = time.perf_counter()
+    write_chats(chats, a.rows)
+    fit_tokenizer(chats, tok)
+    print(f"source {chats} ({chats.stat().st_size / 2**30:.2f} GB, written in {time.perf_counter() - t0:.0f} s); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)  # fmt: skip
+    workers = [int(w) for w in a.workers.split(",")]
+    task_rows = a.task_rows or -(-a.rows // max(workers))
+    results = {}
+    if a.baseline_rows:
+        base_chats = work / f"chats-{a.baseline_rows}.jsonl"
+        write_chats(base_chats, a.baseline_rows)
+        new_small = run_child(
+            "prepare", chats=base_chats, tok=tok, out=work / "new-small", task_rows=0, workers=1
+        )
+        old = run_child("prepare", a.baseline_src, chats=base_chats, tok=tok, out=work / "old-small", task_rows=0,
+                        workers=1) if a.baseline_src else None  # fmt: skip
+        results["baseline"] = {"old": old, "new": new_small}
+        if old:
+            print(f"\nbaseline at {a.baseline_rows} rows, one process, one core: old {old['rows_s']:.0f} rows/s "
+                  f"({old['rows_per_cpu_s']:.0f}/cpu-s, peak {old['peak_gb']:.2f} GB), new {new_small['rows_s']:.0f} "
+                  f"rows/s ({new_small['rows_per_cpu_s']:.0f}/cpu-s, peak {new_small['peak_gb']:.2f} GB): "
+                  f"{new_small['rows_s'] / old['rows_s']:.2f}x per core (goal >= 3)", flush=True)  # fmt: skip
+    out = work / f"prep-{a.rows}"
+    for w in workers:
+        r = run_child("prepare", chats=chats, tok=tok, out=out, task_rows=task_rows, workers=w)
+        results[f"workers={w}"] = r
+        print(f"prepare {a.rows} rows, {w} worker(s), task_rows {task_rows}: {r['rows_s']:.0f} rows/s "
+              f"({r['rows_per_cpu_s']:.0f}/cpu-s), {r['wall_s']:.0f} s, peak RSS of any process "
+              f"{r['peak_gb']:.2f} GB (goal <= 1.5)", flush=True)  # fmt: skip
+    if len(workers) > 1:
+        one, many = results[f"workers={workers[0]}"], results[f"workers={workers[-1]}"]
+        print(f"scaling {workers[-1]} vs {workers[0]} worker(s): {many['rows_s'] / one['rows_s']:.2f}x "
+              f"(goal >= {0.8 * workers[-1] / workers[0]:.1f}; load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(f"bytes on disk (GB): {disk_bytes(out)}; source {chats.stat().st_size / 2**30:.2f} GB")
+    d = run_child("dataset", out=out)
+    print(f"dataset: {d['rows']} train rows opened in {d['open_s'] * 1000:.0f} ms, 1,000 random rows at "
+          f"{d['random_rows_s']:.0f} rows/s, RSS added {d['rss_added_mb']:.1f} MB (goal <= 100)")  # fmt: skip
+    if a.baseline_src and a.rows <= 100_000:
+        old_d = run_child("dataset", a.baseline_src, out=out)
+        print(f"dataset, old code path on the same dir: RSS added {old_d['rss_added_mb']:.1f} MB")
+    lo = run_child("loader", out=out)
+    line = f"loader: {lo['samples_s']:.0f} samples/s through GlobalBatches + collator"
+    if not a.skip_step:
+        st = run_child("step")
+        line += (f"; one tiny_mdlm step consumes {st['samples_per_step']} samples in {st['step_s'] * 1000:.0f} ms "
+                 f"= {st['consumed_samples_s']:.0f}/s: {lo['samples_s'] / st['consumed_samples_s']:.0f}x (goal >= 20)")  # fmt: skip
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
