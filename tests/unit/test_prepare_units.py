@@ -147,20 +147,20 @@ def test_plan_and_join_hold_the_one_writer_lock(source, tmp_path):
     assert plan_prepare(s)["reused"] is not None  # the next plan reuses it: nothing to run
 
 
-def test_opening_a_split_maps_no_shard_and_a_row_maps_only_its_own(one_process):
+def test_opening_a_split_reads_no_shard_and_a_row_reads_only_its_own(one_process):
+    import pyarrow as pa
+
     out, m = one_process
     ds = PreparedDataset(out, "train")
     store = ds._store
     assert len(ds) == m["splits"]["train"]["rows"] and len(store.paths) > 3
-    assert store._batches == {}  # opening read the manifest only
+    assert store._layouts == {} and store._fds == {}  # opening read the manifest only
     last = ds[len(ds) - 1]
-    assert list(store._batches) == [len(store.paths) - 1]
-    assert len(last["input_ids"]) == len(last["loss_mask"]) and set(last) == {
-        "id",
-        "input_ids",
-        "loss_mask",
-        "prompt_length",
-    }
+    assert list(store._layouts) == list(store._fds) == [len(store.paths) - 1]
+    # the positioned reads give exactly the rows Arrow reads from the token files
+    tables = [pa.ipc.open_file(pa.memory_map(str(out / p))).read_all() for p in store.paths]
+    want = pa.concat_tables(tables).to_pylist()
+    assert last == want[-1] and [ds[i] for i in range(len(ds))] == want
     assert ds.rows(3) == PreparedDataset(out, "train").rows()[:3]
     assert os.path.getsize(out / store.paths[0]) == m["files"][store.paths[0]]["bytes"]
 

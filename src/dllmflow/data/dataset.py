@@ -22,8 +22,9 @@ ROW_COLUMNS = ("id", "messages", "answer", "prompt_length")
 
 
 class PreparedDataset:
-    """One split, its tokens memory-mapped (data/shards.py): opening reads the manifest only, a row
-    costs the pages of its own tokens, so each rank touches only the rows its sampler gives it."""
+    """One split, its tokens read in place from the token files (data/shards.py): opening reads the
+    manifest only, a row costs positioned reads of its own bytes, so each rank touches only the rows
+    its sampler gives it and its memory does not grow with the split."""
 
     def __init__(self, prepared_dir: str | os.PathLike, split: str = "train"):
         self.prepared_dir = Path(prepared_dir)
