@@ -99,12 +99,13 @@ def plan_source(dcfg) -> SourcePlan:
     if dcfg.mixture is not None or source.startswith(EMBEDDED_PREFIX):
         return _plan_rows(dcfg, every)
     if "://" in source:
-        return _plan_files(source, _url_files(source), dcfg, every)
+        return _plan_files(_url_files(source), dcfg, every)
     path = Path(source).expanduser()
     if path.exists():
         files = _data_files(path)
-        return _plan_files(path, [(str(f), f.name if f == path else str(f.relative_to(path))) for f in files],
-                           dcfg, every)  # fmt: skip
+        return _plan_files(
+            [(str(f), f.name if f == path else str(f.relative_to(path))) for f in files], dcfg, every
+        )
     if source.endswith(FILE_SUFFIXES) or source.startswith((".", "/", "~")):
         raise UserError(f"dataset.path_or_dataset_id: {source}: no such file or directory")
     return _plan_hf(dcfg, every)
@@ -120,8 +121,7 @@ def _plan_rows(dcfg, every: int | None) -> SourcePlan:
     from .prepare import load_source
 
     src = load_source(dcfg)  # in memory: a mixture samples across whole sources
-    plan = SourcePlan(src.sha256, src.files, _index_units("rows", "", len(src.rows), every))
-    return plan
+    return SourcePlan(src.sha256, src.files, _index_units("rows", "", len(src.rows), every))
 
 
 def _plan_hf(dcfg, every: int | None) -> SourcePlan:
@@ -153,7 +153,7 @@ def _url_files(url: str) -> list[tuple[str, str]]:
     return [(f"{protocol}://{p}", p[len(root.rstrip("/")) + 1 :]) for p in files]
 
 
-def _plan_files(source, files: list[tuple[str, str]], dcfg, every: int | None) -> SourcePlan:
+def _plan_files(files: list[tuple[str, str]], dcfg, every: int | None) -> SourcePlan:
     digest, cutter = hashlib.sha256(), _Cutter(every)
     plan = SourcePlan("", [], [])
     for f, rel in files:
