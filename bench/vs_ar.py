@@ -75,18 +75,6 @@ def parse_setting(text: str) -> tuple[str, dict]:
     return sampler, {k: yaml.safe_load(v) for k, v in pairs}
 
 
-def ar_control_settings(s):
-    """The AR control of dLLM settings `s`: the same model, tokenizer, data, LoRA, optimizer, batch and
-    eval section, trained in the `ar` mode (causal next-token SFT) and decoded by the `ar` sampler."""
-    from dllmflow.settings import Settings
-
-    d = s.to_dict()
-    d["name"] = f"{s.name}_ar_control"
-    d["dllm"] = {"mode": "ar", "mask_token_id": s.dllm.mask_token_id}
-    d["eval"] = {**d["eval"], "samplers": ["ar"], "untrained_baseline": False, "ar_baseline": False}
-    return Settings.coerce(d)
-
-
 def train_arm(s, run_dir: Path, skip: bool) -> dict:
     """Train one arm (unless `skip`) -> its training figures (+ wall and CPU seconds when trained here)."""
     from dllmflow.workflow import finetune
@@ -117,8 +105,9 @@ class Decoder:
         if total_steps and "steps" not in self.overrides:
             over["steps"] = max_new_tokens
         self.runner = self.loaded.with_overrides(over).runner
-        self.outputs, self.b1_outputs, self.b1_s, self.b16_s, self.row_nfe = {}, {}, [], 0.0, 0
-        self.costs: dict[int, tuple[int, int | None]] = {}  # prompt index -> (forwards, positions)
+        from dllmflow.evaluation.accuracy import Decoded
+
+        self.decoded, self.b1_outputs, self.b1_s = Decoded(), {}, []  # batch 16; batch 1's answers, seconds
 
 
 def run_turns(decoders: list[Decoder], prompts: list[list[int]], order: list[int], batch: int) -> None:
@@ -134,29 +123,28 @@ def run_turns(decoders: list[Decoder], prompts: list[list[int]], order: list[int
         idx = order[start : start + batch]
         for d in decoders:
             r = d.runner.generate([prompts[i] for i in idx])
-            d.b16_s += r.elapsed_s
-            d.outputs.update(zip(idx, r.sequences))
+            d.decoded.elapsed_s += r.elapsed_s
+            d.decoded.sequences.update(zip(idx, r.sequences))
             nfes = r.row_nfe or [r.nfe] * len(idx)
-            d.row_nfe += sum(nfes)
-            d.costs.update(zip(idx, zip(nfes, r.row_positions or [None] * len(idx))))
+            d.decoded.costs.update(zip(idx, zip(nfes, r.row_positions or [None] * len(idx))))
 
 
 def score(d: Decoder, asked, tokenizer) -> dict:
-    from dllmflow.evaluation.accuracy import attach_costs, score_metrics, score_predictions
+    from dllmflow.evaluation.accuracy import score_metrics, score_predictions
 
-    preds = attach_costs(score_predictions(asked.rows, asked.chats, d.outputs, tokenizer), d.costs)
-    m = score_metrics(preds, d.b16_s, d.row_nfe)
+    preds = score_predictions(asked.rows, asked.chats, d.decoded, tokenizer)
+    m = score_metrics(preds, d.decoded.elapsed_s)
     n = len(preds)
     return {
         "decoder": d.label,
         "em_flex": m["exact_match_flexible"],
         "em_strict": m["exact_match_strict"],
         "latency_s": statistics.median(d.b1_s),
-        "answers_per_s": n / max(d.b16_s, 1e-9),
+        "answers_per_s": n / max(d.decoded.elapsed_s, 1e-9),
         "nfe": m["nfe"],
         "tokens_per_forward": m["tokens_per_forward"],
         "effective_token_ratio": m.get("effective_token_ratio"),
-        "batch_invariant": sum(d.b1_outputs[i] == d.outputs[i] for i in d.outputs) / n,
+        "batch_invariant": sum(d.b1_outputs[i] == seq for i, seq in d.decoded.sequences.items()) / n,
         "samples": [p["prediction"] for p in preds[:3]],
     }
 
@@ -192,15 +180,13 @@ def build_decoders(args, s, ar_s, run_dir: Path) -> list[Decoder]:
     from dllmflow import runs
     from dllmflow.evaluation.protocol import build_eval_runner
 
-    ar = build_eval_runner(runs.find_consolidated(str(run_dir / "ar")), ar_s, "ar")
+    ar = build_eval_runner(runs.find_consolidated(str(ar_s.resolved_run_dir)), ar_s, "ar")
     decoders = [Decoder("AR control (ar: greedy, KV cache)", ar, {})]
     loaded: dict = {}
     for text in args.setting or DEFAULT_SETTINGS:
         sampler, over = parse_setting(text)
         if sampler not in loaded:
-            loaded[sampler] = build_eval_runner(
-                runs.find_consolidated(str(run_dir / "dllm")), s, sampler, over
-            )
+            loaded[sampler] = build_eval_runner(runs.find_consolidated(str(run_dir)), s, sampler, over)
         decoders.append(Decoder(f"dLLM {text}", loaded[sampler], over))
     return decoders
 
@@ -212,15 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     from dllmflow.evaluation.protocol import eval_prompts
     from dllmflow.settings import load_settings
     from dllmflow.settings.loader import parse_overrides
+    from dllmflow.workflow import ar_control
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    over = {**parse_overrides(args.set), "eval.limit": args.eval_limit}
+    over = {**parse_overrides(args.set), "eval.limit": args.eval_limit, "eval.ar_control": {"enabled": True}}
     if args.steps:
         over["train.max_steps"] = args.steps
     s = load_settings(args.recipe, **over)
-    ar_s = ar_control_settings(s)
     run_dir = Path(args.run_dir or ROOT / "runs" / "bench_vs_ar" / s.name)
+    ar_s = ar_control.control_settings(s, run_dir)  # the flow's control arm: same rows, steps, optimizer
     out: dict = {
         "recipe": args.recipe,
         "overrides": over,
@@ -229,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     prepare(s)  # reused when its input fingerprint is unchanged
     out["train"] = {
-        arm: train_arm(st, run_dir / arm, args.skip_train) for arm, st in (("dllm", s), ("ar", ar_s))
+        arm: train_arm(st, Path(d), args.skip_train)
+        for arm, st, d in (("dllm", s, run_dir), ("ar", ar_s, ar_s.resolved_run_dir))
     }
     for arm, t in out["train"].items():
         print(f"{arm}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()})}")
