@@ -22,7 +22,26 @@ cache, threshold decoding inside a block, a row stops at the block that commits 
 256-token budget costs what the answer costs; a bidirectional sampler (`llada` with Fast-dLLM's
 dual cache) first runs the whole canvas and pays for the budget.
 
-Last measured: see the module's FIGURES below and params/smollm2_mdlm_lora.yaml's comments.
+Last measured 2026-12-04 (issue 38; SmolLM2-135M-Instruct, params/smollm2_mdlm_lora.yaml with
+--steps 250 --set dllm.attention_annealing_steps=120, 64 held-out problems, 2 threads, Intel 2-core
+machine shared with other jobs: both arms trained side by side, 250 steps each: 200 of a 400-step cosine,
+then resumed with max_steps 250; dLLM 14.61 s/step, AR 14.73 s/step, 376 tokens/step each, so equal
+steps and equal wall seconds; final loss 0.348 vs 0.153). Ratios to the AR control (EM 0.828, 0.530 s per
+answer at batch 1, 8.93 answers/s at batch 16, 6.0 forwards per answer):
+
+    decoder (llada2, exact cache, blocks of 8)   EM     dEM     latency b1   throughput b16   NFE
+    threshold 0.9, 32 new tokens                 0.422  -0.406  0.89x        0.73x            3.3
+    threshold 0.5, 32 new tokens                 0.406  -0.422  0.79x        0.81x            2.8
+    threshold 0.9, 256 new tokens                0.422  -0.406  0.84x        0.75x            3.3
+    threshold 0.5, 256 new tokens                0.406  -0.422  0.75x        0.84x            2.8
+
+No goal met (quality by 40.6 points, latency 0.75x vs 0.5x, throughput 0.84x vs 1.0x). What bounds it:
+the answer is 6 tokens ("#### 085" + EOS), so the AR control spends a prefill and 5 one-token forwards;
+the dLLM at 2.8 forwards spends the same prefill (with the block) and ~1.8 forwards of 9 positions, each
+dearer than a one-token forward on CPU (under load: 1.8x one token; a 45-token prefill 2.8x), so 0.5x
+needs nearly the whole answer committed in the first forward; and the mdlm model, trained bidirectionally, is decoded block-causally (its prompt no
+longer sees the answer), at 250 steps it trails the AR control by 40 points at every threshold. A 256-token
+budget costs what 32 costs for both arms (EOS stop; answers identical at batch 1 and 16).
 """
 
 from __future__ import annotations
