@@ -29,15 +29,20 @@ fraction of a core; rows per CPU-second are the per-core figure):
               met). The Rust BPE encode is ~0.6 ms of the new 0.72 ms (encode_batch alone: ~1,700
               rows/CPU-s on these 320-token chats), the same work the old path does per row, so 3x per
               core is out of reach without a faster tokenizer; the old path's extra was Python.
-  memory      peak RSS of any process 0.43 GB at 60k (old path 0.48 GB at 5k, 1.23 GB at 60k in the
-              issue); at 1M with 2 workers 0.45 GB per worker, 0.27 GB the parent (while running).
+  1M rows     prepared end to end with 2 workers (2 units of 500k): 1,996 s, 501 rows/s wall (load
+              15 falling to 7), 1,259 rows/CPU-s; peak RSS of any process 0.43 GiB (goal <= 1.5; the
+              old path extrapolates to ~17 GB); 979,856 train rows in 980 shards.
+  memory      peak RSS of any process 0.43 GiB at 60k and at 1M (old path 0.48 GB at 5k, 1.23 GB at
+              60k in the issue): it does not grow with the rows.
   workers     60k rows, 2 workers vs 1: 1.02x wall (goal 1.6x) on a machine whose 2 cores were already
               saturated (load 14.7): a second process shares the same slice; needs a quiet rerun.
-  disk        60k rows: parquet 0.107 GB + token files 0.093 GB (source 0.08 GB).
-  dataset     open + 1,000 random rows: RSS +28 MB at 60k, +29.5 MB on a 1M-row split of 1,020 shards
-              (RssAnon +6 MB); the old path +652 MB at 60k. Through a mapping instead of positioned
+  disk        60k rows: parquet 0.107 GB + token files 0.093 GB (source 0.08 GB); 1M rows: parquet
+              1.78 GB + token files 1.55 GB (source 1.40 GB).
+  dataset     open + 1,000 random rows: RSS +28 MB at 60k, +29.3 MB on the 1M run's train split
+              (980 shards, opened in 3 ms; RssAnon ~+6 MB); the old path +652 MB at 60k. Through a mapping instead of positioned
               reads: +114 MB at 60k, +550 MB at 1M (fault-around), hence the reads.
-  loader      1,983-2,653 samples/s vs one tiny_mdlm step's 8 samples in 319 ms = 25/s: 79-106x.
+  loader      1,983 (60k) - 2,685 (1M) samples/s vs one tiny_mdlm step's 8 samples in 319 ms = 25/s:
+              79-107x.
 """
 
 from __future__ import annotations
