@@ -35,6 +35,10 @@ answer at batch 1, 8.93 answers/s at batch 16, 6.0 forwards per answer):
     threshold 0.9, 256 new tokens                0.422  -0.406  0.84x        0.75x            3.3
     threshold 0.5, 256 new tokens                0.406  -0.422  0.75x        0.84x            2.8
 
+Rerun on the quiet machine (load ~1.8) the same day, same EM and forwards: AR 0.458 s/answer, 9.85
+answers/s; latency 0.89x / 0.80x (32 tokens, threshold 0.9 / 0.5), 0.88x / 0.81x (256); throughput
+0.72x / 0.79x (32), 0.74x / 0.82x (256).
+
 No goal met (quality by 40.6 points, latency 0.75x vs 0.5x, throughput 0.84x vs 1.0x). What bounds it:
 the answer is 6 tokens ("#### 085" + EOS), so the AR control spends a prefill and 5 one-token forwards;
 the dLLM at 2.8 forwards spends the same prefill (with the block) and ~1.8 forwards of 9 positions, each
