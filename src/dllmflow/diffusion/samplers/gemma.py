@@ -28,7 +28,7 @@ class GemmaSampler(Sampler):
     supports_batching = False
     no_kv_cache_reason = "it runs DiffusionGemma's own generate, whose caching is upstream's"
 
-    def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None):
+    def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         if not hasattr(model, "generate") or not hasattr(getattr(model, "model", None), "decoder"):
             raise UserError(
                 f"sampler gemma needs a DiffusionGemmaForBlockDiffusion checkpoint, got {type(model).__name__}"
@@ -36,7 +36,7 @@ class GemmaSampler(Sampler):
         # Block diffusion has no [MASK]; the base class still wants an id, any in-vocabulary one does.
         fallback = getattr(tokenizer, "mask_token_id", None)
         super().__init__(
-            model, tokenizer, config, mask_id if mask_id is not None else (fallback or 0), forward
+            model, tokenizer, config, mask_id if mask_id is not None else (fallback or 0), forward, **kw
         )
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
