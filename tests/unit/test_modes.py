@@ -63,7 +63,11 @@ def test_strategies_samplers_and_settings_follow_the_specs():
 def test_eval_samplers_and_build_strategy_come_from_the_spec(path):
     s = load_settings(path)
     spec = MODES[s.dllm.mode]
-    assert finetune.eval_samplers(s) == list(spec.samplers + spec.extra_evaluations)
+    # the untrained AR base ("ar") and the same-data AR control ("ar_control") follow when asked for
+    # (a GRPO recipe, `rl:`, has no control arm even when it shares the fine-tune's eval section)
+    control = s.eval.ar_control is not None and s.eval.ar_control.enabled and s.rl is None
+    ar_rows = ["ar"] * bool(s.eval.ar_baseline) + ["ar_control"] * control
+    assert finetune.eval_samplers(s) == list(spec.samplers + spec.extra_evaluations) + ar_rows
     assert type(build_strategy(s)) is spec.strategy_class()
     assert type(s.dllm) is spec.config
 
