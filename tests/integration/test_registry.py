@@ -220,7 +220,7 @@ def test_registered_model_carries_its_own_environment_and_links_its_logged_model
     import yaml
     from mlflow import MlflowClient
 
-    from dllmflow.data.prepare import read_manifest
+    from dllmflow.data.prepared_dir import read_manifest
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     prepared = str(consolidated.parents[1] / "prepared")

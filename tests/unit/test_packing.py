@@ -237,7 +237,7 @@ def test_modes_that_cannot_pack_are_refused_naming_the_field(dllm):
 
 
 def test_packable_modes_load_and_packing_stays_out_of_the_prepare_fingerprint():
-    from dllmflow.data.prepare import _settings_used
+    from dllmflow.data.prepared_dir import _settings_used
 
     for mode in ("mdlm", "scdd"):
         assert _settings(mode, True).dataset.packing

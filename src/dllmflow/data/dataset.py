@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dllmflow.errors import UserError
 
-from .prepare import MANIFEST, read_manifest
+from .prepared_dir import MANIFEST, read_manifest
 from .shards import TokenStore
 
 ROW_COLUMNS = ("id", "messages", "answer", "prompt_length")

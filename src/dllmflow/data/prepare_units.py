@@ -33,7 +33,7 @@ from dllmflow.errors import UserError
 from .chat import MAX_EXAMPLES, ChatSource
 from .formats import row_texts, split_key
 from .gsm8k import sha256_file, split_of
-from .prepare import (
+from .prepared_dir import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,

@@ -118,7 +118,7 @@ def _index_units(kind: str, path: str, n: int, every: int | None) -> list[list[S
 
 
 def _plan_rows(dcfg, every: int | None) -> SourcePlan:
-    from .prepare import load_source
+    from .prepared_dir import load_source
 
     src = load_source(dcfg)  # in memory: a mixture samples across whole sources
     return SourcePlan(src.sha256, src.files, _index_units("rows", "", len(src.rows), every))
@@ -309,7 +309,7 @@ def _read_hf(dcfg, seg: Segment, spec: RowSpec, out: ChatSource) -> Iterator[dic
 
 
 def _read_rows(dcfg, seg: Segment, spec: RowSpec, out: ChatSource) -> Iterator[dict]:
-    from .prepare import load_source
+    from .prepared_dir import load_source
 
     src = load_source(dcfg)
     if seg.start == 0:  # the mixture's drops, counted once (by the unit that starts it)

@@ -27,7 +27,7 @@ def prepared_dataset(settings: Settings, content_hash: str | None = None) -> Any
     `dataset.prepared_dir`; None when neither is known."""
     from mlflow.data.meta_dataset import MetaDataset
 
-    from dllmflow.data.prepare import read_manifest
+    from dllmflow.data.prepared_dir import read_manifest
 
     prepared = settings.dataset.prepared_dir
     if not content_hash and "://" not in prepared:

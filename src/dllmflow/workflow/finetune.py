@@ -27,7 +27,7 @@ from dllmflow.settings import Settings, load_settings_text
 from dllmflow.settings.pipeline import AR_CONTROL, AR_EVALUATION
 from dllmflow.workflow import ar_control
 from dllmflow.workflow.card import comparison_table, results_table
-from dllmflow.workflow.data import data_units, join_data, plan_data, prepare_data, prepare_unit  # noqa: F401 - steps
+from dllmflow.workflow.data_steps import data_units, join_data, plan_data, prepare_data, prepare_unit  # noqa: F401 - steps
 
 log = logging.getLogger(__name__)
 

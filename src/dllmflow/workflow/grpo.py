@@ -235,7 +235,7 @@ def register(
 
 
 def _prepared_lineage(s: Settings) -> dict[str, Any]:
-    from dllmflow.data.prepare import read_manifest
+    from dllmflow.data.prepared_dir import read_manifest
 
     manifest = read_manifest(s.dataset.prepared_dir) or {}
     return {"content_hash": manifest.get("content_hash"), "source_sha256": manifest.get("source_sha256")}

@@ -153,7 +153,7 @@ def export_facts(settings: Settings, mask_token_id: int | None) -> ExportFacts:
     """What the card of an export trained with `settings` says: the mode's default sampler
     (`MODES[mode].samplers[0]`) with the settings evaluation would use (its preset < the eval
     section), and the prepared data's content hash."""
-    from dllmflow.data.prepare import read_manifest
+    from dllmflow.data.prepared_dir import read_manifest
     from dllmflow.diffusion.modes import MODES
     from dllmflow.diffusion.samplers.configs import build_sampler_config
     from dllmflow.models.model_card import ExportFacts
