@@ -24,7 +24,7 @@ from dllmflow.diffusion.samplers.loop import (
     get_transfer_index,
     gumbel_argmax,
     run_block_sampler,
-    shift_logits,
+    shift_right_zero_fill,
 )
 from dllmflow.errors import UserError
 
@@ -160,12 +160,12 @@ def test_random_remasking_commits_k_masked_positions():
     assert not transfer[~mask].any()
 
 
-def test_shift_logits():
+def test_shift_right_zero_fill():
     logits = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
-    out = shift_logits(logits, 1)
+    out = shift_right_zero_fill(logits, 1)
     assert torch.equal(out[:, 0], torch.zeros(2, 3))
     assert torch.equal(out[:, 1:], logits[:, :-1])
-    assert shift_logits(logits, 0) is logits
+    assert shift_right_zero_fill(logits, 0) is logits
 
 
 def test_geometry():

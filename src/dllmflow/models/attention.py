@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .logit_shift import is_logit_shifted, shift_logits
+from .logit_shift import is_logit_shifted, shift_right_keep_first
 from .wrappers import unwrap
 
 # HF's `logits_to_keep`: the last n positions (0 = all), or a 1-D LongTensor of positions.
@@ -67,11 +67,17 @@ def mask_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
 
 
 def forward_bidirectional(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, logits_to_keep: Keep = 0
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    logits_to_keep: Keep = 0,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """Logits [B, L, V] of `model` over `input_ids` [B, L] with bidirectional attention that ignores
     padding keys (`attention_mask` [B, L], None = no padding); with `logits_to_keep` = n > 0, those of
-    the last n positions only, [B, n, V]; with a LongTensor of n positions, those (see `model_logits`)."""
+    the last n positions only, [B, n, V]; with a LongTensor of n positions, those (see `model_logits`).
+    `position_ids` [B, L] (None: the model's own 0..L-1): `row_positions` reads a left-padded row as
+    it would read alone. The natively bidirectional families take neither mask nor positions."""
     config = getattr(unwrap(model), "config", None)
     if getattr(config, "model_type", None) in NATIVELY_BIDIRECTIONAL:
         return model_logits(model, logits_to_keep, input_ids=input_ids)
@@ -79,7 +85,16 @@ def forward_bidirectional(
     mask = bidirectional_mask(
         attention_mask, mask_dtype(model, input_ids.device), batch=B, length=L, device=input_ids.device
     )
-    return model_logits(model, logits_to_keep, input_ids=input_ids, attention_mask=mask, use_cache=False)
+    positions = {} if position_ids is None else {"position_ids": position_ids}
+    return model_logits(
+        model, logits_to_keep, input_ids=input_ids, attention_mask=mask, **positions, use_cache=False
+    )
+
+
+def row_positions(attention_mask: Tensor) -> Tensor:
+    """Position ids [B, L] that restart at each row's first real token (`attention_mask` [B, L], 1 =
+    real), so a left-padded row is read as it would be alone; padding before it gets 0."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
 
 
 def model_logits(model: nn.Module, logits_to_keep: Keep = 0, **inputs) -> Tensor:
@@ -96,14 +111,14 @@ def model_logits(model: nn.Module, logits_to_keep: Keep = 0, **inputs) -> Tensor
 def _shifted_logits(model: nn.Module, logits_to_keep: Keep, inputs: dict) -> Tensor:
     """`model_logits` of a `dllm.logit_shift` model (models/logit_shift.py): the last n positions need
     n + 1 raw logits, the first of them read by the position after it; chosen positions p read raw
-    position p - 1 (position 0 its own, as `shift_logits`)."""
+    position p - 1 (position 0 its own, as `shift_right_keep_first`)."""
     if isinstance(logits_to_keep, Tensor):
         return _raw_logits(model, (logits_to_keep - 1).clamp_min(0), inputs)  # [B, n, V]
     length = inputs["input_ids"].shape[1] if "input_ids" in inputs else None
     if not logits_to_keep or (length is not None and logits_to_keep >= length):
-        logits = shift_logits(_raw_logits(model, 0, inputs))  # [B, L, V]
+        logits = shift_right_keep_first(_raw_logits(model, 0, inputs))  # [B, L, V]
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
-    return shift_logits(_raw_logits(model, logits_to_keep + 1, inputs))[:, 1:]  # [B, n, V]
+    return shift_right_keep_first(_raw_logits(model, logits_to_keep + 1, inputs))[:, 1:]  # [B, n, V]
 
 
 def _raw_logits(model: nn.Module, keep: Keep, inputs: dict) -> Tensor:

@@ -11,7 +11,7 @@ start their spans one position early.
 
     model = build_mdlm_model(settings, tokenizer)      # the mdlm ModeSpec's builder
     is_logit_shifted(model)                            # True when the recipe set dllm.logit_shift
-    shift_logits(raw)                                  # [B, L, V]: out[:, i] = raw[:, i-1], out[:, 0] = raw[:, 0]
+    shift_right_keep_first(raw)                        # [B, L, V]: out[:, i] = raw[:, i-1], out[:, 0] = raw[:, 0]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def is_logit_shifted(model: nn.Module) -> bool:
     return bool(getattr(getattr(unwrap(model), "config", None), SHIFT_ATTR, False))
 
 
-def shift_logits(logits: Tensor) -> Tensor:
+def shift_right_keep_first(logits: Tensor) -> Tensor:
     """[B, L, V] -> [B, L, V] with position i holding position i-1's logits. Position 0 has no
     predecessor and keeps its own: it is always a prompt token (or padding), never predicted."""
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)

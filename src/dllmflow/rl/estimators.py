@@ -36,8 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from dllmflow.errors import UserError
-from dllmflow.models.attention import NATIVELY_BIDIRECTIONAL, bidirectional_mask, mask_dtype, model_logits
-from dllmflow.models.wrappers import unwrap
+from dllmflow.models.attention import forward_bidirectional, row_positions
 
 
 @dataclass
@@ -75,6 +74,17 @@ class Draws:
         if self.excluded_id is not None:
             logits = logits.index_fill(-1, torch.tensor([self.excluded_id], device=logits.device), -math.inf)
         return torch.log_softmax(logits / self.temperature, dim=-1)
+
+    def policy_log_probs(self, model: nn.Module) -> Tensor:
+        """The scored policy's log-probabilities [K*B, C, V] at the completion positions of every noisy
+        copy: the K copies run as one batch of K·B rows, bidirectionally, padding keys hidden and
+        positions counted from each row's first real token (a left-padded prompt reads as alone)."""
+        K, B, T = self.noisy_ids.shape
+        C, P = self.targets.shape[-1], self.prompt_len
+        ids = self.noisy_ids.reshape(K * B, T)  # [K*B, T]
+        valid = self.attention_mask.repeat(K, 1)  # [K*B, T]
+        logits = forward_bidirectional(model, ids, valid, position_ids=row_positions(valid))  # [K*B, T, V]
+        return self.log_probs(logits[:, P : P + C])  # [K*B, C, V]
 
 
 class Estimator(abc.ABC):
@@ -121,28 +131,13 @@ class Estimator(abc.ABC):
         """-> (noisy prompt [K, B, P], noisy completion [K, B, C], weights [K, B, C]); each estimator's own."""
 
     def token_logp(self, model: nn.Module, draws: Draws) -> Tensor:
-        """Σ_k weights[k] · log p_θ(target | noisy copy k) per completion token: [B, C], differentiable.
-
-        The K copies run as one batch of K·B rows, bidirectionally, padding keys hidden and positions
-        counted from each row's first real token (so a left-padded prompt reads as it would alone)."""
-        K, B, T = draws.noisy_ids.shape
-        C, P = draws.targets.shape[-1], draws.prompt_len
-        ids = draws.noisy_ids.reshape(K * B, T)  # [K*B, T]
-        valid = draws.attention_mask.repeat(K, 1)  # [K*B, T]
-        logp = draws.log_probs(_forward(model, ids, valid)[:, P : P + C])  # [K*B, C, V]
+        """Σ_k weights[k] · log p_θ(target | noisy copy k) per completion token: [B, C], differentiable
+        (one forward of the K copies, `Draws.policy_log_probs`)."""
+        K, B, C = draws.weights.shape
+        logp = draws.policy_log_probs(model)  # [K*B, C, V]
         target = draws.targets.repeat(K, 1)  # [K*B, C]
         picked = logp.gather(-1, target[..., None]).squeeze(-1).view(K, B, C)  # [K, B, C]
         return (picked * draws.weights).sum(dim=0)  # [B, C]
-
-
-def _forward(model: nn.Module, ids: Tensor, valid: Tensor) -> Tensor:
-    """Logits [N, T, V] with bidirectional attention over the real tokens of each row."""
-    config = getattr(unwrap(model), "config", None)
-    if getattr(config, "model_type", None) in NATIVELY_BIDIRECTIONAL:
-        return model_logits(model, input_ids=ids)  # remote code takes no 4D mask (models/attention.py)
-    mask = bidirectional_mask(valid, mask_dtype(model, ids.device))  # [N, 1, T, T]
-    position_ids = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [N, T]
-    return model_logits(model, input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
 
 
 def _masked(ids: Tensor, where: Tensor, mask_id: int) -> Tensor:

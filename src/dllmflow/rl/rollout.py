@@ -121,22 +121,8 @@ def decode_group(sampler: Any, prompt_ids: list[int], num: int, seed: int) -> Gr
 def masked_entropy(model: nn.Module, draws: Any) -> tuple[float, float]:
     """(Σ entropy of the policy's prediction, count) over the completion positions the draws mask
     (weight > 0): how sure the policy is where it must fill in. One no-grad forward of the K copies."""
-    from dllmflow.models.attention import NATIVELY_BIDIRECTIONAL, bidirectional_mask, mask_dtype, model_logits
-    from dllmflow.models.wrappers import unwrap
-
-    K, B, T = draws.noisy_ids.shape
-    C, P = draws.targets.shape[-1], draws.prompt_len
-    ids = draws.noisy_ids.reshape(K * B, T)  # [K*B, T]
-    valid = draws.attention_mask.repeat(K, 1)  # [K*B, T]
-    if getattr(getattr(unwrap(model), "config", None), "model_type", None) in NATIVELY_BIDIRECTIONAL:
-        logits = model_logits(model, input_ids=ids)
-    else:
-        mask = bidirectional_mask(valid, mask_dtype(model, ids.device))  # [K*B, 1, T, T]
-        positions = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [K*B, T]
-        logits = model_logits(
-            model, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
-        )
-    logp = draws.log_probs(logits[:, P : P + C])  # [K*B, C, V], the scored policy's
+    K, B, C = draws.weights.shape
+    logp = draws.policy_log_probs(model)  # [K*B, C, V]
     entropy = -(logp.exp() * logp).sum(-1).view(K, B, C)  # [K, B, C]
     scored = draws.weights > 0  # [K, B, C]
     return float(entropy[scored].sum()), float(scored.sum())

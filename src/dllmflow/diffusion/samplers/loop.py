@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from dllmflow.errors import UserError
-from dllmflow.models.attention import takes_logits_to_keep
+from dllmflow.models.attention import row_positions, takes_logits_to_keep
 
 from .configs import BlockConfig
 from .stopping import LiveRows, first_eos_done, truncate_after_eos
@@ -114,7 +114,7 @@ def get_transfer_index(
     return x0, transfer
 
 
-def shift_logits(logits: Tensor, shift: int) -> Tensor:
+def shift_right_zero_fill(logits: Tensor, shift: int) -> Tensor:
     """Position p reads logits[p - shift]; the first `shift` positions get zeros. [B, L, V] -> same."""
     if shift == 0:
         return logits
@@ -278,8 +278,7 @@ def build_left_padded_canvas(
         valid[b, S - len(p) :] = 1
     x[:, S:] = mask_id
     # Positions restart at each row's first real token, so a padded row sees what it would alone.
-    position_ids = (valid.cumsum(dim=1) - 1).clamp_min(0)  # [B, T]
-    return LeftPaddedCanvas(x, valid, position_ids, S)
+    return LeftPaddedCanvas(x, valid, row_positions(valid), S)
 
 
 def commit_step(
@@ -374,7 +373,7 @@ def iter_block_sampler(
             off = width - keep
             keep_kw = {"logits_to_keep": keep} if keep_kw_ok else {}
             sub = x[r, :width]  # [R, W] a copy: written back below
-            logits = shift_logits(forward(sub, attn[r, :width], **keep_kw)[:, -keep:], logit_shift)
+            logits = shift_right_zero_fill(forward(sub, attn[r, :width], **keep_kw)[:, -keep:], logit_shift)
             nfe += 1
             row_nfe[r] += 1  # forwards a row needed, not the batch's
             live.computed(r, attn[r, :width])
@@ -429,7 +428,7 @@ def run_infill(
             candidates = in_block & (x == mask_id)
             if not candidates.any():
                 break
-            logits = shift_logits(forward(x, attn), logit_shift)  # [B, T, V]
+            logits = shift_right_zero_fill(forward(x, attn), logit_shift)  # [B, T, V]
             logits[..., mask_id] = -math.inf
             nfe += 1
             k = candidates.sum(dim=1) if i == spb - 1 else schedule[:, i]
