@@ -12,7 +12,7 @@ rows leave it through `select_rows` (the block loop's `LiveRows`: a row stopped 
 no more).
 
     source = CausalShiftCache(model, canvas)               # idlm, exact
-    nfe, row_nfe, positions = run_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator)
+    nfe, row_nfe, positions = drain(iter_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id))
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
+    LoopRows,
     SettledRows,
-    block_progress,
+    between_blocks,
     build_left_padded_canvas,
     commit_step,
-    drain,
     get_num_transfer_tokens,
 )
-from .stopping import LiveRows, first_eos_done
+from .stopping import first_eos_done
 
 
 def on_rows(t: Tensor, rows: Tensor | None) -> Tensor:
@@ -156,14 +156,10 @@ def key_mask(key_valid: Tensor, num_queries: int, dtype: torch.dtype) -> Tensor:
     return torch.where(keep, zero, low)
 
 
-# ---- exact caches ------------------------------------------------------------------------------------
-
-
-class CausalShiftCache:
-    """idlm (causal, logit shift 1): the block [lo, hi) is filled from the logits of [lo-1, hi-1).
-    The cache holds the committed prefix [0, lo-1): the LAST committed token stays out of it and is
-    re-fed with the block, its query giving the block's first logit. A block's first forward also
-    re-feeds the previous block (now final) and keeps its keys, so no forward is added."""
+class CacheSource:
+    """What every cached logits source shares: the canvas, a `ModelCache` whose forwards are the
+    source's `calls`, and rows selected alike in the cache (the canvas is shared with the loop, which
+    selects it)."""
 
     def __init__(self, model, canvas: LeftPaddedCanvas):
         self.c, self.kv = canvas, ModelCache(model, canvas.x.device)
@@ -173,7 +169,17 @@ class CausalShiftCache:
         return self.kv.calls
 
     def select_rows(self, index: Tensor) -> None:
-        self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
+        self.kv.select_rows(index)
+
+
+# ---- exact caches ------------------------------------------------------------------------------------
+
+
+class CausalShiftCache(CacheSource):
+    """idlm (causal, logit shift 1): the block [lo, hi) is filled from the logits of [lo-1, hi-1).
+    The cache holds the committed prefix [0, lo-1): the LAST committed token stays out of it and is
+    re-fed with the block, its query giving the block's first logit. A block's first forward also
+    re-feeds the previous block (now final) and keeps its keys, so no forward is added."""
 
     def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, start, end = self.c, self.kv.length, hi - 1  # forward [start, end)
@@ -188,7 +194,7 @@ class CausalShiftCache:
         return logits  # [B, hi-lo, V]
 
 
-class BlockCausalCache:
+class BlockCausalCache(CacheSource):
     """llada2 (block-causal, prompt bidirectional): the cache holds the prompt and the committed
     blocks [0, lo); each step forwards the block against it. A block's first forward also feeds the
     previous block (now final; block-causal attention makes its keys independent of later blocks).
@@ -197,14 +203,8 @@ class BlockCausalCache:
     the previous block or the prompt, does not see the block, so its logit is the same every step)."""
 
     def __init__(self, model, canvas: LeftPaddedCanvas, block_size: int, shift: int = 0):
-        self.c, self.kv, self.bs, self.shift = canvas, ModelCache(model, canvas.x.device), block_size, shift
-
-    @property
-    def calls(self) -> int:
-        return self.kv.calls
-
-    def select_rows(self, index: Tensor) -> None:
-        self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
+        super().__init__(model, canvas)
+        self.bs, self.shift = block_size, shift
 
     def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, start, a = self.c, self.kv.length, lo - self.shift  # forward [start, hi), logits of [a, a+hi-lo)
@@ -222,7 +222,7 @@ class BlockCausalCache:
 # ---- Fast-dLLM's approximate caches (bidirectional attention) ---------------------------------------
 
 
-class FastDLLMCache:
+class FastDLLMCache(CacheSource):
     """llada/scdd with `cache` 'prefix' or 'dual' (Fast-dLLM, Wu et al. 2025). The first call for a
     new block [lo, hi) is a full bidirectional forward over the canvas (its logits are that step's) that
     refreshes the cache: 'prefix' keeps the keys of [0, lo) (prompt and committed blocks), 'dual' also
@@ -236,16 +236,10 @@ class FastDLLMCache:
     and its first len(block) outputs fill the block."""
 
     def __init__(self, model, canvas: LeftPaddedCanvas, mode: CacheMode):
-        self.c, self.kv, self.mode = canvas, ModelCache(model, canvas.x.device), mode
-        self.block: tuple[int, int] | None = None
+        super().__init__(model, canvas)
+        self.mode = mode
+        self.block: tuple[int, int] | None = None  # the block the cache was refreshed for
         self.shift = int(is_logit_shifted(model))
-
-    @property
-    def calls(self) -> int:
-        return self.kv.calls
-
-    def select_rows(self, index: Tensor) -> None:
-        self.kv.select_rows(index)  # the canvas is shared with the loop, which selects it
 
     def refresh(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         """Full forward over the canvas; cache [0, a) (+ [hi, T) for dual); logits [R, hi-lo, V]."""
@@ -283,21 +277,6 @@ class FastDLLMCache:
 # ---- the block loop over a cached source -------------------------------------------------------------
 
 
-def run_cached_block_sampler(
-    source,
-    canvas: LeftPaddedCanvas,
-    cfg: BlockConfig,
-    geometry: BlockGeometry,
-    mask_id: int,
-    fill_id: int,
-    generator: torch.Generator | None = None,
-) -> tuple[int, Tensor, Tensor]:
-    """The block sampler of `loop.run_block_sampler` on a left-padded canvas, logits from `source`
-    (same schedule, selection, threshold, last-step commit and per-row EOS stop), in place on
-    `canvas.x`. -> (nfe, row_nfe [B], positions [B] computed per row)."""
-    return drain(iter_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id, generator))
-
-
 def iter_cached_block_sampler(
     source,
     canvas: LeftPaddedCanvas,
@@ -307,26 +286,18 @@ def iter_cached_block_sampler(
     fill_id: int,
     generator: torch.Generator | None = None,
 ) -> BlockLoop:
-    """`run_cached_block_sampler` one block at a time (a `loop.BlockLoop`); kept rows are selected in
-    the canvas and the source's cache. A row that stops at its EOS leaves the forwards (and the cache)
-    at once; a row done with its block while others are not stays in them until the block ends (its
-    cached keys are the batch's)."""
+    """The block sampler of `loop.iter_block_sampler` on a left-padded canvas, logits from `source`
+    (same schedule, selection, threshold, last-step commit and per-row EOS stop), in place on
+    `canvas.x`, one block at a time (a `loop.BlockLoop`); kept rows are selected in the canvas and the
+    source's cache. A row that stops at its EOS leaves the forwards (and the cache) at once; a row done
+    with its block while others are not stays in them until the block ends (its cached keys are the
+    batch's). -> (nfe, row_nfe [B], positions [B] computed per row)."""
     S, G = canvas.prefix_len, geometry.gen_length
-    B, device = canvas.x.shape[0], canvas.x.device
-    start = torch.full((B,), S, device=device)  # [B]
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
-    row_nfe = torch.zeros(B, dtype=torch.long, device=device)
-    live = LiveRows(B, device)
+    state = LoopRows.new(torch.full((canvas.x.shape[0],), S, device=canvas.x.device))
     for j in range(geometry.num_blocks):
         if j:
-            rows = yield block_progress(
-                canvas.x, start, j * geometry.block_size, done, row_nfe, live.positions
-            )
-            if rows is not None:
-                index = torch.tensor(rows, dtype=torch.long, device=device)
-                source.select_rows(live.keep(index))
-                canvas.select_rows(index)
-                start, done, row_nfe = start[index], done[index], row_nfe[index]
+            yield from between_blocks(state, canvas, j * geometry.block_size, source)
+        start, done, row_nfe, live = state.start, state.done, state.row_nfe, state.live
         if not len(live):
             break
         x = canvas.x
@@ -350,11 +321,9 @@ def iter_cached_block_sampler(
                 done |= first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
             if settled and not last:
                 settled.update(x, start, hi, ~(block == mask_id).any(dim=1) | done)
-            stay = live.retire(done)
-            if stay is not None:
-                source.select_rows(stay)
+            state.retire_done(source)
             if not len(live):
                 break
     x = canvas.x
     x[:, S:][x[:, S:] == mask_id] = fill_id  # rows stopped at an EOS keep masks after it
-    return source.calls, row_nfe, live.positions
+    return source.calls, state.row_nfe, state.live.positions

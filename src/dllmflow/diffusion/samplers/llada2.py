@@ -45,15 +45,16 @@ from .loop import (
     BlockGeometry,
     BlockLoop,
     LeftPaddedCanvas,
+    LoopRows,
     SettledRows,
+    between_blocks,
     block_geometry,
-    block_progress,
     build_left_padded_canvas,
     drain,
     get_num_transfer_tokens,
     gumbel_argmax,
 )
-from .stopping import LiveRows, first_eos_done
+from .stopping import first_eos_done
 
 # logits = forward(input_ids [B, T], 4D mask, position_ids [B, T], num_logits) -> [B, >= num_logits, V]
 RefineForward = Callable[[Tensor, Tensor, Tensor, int], Tensor]
@@ -113,24 +114,6 @@ class CanvasBlockCausal:
         pass  # no state of its own: the canvas is shared with the loop, which selects it
 
 
-def refine_blocks(
-    source: Callable[[int, int], Tensor],
-    canvas: LeftPaddedCanvas,
-    cfg: LLaDA2Config,
-    geometry: BlockGeometry,
-    mask_id: int,
-    eos_id: int | None,
-    generator: torch.Generator | None = None,
-) -> tuple[int, Tensor, Tensor]:
-    """LLaDA2 block refinement of a batch, in place on `canvas.x` (module docstring). Every row does
-    what it would alone: it leaves a block once it is full (or, with editing, once a post-step edits
-    nothing or `max_post_steps` ran), and stops at its EOS (then leaves the forwards); the batch moves
-    on when no row is left. `source(lo, hi, rows)` -> logits [R, hi-lo, V] of the block
-    (`CanvasBlockCausal`, `kv.BlockCausalCache`). -> (nfe = forward calls, row_nfe [B] = forwards each
-    row took part in, positions [B] = positions they computed for it)."""
-    return drain(iter_refine_blocks(source, canvas, cfg, geometry, mask_id, eos_id, generator))
-
-
 def iter_refine_blocks(
     source: Callable[[int, int], Tensor],
     canvas: LeftPaddedCanvas,
@@ -140,22 +123,19 @@ def iter_refine_blocks(
     eos_id: int | None,
     generator: torch.Generator | None = None,
 ) -> BlockLoop:
-    """`refine_blocks` one block at a time (a `loop.BlockLoop`): a block is yielded once every row
-    left it, so its tokens (edits included) are final."""
-    S, device = canvas.prefix_len, canvas.x.device
-    B, G, bs, spb = canvas.x.shape[0], geometry.gen_length, geometry.block_size, cfg.steps
-    start = torch.full((B,), S, device=device)  # [B]
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # [B] stopped at an EOS
-    row_nfe = torch.zeros(B, dtype=torch.long, device=device)
-    live = LiveRows(B, device)
+    """LLaDA2 block refinement of a batch, in place on `canvas.x` (module docstring), one block at a
+    time (a `loop.BlockLoop`: a block is yielded once every row left it, so its tokens, edits included,
+    are final). Every row does what it would alone: it leaves a block once it is full (or, with
+    editing, once a post-step edits nothing or `max_post_steps` ran), and stops at its EOS (then leaves
+    the forwards); the batch moves on when no row is left. `source(lo, hi, rows)` -> logits [R, hi-lo,
+    V] of the block (`CanvasBlockCausal`, `kv.BlockCausalCache`). -> (nfe = forward calls, row_nfe [B]
+    = forwards each row took part in, positions [B] = positions they computed for it)."""
+    S, G, bs, spb = canvas.prefix_len, geometry.gen_length, geometry.block_size, cfg.steps
+    state = LoopRows.new(torch.full((canvas.x.shape[0],), S, device=canvas.x.device))
     for j in range(geometry.num_blocks):
         if j:
-            rows = yield block_progress(canvas.x, start, j * bs, done, row_nfe, live.positions)
-            if rows is not None:
-                index = torch.tensor(rows, dtype=torch.long, device=device)
-                source.select_rows(live.keep(index))
-                canvas.select_rows(index)
-                start, done, row_nfe = start[index], done[index], row_nfe[index]
+            yield from between_blocks(state, canvas, j * bs, source)
+        start, done, row_nfe, live = state.start, state.done, state.row_nfe, state.live
         if not len(live):
             break
         x, B = canvas.x, canvas.x.shape[0]
@@ -194,12 +174,10 @@ def iter_refine_blocks(
                 left |= done
             if settled:  # a row that left the block never changes it again (edits included)
                 settled.update(x, start, hi, left)
-            stay = live.retire(done)
-            if stay is not None:
-                source.select_rows(stay)
+            state.retire_done(source)
         if not len(live):
             break
-    return source.calls, row_nfe, live.positions
+    return source.calls, state.row_nfe, state.live.positions
 
 
 def _proposals(

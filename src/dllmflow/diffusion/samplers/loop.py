@@ -5,12 +5,12 @@ block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the 
 
     geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
-    x, nfe, row_nfe, positions = run_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator)
+    x, nfe, row_nfe, positions = drain(iter_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator))
 
 The block loops are generators (`iter_block_sampler`, `kv.iter_cached_block_sampler`,
-`llada2.iter_refine_blocks`) that yield a `BlockProgress` between blocks and may be sent the rows to
-keep (a server drops finished or abandoned rows there); `run_*` drain them, so decoding block by block
-gives the tokens of decoding at once (`drain`). Within a block they tell a listener (`SettledRows`,
+`llada2.iter_refine_blocks`) that yield a `BlockProgress` between blocks (`between_blocks`) and may be
+sent the rows to keep (a server drops finished or abandoned rows there); `drain` runs one to its end, so
+decoding block by block gives the tokens of decoding at once. Within a block they tell a listener (`SettledRows`,
 set by `BlockStepper.step(on_settled=...)`) of each row whose block is final while others still decode
 it, so a server can stream that row's block without waiting for the batch's slowest row. A row that
 stopped at its EOS is in no later forward (`LiveRows`; exact: its tokens before the EOS are final),
@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Generator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -212,12 +213,46 @@ class BlockProgress:
 BlockLoop = Generator[BlockProgress, "list[int] | None", tuple]
 
 
-def block_progress(
-    x: Tensor, start: Tensor, length: int, done: Tensor, row_nfe: Tensor, positions: Tensor
-) -> BlockProgress:
-    """Each row's `length` generated ids from its own window start ([B] `start`) on."""
-    rows = [x[b, int(s) : int(s) + length].tolist() for b, s in enumerate(start)]
-    return BlockProgress(rows, done.tolist(), row_nfe.tolist(), positions.tolist())
+@dataclass
+class LoopRows:
+    """What a block loop tracks per row: its generation window's start, whether it stopped at its EOS,
+    its forwards so far, and the live rows (`LiveRows`: still in the forwards, positions computed)."""
+
+    start: Tensor  # [B]
+    done: Tensor  # [B] bool
+    row_nfe: Tensor  # [B] long
+    live: LiveRows
+
+    @classmethod
+    def new(cls, start: Tensor) -> LoopRows:
+        """Every row live, none stopped, no forward yet; windows starting at `start` [B]."""
+        B, device = start.shape[0], start.device
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        return cls(start, done, torch.zeros(B, dtype=torch.long, device=device), LiveRows(B, device))
+
+    def retire_done(self, source) -> None:
+        """Rows stopped at their EOS leave the live rows and the `source`'s cache."""
+        stay = self.live.retire(self.done)
+        if stay is not None:
+            source.select_rows(stay)
+
+
+def between_blocks(rows: LoopRows, canvas, upto: int, source=None) -> Generator[BlockProgress, Any, None]:
+    """The pause of a block loop after a block: yield each row's first `upto` generated ids (final
+    now), then keep the rows the caller sends back (None: all) in `rows`, the canvas and the `source`'s
+    cache (`select_rows` of the live rows that stay)."""
+    x, start = canvas.x, rows.start
+    tokens = [x[b, int(s) : int(s) + upto].tolist() for b, s in enumerate(start)]
+    positions = rows.live.positions.tolist()
+    kept = yield BlockProgress(tokens, rows.done.tolist(), rows.row_nfe.tolist(), positions)
+    if kept is None:
+        return
+    index = torch.tensor(kept, dtype=torch.long, device=x.device)
+    stay = rows.live.keep(index)
+    if source is not None:
+        source.select_rows(stay)
+    canvas.select_rows(index)
+    rows.start, rows.done, rows.row_nfe = start[index], rows.done[index], rows.row_nfe[index]
 
 
 # Told mid-block of rows whose current block became final: (row indices among the live rows, each row's
@@ -303,24 +338,6 @@ def commit_step(
     x[transfer] = x0[transfer]
 
 
-def run_block_sampler(
-    forward: ForwardFn,
-    canvas: Canvas,
-    cfg: BlockConfig,
-    geometry: BlockGeometry,
-    mask_id: int,
-    fill_id: int,
-    generator: torch.Generator | None = None,
-    logit_shift: int = 0,
-) -> tuple[Tensor, int, Tensor, Tensor]:
-    """Semi-autoregressive block decoding without a KV cache (docs/strategies.md §3.0 step 4, no-cache path), in place
-    on `canvas.x`. Block j of row b covers [P_b + j*bs, P_b + min((j+1)*bs, G)). Returns (x [B, T],
-    nfe = forward calls, row_nfe [B] = forwards made while the row still had masks to fill, positions
-    [B] = canvas positions those forwards computed for the row).
-    logit_shift: position p reads logits[p - shift] (I-DLM's next-token checkpoints: 1)."""
-    return drain(iter_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator, logit_shift))
-
-
 def iter_block_sampler(
     forward: ForwardFn,
     canvas: Canvas,
@@ -331,26 +348,24 @@ def iter_block_sampler(
     generator: torch.Generator | None = None,
     logit_shift: int = 0,
 ) -> BlockLoop:
-    """`run_block_sampler` one block at a time (a `BlockLoop`). Each forward runs on the rows that still
-    have masks in their block (a row stopped at its EOS, or done with the block while others are not,
-    is not computed) and only as wide as the longest of them needs."""
-    bsz, total = canvas.x.shape
+    """Semi-autoregressive block decoding without a KV cache (docs/strategies.md §3.0 step 4, no-cache
+    path), in place on `canvas.x`, one block at a time (a `BlockLoop`; `drain` runs it whole). Block j
+    of row b covers [P_b + j*bs, P_b + min((j+1)*bs, G)). Returns (x [B, T], nfe = forward calls,
+    row_nfe [B] = forwards made while the row still had masks to fill, positions [B] = canvas positions
+    those forwards computed for the row). logit_shift: position p reads logits[p - shift] (I-DLM's
+    next-token checkpoints: 1). Each forward runs on the rows that still have masks in their block (a
+    row stopped at its EOS, or done with the block while others are not, is not computed) and only as
+    wide as the longest of them needs."""
+    total = canvas.x.shape[1]
     keep_kw_ok = takes_logits_to_keep(forward)
     truncate = getattr(cfg, "eos_truncate", False) and cfg.eos_token_id is not None
     pos = torch.arange(total, device=canvas.x.device)[None, :]  # [1, T]
-    done = torch.zeros(bsz, dtype=torch.bool, device=canvas.x.device)  # [B]
-    nfe, row_nfe = 0, torch.zeros(bsz, dtype=torch.long, device=canvas.x.device)
-    live = LiveRows(bsz, canvas.x.device)
+    state, nfe = LoopRows.new(canvas.gen_start), 0
     for j in range(geometry.num_blocks):
         if j:
-            upto = min(j * geometry.block_size, geometry.gen_length)
-            rows = yield block_progress(canvas.x, canvas.gen_start, upto, done, row_nfe, live.positions)
-            if rows is not None:
-                index = torch.tensor(rows, dtype=torch.long, device=canvas.x.device)
-                live.keep(index)
-                canvas.select_rows(index)
-                done, row_nfe = done[index], row_nfe[index]
+            yield from between_blocks(state, canvas, min(j * geometry.block_size, geometry.gen_length))
         x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start
+        done, row_nfe, live = state.done, state.row_nfe, state.live
         lo = start + j * geometry.block_size  # [B]
         hi = torch.minimum(lo + geometry.block_size, start + geometry.gen_length)  # [B]
         in_block = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, T]
@@ -394,7 +409,7 @@ def iter_block_sampler(
     gen_end = start + geometry.gen_length  # [B]
     leftover = (x == mask_id) & (pos >= start[:, None]) & (pos < gen_end[:, None])  # [B, T]
     x[leftover] = fill_id
-    return x, nfe, row_nfe, live.positions
+    return x, nfe, state.row_nfe, state.live.positions
 
 
 def run_infill(

@@ -41,13 +41,14 @@ from .kv import select_cache_rows
 from .loop import (
     BlockGeometry,
     LeftPaddedCanvas,
+    LoopRows,
     block_geometry,
     build_left_padded_canvas,
     get_num_transfer_tokens,
     get_transfer_index,
     gumbel_argmax,
 )
-from .stopping import LiveRows, first_eos_done
+from .stopping import first_eos_done
 
 
 class _BlockCausalForward:
@@ -132,10 +133,8 @@ def decode_block_causal(
     x, S, bs = canvas.x, canvas.prefix_len, geometry.block_size
     G, B = geometry.gen_length, x.shape[0]
     source = _BlockCausalForward(model, canvas, bs, cfg.causal_context, cfg.use_kv_cache)
-    start = torch.full((B,), S, device=x.device)  # [B]
-    done = torch.zeros(B, dtype=torch.bool, device=x.device)  # [B]
-    row_nfe = torch.zeros_like(start)
-    live = LiveRows(B, x.device)
+    state = LoopRows.new(torch.full((B,), S, device=x.device))
+    live, row_nfe = state.live, state.row_nfe  # rows are never re-indexed here: no pause between blocks
 
     def forward(fn, *args):
         r = live.index  # [R] every row not stopped at its EOS
@@ -146,12 +145,9 @@ def decode_block_causal(
         return logits
 
     def check_eos():
-        nonlocal done
         if cfg.eos_token_id is not None:
-            done = done | first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
-            stay = live.retire(done)
-            if stay is not None:
-                source.select_rows(stay)
+            state.done |= first_eos_done(x, state.start, G, cfg.eos_token_id, mask_id)
+            state.retire_done(source)
 
     # the prompt pass: fills the cache, and gives block 0's AR seed
     seed_logits = forward(source.prefix) if (cfg.use_kv_cache or cfg.causal_context) else None  # [R, V]
