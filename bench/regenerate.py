@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 
 from dllmflow.data.regen_client import regenerate
-from dllmflow.inference.engine import build_tiny_chat_lm
 from dllmflow.inference.serve_cli import local_server
 from dllmflow.settings import RegenerateConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny model tests serve
+from _serving import build_tiny_chat_lm  # noqa: E402
 
 MODEL = "bench-target"
 

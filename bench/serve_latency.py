@@ -68,14 +68,17 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from dllmflow.inference.engine import build_tiny_chat_lm
 from dllmflow.inference.serve_cli import default_threads, local_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny model tests serve
+from _serving import build_tiny_chat_lm  # noqa: E402
 
 MODEL = "bench-target"
 PROMPT = [{"role": "user", "content": "Natalia sold 48 clips to her friends in April."}]

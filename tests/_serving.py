@@ -1,4 +1,5 @@
-"""A `dllmflow serve` with faults injected, for tests: the real app (`serve_cli.app_from_args`, the same
+"""Serving helpers for tests: the tiny models they serve (`build_tiny_chat_lm`, `tiny_dllm_export`) and a
+`dllmflow serve` with faults injected: the real app (`serve_cli.app_from_args`, the same
 flags) wrapped in an ASGI middleware that fails or delays chat requests, and an engine whose turns can
 be slowed. None of this is in the product CLI.
 
@@ -56,6 +57,39 @@ class FaultInjection:
         await self.app(scope, receive, send)
 
 
+def build_tiny_chat_lm(
+    out: str | os.PathLike, hidden_size: int = 32, max_positions: int = 512, never_stop: bool = False
+) -> Path:
+    """Write a tiny random Llama chat LM (~40k parameters at hidden 32, BPE tokenizer of 300 tokens with
+    the default chat template) to `out`, seeded: something to serve offline (tests, benchmarks, trying
+    `dllmflow serve`). The head is untied: a tied tiny head just repeats the last token. `never_stop`
+    zeroes the stop token's output row, so among ~300 random logits one always beats it and greedy
+    decoding runs to max_tokens (a long request really is long)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dllmflow.data.tokenizer import train_bpe_tokenizer
+
+    out = Path(out)
+    tok = train_bpe_tokenizer(
+        ["Natalia sold 48 clips to her friends in April and May."] * 8, 300, "<mask>", "<pad>", "<eos>"
+    )
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, initializer_range=0.5, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    if never_stop:
+        with torch.no_grad():
+            model.lm_head.weight[tok.eos_token_id] = 0
+    model.save_pretrained(out)
+    return out
+
+
 TINY_DLLM_TEXTS = [
     "Natalia sold 48 clips in April and half as many in May. #### 72",
     "What is 2 + 3? The answer is 5.",
@@ -82,17 +116,19 @@ def tiny_dllm_export(out: Path) -> Path:
     return out
 
 
-def slow_turns(app, turn_delay_s: float) -> None:
-    """Every decoding step of the app's engine sleeps `turn_delay_s` first (it runs in the scheduler's
-    worker thread, so the turn itself is slow, as on a loaded accelerator)."""
-    engine = app.state.chat_server.engine
-    step = engine.step
+def slow_turns(turn_delay_s: float) -> None:
+    """Every decoding step of this process's engines sleeps `turn_delay_s` first (it runs in the scheduler's
+    worker thread, so the turn itself is slow, as on a loaded accelerator). The process serves one model."""
+    from dllmflow.inference.dllm_engine import DllmEngine
+    from dllmflow.inference.engine import ChatEngine
 
-    def slow_step(decode, num_tokens):
-        time.sleep(turn_delay_s)
-        return step(decode, num_tokens)
+    for cls in (ChatEngine, DllmEngine):
 
-    engine.step = slow_step
+        def slow_step(self, decode, num, _step=cls.step):
+            time.sleep(turn_delay_s)
+            return _step(self, decode, num)
+
+        cls.step = slow_step
 
 
 @contextlib.contextmanager
@@ -133,9 +169,9 @@ def main() -> None:
     p.add_argument("--delay-s", type=float, default=0.0)
     p.add_argument("--turn-delay-s", type=float, default=0.0)
     args = p.parse_args()
-    app, _ = app_from_args(args)
     if args.turn_delay_s:
-        slow_turns(app, args.turn_delay_s)
+        slow_turns(args.turn_delay_s)
+    app, _ = app_from_args(args)
     statuses = [int(s) for s in args.fail_status.split(",")]
     wrapped = FaultInjection(app, args.fail_first, statuses, args.delay_s)
     uvicorn.run(wrapped, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)

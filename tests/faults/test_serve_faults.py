@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from _serving import fault_server
-from dllmflow.inference.engine import build_tiny_chat_lm
+from _serving import build_tiny_chat_lm, fault_server
 from dllmflow.inference.serve_cli import local_server
 
 pytestmark = pytest.mark.slow  # two servers in subprocesses, ~a minute on a busy CPU

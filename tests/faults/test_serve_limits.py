@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dllmflow.inference.engine import build_tiny_chat_lm
+from _serving import build_tiny_chat_lm
 from dllmflow.inference.serve_cli import local_server
 
 pytestmark = pytest.mark.slow  # a server in a subprocess

@@ -15,11 +15,10 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
-from _serving import fault_server
+from _serving import build_tiny_chat_lm, fault_server
 from dllmflow.cli import main
 from dllmflow.common.net import free_port
 from dllmflow.data.regen_shards import scan_shards
-from dllmflow.inference.engine import build_tiny_chat_lm
 
 pytestmark = pytest.mark.slow  # servers in subprocesses
 

@@ -95,7 +95,7 @@ def test_server_settings_replace_the_recorded_ones_and_are_checked_first(export)
 
 def test_scheduled_answers_are_each_prompt_decoded_alone(engine):
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.inference.engine import Scheduler
+    from dllmflow.inference.scheduler import Scheduler
 
     prompts = [
         engine.encode([{"role": "user", "content": t}], {}) for t in ("Hi", TEXTS[0], "What is 2 + 3?")
@@ -135,7 +135,7 @@ def test_scheduled_answers_are_each_prompt_decoded_alone(engine):
 
 
 def test_a_short_request_finishes_while_a_long_one_takes_its_turns(engine):
-    from dllmflow.inference.engine import Scheduler
+    from dllmflow.inference.scheduler import Scheduler
 
     prompt = engine.encode([{"role": "user", "content": "Hi"}], {})
     long = engine.request(prompt, {"block_size": 1}, 64, stream=True, steps_cap=64)  # 64 blocks: 64 turns
@@ -165,7 +165,7 @@ def test_a_streamed_row_gets_its_block_before_its_batch_ends_it(tmp_path):
     and every block streamed, early or not, is the row's own final tokens as decoded alone."""
     from dllmflow.data.tokenizer import train_bpe_tokenizer
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.inference.engine import Scheduler
+    from dllmflow.inference.scheduler import Scheduler
     from dllmflow.models.build import build_model
 
     tok = train_bpe_tokenizer(TEXTS * 5, 300, "<mask>", "<pad>", "<eos>")

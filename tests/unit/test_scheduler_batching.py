@@ -11,7 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from dllmflow.inference.engine import ChatRequest, Scheduler
+from dllmflow.inference.engine import ChatRequest
+from dllmflow.inference.scheduler import Scheduler
 
 
 @dataclass

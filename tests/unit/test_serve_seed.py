@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from dllmflow.inference.engine import ChatEngine, ChatRequest, build_tiny_chat_lm, sample
+from _serving import build_tiny_chat_lm
+from dllmflow.inference.engine import ChatEngine, ChatRequest, sample
 from dllmflow.inference.serve import build_app
 
 MODEL = "tiny-target"

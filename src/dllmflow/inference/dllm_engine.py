@@ -1,9 +1,9 @@
 """The dLLM side of `dllmflow serve`: a diffusion LM decoding batches block by block with the recorded
-sampler, driven by the same round-robin `engine.Scheduler` as the causal engine.
+sampler, driven by the same round-robin `scheduler.Scheduler` as the causal engine.
 
     served = served_from_path("runs/tiny_addition")        # the sampler + settings recorded with it
     engine = DllmEngine(served)                             # model, tokenizer, sampler preset
-    scheduler = Scheduler(engine, max_batch_size=16)        # inference/engine.py
+    scheduler = Scheduler(engine, max_batch_size=16)        # inference/scheduler.py
     scheduler.submit(engine.request(prompt_ids, {"threshold": 0.9}, max_tokens=16, stream=True))
 
 What is served: `ServedModel` (a local checkpoint dir, its sampler and recorded settings, lineage for
@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
-from dllmflow.inference.engine import ChatRequest, DecodeAborted
+from dllmflow.inference.engine import ChatRequest
 from dllmflow.inference.requests import RequestError
+from dllmflow.inference.scheduler import DecodeAborted
 from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
 
 EVAL_DIR = "eval"  # runs.RunLayout.eval_dir: eval/<sampler>.json, what the register step gates with
@@ -142,7 +143,7 @@ class DllmDecode:
 
 class DllmEngine:
     """A dLLM + tokenizer + recorded sampler settings, decoding batches one block per `step`; the
-    interface `engine.Scheduler` drives (prefill / step / keep / result)."""
+    interface `scheduler.Scheduler` drives (prefill / step / keep / result)."""
 
     def __init__(
         self, served: ServedModel, dtype: str = "float32", settings: dict[str, Any] | None = None,

@@ -27,7 +27,6 @@ from typing import Any
 
 from dllmflow.inference.dllm_engine import DllmEngine, DllmRequest
 from dllmflow.inference.dllm_requests import parse_dllm_request
-from dllmflow.inference.engine import Scheduler
 from dllmflow.inference.requests import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_MESSAGES,
@@ -35,6 +34,7 @@ from dllmflow.inference.requests import (
     RequestLimits,
     read_body,
 )
+from dllmflow.inference.scheduler import Scheduler
 from dllmflow.inference.serve import ChatServer, _error, _sse, starlette_app
 
 

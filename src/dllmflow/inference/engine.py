@@ -1,13 +1,12 @@
-"""The serving engine of `dllmflow serve`: a causal LM generating batches a few tokens at a time, and the
-scheduler that gives every active batch a turn (round-robin), so a long request delays a short one by a
-few turns instead of holding the model until it is done.
+"""The causal serving engine of `dllmflow serve`: a causal LM generating batches a few tokens at a time,
+driven by `inference/scheduler.py`'s round-robin `Scheduler` (a long request delays a short one by a few
+turns instead of holding the model until it is done).
 
     engine = ChatEngine("runs/target")                     # model + tokenizer with a chat template
-    scheduler = Scheduler(engine, max_batch_size=16, chunk_tokens=8)
+    scheduler = Scheduler(engine, max_batch_size=16, chunk_tokens=8)      # inference/scheduler.py
     scheduler.submit(ChatRequest(prompt_ids, max_tokens=32, temperature=0.8, top_p=1.0, seed=7))
-    await scheduler.run()                                   # the one worker that owns the model
 
-`inference/serve.py` puts the HTTP API (OpenAI chat completions) in front of it.
+`inference/serve.py` puts the HTTP API (OpenAI chat and text completions) in front of it.
 
 Seeded sampling: a request with a `seed` draws its tokens from its own `torch.Generator` seeded with it,
 so its tokens depend only on its prompt, settings and seed, never on what else shares its batch (its
@@ -18,25 +17,14 @@ seed share the global RNG, as before.
 from __future__ import annotations
 
 import asyncio
-import collections
-import functools
 import inspect
-import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
 from dllmflow.runs import find_export
-
-log = logging.getLogger("dllmflow.inference.serve")
-
-
-class DecodeAborted(Exception):
-    """A turn stopped between two forwards: every row of its batch is gone (timed out, client gone) or
-    the server is stopping (`DllmEngine`: a dLLM block is up to --max-tokens-cap forwards)."""
 
 
 @dataclass(eq=False)
@@ -244,182 +232,3 @@ class ChatEngine:
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.tokens),  # the stop token counts, as in OpenAI usage
         }
-
-
-class Scheduler:
-    """One worker owns the model: it batches queued requests and gives every active batch a turn of
-    `chunk_tokens` tokens in round-robin, so no request waits for another to finish."""
-
-    def __init__(
-        self,
-        engine: ChatEngine,
-        max_batch_size: int,
-        chunk_tokens: int = 8,
-        *,
-        batch_wait_s: float = 0.005,
-        incoming: Callable[[], int] | None = None,
-        settle_s: float = 0.05,
-    ):
-        self.engine = engine
-        self.max_batch_size = max_batch_size
-        self.chunk_tokens = chunk_tokens
-        self.batch_wait_s = batch_wait_s
-        # Requests the server is still reading and validating: a batch being formed waits for them (at
-        # most `settle_s`), so clients that send together share a batch. None: only the queue counts.
-        self.incoming = incoming or (lambda: 0)
-        self.settle_s = settle_s
-        self.queue: asyncio.Queue[ChatRequest] = asyncio.Queue()
-        self.full = asyncio.Event()  # set by `submit` when the batch being formed has no room left
-        self.room = 0  # rows that batch can still take (0: none is being formed)
-        self.active: collections.deque[Decode] = collections.deque()
-        self.running: list[ChatRequest] = []  # rows of the batch taking its turn now
-        self.counters = {"batches": 0, "max_batch_size_seen": 0, "turns": 0, "dropped": 0, "early_events": 0}
-        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once `run` started
-
-    def submit(self, req: ChatRequest) -> None:
-        self.queue.put_nowait(req)
-        if self.room:  # a batch is being formed
-            self.room -= 1
-            if not self.room:
-                self.full.set()
-
-    def stats(self) -> dict[str, int]:
-        return {
-            **self.counters,
-            "active_rows": len(self.running) + sum(len(d.reqs) for d in self.active),
-            "queued": self.queue.qsize(),
-        }
-
-    def publish(self, req: ChatRequest, event: tuple) -> None:
-        """Queue `event` for `req` from the worker thread during a turn (a dLLM row's block that is final
-        before its batch's: `DllmEngine`), in order before what the turn's end queues."""
-        self.counters["early_events"] += 1
-        self.loop.call_soon_threadsafe(req.events.put_nowait, event)
-
-    async def run(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        while True:
-            await self._admit(wait=not self.active)
-            if self.active:
-                decode = self.active.popleft()
-                live = [i for i, r in enumerate(decode.reqs) if not r.cancelled]
-                self.counters["dropped"] += len(decode.reqs) - len(live)
-                self.engine.keep(decode, live)
-                if decode.reqs:
-                    await self._turn(
-                        decode.reqs, functools.partial(self.engine.step, decode, self.chunk_tokens)
-                    )
-
-    async def _admit(self, wait: bool) -> None:
-        """Start a batch per sampling setting from what is queued; when idle, wait for requests first."""
-        pending = []
-        if wait:
-            pending.append(await self.queue.get())
-            await self._gather(pending)
-        while not self.queue.empty():
-            pending.append(self.queue.get_nowait())
-        groups: dict[tuple, list[ChatRequest]] = {}
-        for req in pending:
-            groups.setdefault(req.batch_key(), []).append(req)
-        for group in groups.values():
-            for start in range(0, len(group), self.max_batch_size):
-                batch = [r for r in group[start : start + self.max_batch_size] if not r.cancelled]
-                self.counters["dropped"] += min(self.max_batch_size, len(group) - start) - len(batch)
-                if batch:
-                    self.counters["batches"] += 1
-                    self.counters["max_batch_size_seen"] = max(
-                        self.counters["max_batch_size_seen"], len(batch)
-                    )
-                    await self._turn(batch, functools.partial(self.engine.prefill, batch))
-
-    async def _gather(self, pending: list[ChatRequest]) -> None:
-        """Collect the requests sent together with `pending[0]`: they arrive a few ms apart. Windows of
-        `batch_wait_s` while requests keep arriving or are being read (the latter for at most
-        `settle_s`), but not once the batch is full: waiting longer cannot grow it."""
-        loop = asyncio.get_running_loop()
-        settle = loop.time() + self.settle_s
-        try:
-            while True:
-                while not self.queue.empty() and len(pending) < self.max_batch_size:
-                    pending.append(self.queue.get_nowait())
-                if len(pending) >= self.max_batch_size:
-                    return
-                # `submit` wakes this wait only when the batch fills, not per arrival: a wake costs the
-                # loop time the next arrivals' reading needs.
-                self.room = self.max_batch_size - len(pending)  # the queue is drained: not full
-                self.full.clear()
-                try:
-                    async with asyncio.timeout(self.batch_wait_s):
-                        await self.full.wait()
-                except TimeoutError:
-                    if self.queue.empty() and not (self.incoming() and loop.time() < settle):
-                        return
-        finally:
-            self.room = 0
-
-    async def _turn(self, reqs: list[ChatRequest], work) -> None:
-        """Run one turn (`work` returns the batch's Decode) in a thread, answer the rows it finished and
-        requeue the batch while rows are live."""
-        self.counters["turns"] += 1
-        self.running = reqs
-        try:
-            decode = await asyncio.to_thread(work)
-        except DecodeAborted as e:  # nobody waits for these rows any more: drop the batch
-            log.info("%s", e)
-            self.counters["dropped"] += len(reqs)
-            for req in reqs:
-                req.events.put_nowait(("error", e))
-            return
-        except Exception as e:  # answer every waiter; the server keeps running
-            log.exception("generation failed")
-            for req in reqs:
-                req.events.put_nowait(("error", e))
-            return
-        finally:
-            self.running = []
-        for req in reqs:
-            if req.finish_reason is not None:
-                req.events.put_nowait(("done", self.engine.result(req)))
-            elif req.stream:
-                req.events.put_nowait(("tokens", list(req.tokens)))
-        # Let the streams send what this turn committed before the next turn's thread competes with
-        # them for the GIL: a few loop iterations (each stream takes its event and writes it in one).
-        for _ in range(8):
-            if all(r.events.empty() for r in reqs):
-                break
-            await asyncio.sleep(0)
-        if decode.reqs:
-            self.active.append(decode)
-
-
-def build_tiny_chat_lm(
-    out: str | os.PathLike, hidden_size: int = 32, max_positions: int = 512, never_stop: bool = False
-) -> Path:
-    """Write a tiny random Llama chat LM (~40k parameters at hidden 32, BPE tokenizer of 300 tokens with
-    the default chat template) to `out`, seeded: something to serve offline (tests, benchmarks, trying
-    `dllmflow serve`). The head is untied: a tied tiny head just repeats the last token. `never_stop`
-    zeroes the stop token's output row, so among ~300 random logits one always beats it and greedy
-    decoding runs to max_tokens (a long request really is long)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dllmflow.data.tokenizer import train_bpe_tokenizer
-
-    out = Path(out)
-    tok = train_bpe_tokenizer(
-        ["Natalia sold 48 clips to her friends in April and May."] * 8, 300, "<mask>", "<pad>", "<eos>"
-    )
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        tie_word_embeddings=False, initializer_range=0.5, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    if never_stop:
-        with torch.no_grad():
-            model.lm_head.weight[tok.eos_token_id] = 0
-    model.save_pretrained(out)
-    return out

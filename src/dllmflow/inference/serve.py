@@ -24,7 +24,7 @@ HTTP 413 (read as a stream and abandoned at the cap), JSON nested deeper than 32
 `--max-messages` messages is 400. Decoding, validation and the chat template run in
 a worker thread, so `/health` and other requests stay answered while a large request is examined.
 
-Scheduling (`inference/engine.py`): one worker owns the model. Requests that arrive together with the
+Scheduling (`inference/scheduler.py`): one worker owns the model. Requests that arrive together with the
 same sampling settings are batched (up to `--max-batch-size`, left-padded); active batches then take
 turns, `--chunk-tokens` new tokens per turn, so a long request delays a short one by a few turns instead
 of holding the model until it is done. A request still unanswered after `--request-timeout-s` gets HTTP
@@ -43,7 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dllmflow.inference.engine import ChatEngine, ChatRequest, Scheduler
+from dllmflow.inference.engine import ChatEngine, ChatRequest
 from dllmflow.inference.requests import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_MESSAGES,
@@ -53,6 +53,7 @@ from dllmflow.inference.requests import (
     parse_request,
     read_body,
 )
+from dllmflow.inference.scheduler import Scheduler
 
 log = logging.getLogger("dllmflow.inference.serve")
 
@@ -350,6 +351,4 @@ def starlette_app(server: ChatServer, scheduler: Scheduler, *, completions: bool
     ]
     if completions:
         routes.append(Route("/v1/completions", server.guarded(server.completions), methods=["POST"]))
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.chat_server = server  # tests and wrappers reach the engine and scheduler through it
-    return app
+    return Starlette(routes=routes, lifespan=lifespan)
