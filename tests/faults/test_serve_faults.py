@@ -87,6 +87,33 @@ def test_stream_yields_the_greedy_text(server):
     assert chunks[-1].usage.completion_tokens == 30 and not chunks[-1].choices
 
 
+def test_text_completions_of_a_causal_lm_are_its_greedy_continuation(server, model_dir):
+    """`/v1/completions` on the causal server: the prompt encoded as is (no chat template), decoded
+    greedily; the reference is transformers' own greedy `generate` of the same model in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "Natalia sold 48 clips to her"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.encode(prompt, add_special_tokens=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+    expected = tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    c = client(server)
+    whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert whole.object == "text_completion" and whole.choices[0].text == expected
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 12)
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert {ch.object for ch in chunks} == {"text_completion"}
+    assert "".join(ch.choices[0].text for ch in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_raw_stream_is_server_sent_events_ending_in_done(server):
     body = {"model": MODEL, "messages": HI, "max_tokens": 5, "stream": True}
     with httpx.stream("POST", f"{server}/chat/completions", json=body, timeout=60) as r:

@@ -221,10 +221,6 @@ class DllmEngine:
         )
         return list(out)
 
-    def encode_text(self, prompt: str) -> list[int]:
-        """A text completion's prompt, as `dllmflow generate --raw` encodes it."""
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
-
     def request(
         self, prompt_ids: list[int], overrides: dict[str, Any], max_tokens: int | None, *, stream: bool,
         steps_cap: int,

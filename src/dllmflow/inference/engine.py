@@ -225,6 +225,10 @@ class ChatEngine:
         new = req.tokens[:-1] if req.finish_reason == "stop" else req.tokens
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
+    def partial_text(self, tokens: list[int]) -> str:
+        """The text of an unfinished row's tokens so far (a streamed turn)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
     def result(self, req: ChatRequest) -> dict[str, Any]:
         return {
             "text": self.text(req),

@@ -1,9 +1,17 @@
-"""What `dllmflow serve` accepts as a chat request: the bounded body read, the JSON decode and the strict
-OpenAI schema. Every refusal is a `RequestError` whose message names the field (or the limit and the
-flag that sets it); `inference/serve.py` turns it into the HTTP error body.
+"""What `dllmflow serve` accepts, for a causal LM and a dLLM alike: the bounded body read, the JSON decode
+and the strict OpenAI schemas of chat and text completions. Every refusal is a `RequestError` whose
+message names the field (or the limit and the flag that sets it); `inference/serve.py` turns it into the
+HTTP error body.
 
     raw = await read_body(request, limits.max_body_bytes)   # 413 past the cap, read as a stream
-    chat = parse_request(raw, limits)                       # 400: bad JSON, too deep, bad/unknown field
+    chat = parse_request(raw, limits, ChatBody)             # 400: bad JSON, too deep, bad/unknown field
+    text = parse_request(raw, limits, CompletionBody)       # `prompt` is one string
+
+A dLLM server parses `DllmChatBody` / `DllmCompletionBody`: the same fields plus the vendor key
+`dllmflow` of per-request sampler overrides, e.g. `{"dllmflow": {"threshold": 0.9, "cache": "dual"}}`
+(checked by `diffusion.samplers.asked.build_asked_config`, like `serve --sampler-setting`: a bad option is
+400 naming `dllmflow.<field>`); its `top_p` may only be 1 (no nucleus) and `max_tokens` is the sampler's
+`max_new_tokens` (`dllmflow.max_new_tokens` is refused).
 
 Limits (`RequestLimits`): the body size (`--max-body-bytes`, HTTP 413; the declared Content-Length is
 checked first, then the bytes actually received, so a missing or lying header cannot make the server
@@ -16,7 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -63,21 +71,63 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatBody(_Strict):
+class _Body(_Strict):
+    """What every completion request may hold. `temperature`, `top_p` and `max_tokens` stay None when not
+    given: the engine fills its own default (`inference/serve.py`)."""
+
+    # fields a request may only set to 1, and why (the message a client sees otherwise)
+    ONE_ONLY: ClassVar[dict[str, str]] = {"n": "this server returns one choice"}
+
     model: str
-    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # the request's own sampling generator
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def check(self) -> None:
+        """What a field's own validation cannot see (a RequestError); nothing here."""
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-HONOURED = tuple(ChatBody.model_fields)
+class CompletionBody(_Body):
+    prompt: str = Field(min_length=1)
+
+
+class _DllmBody(_Body):
+    """A dLLM request: plus the vendor key `dllmflow` of sampler overrides (`inference/dllm_serve.py`)."""
+
+    ONE_ONLY: ClassVar[dict[str, str]] = {**_Body.ONE_ONLY, "top_p": "dLLM samplers have no nucleus"}
+
+    top_p: float | None = Field(None, ge=1.0, le=1.0)
+    dllmflow: dict[str, Any] = Field(default_factory=dict)
+
+    def check(self) -> None:
+        if "max_new_tokens" in self.dllmflow:
+            raise RequestError(
+                "'dllmflow.max_new_tokens': give 'max_tokens' instead", "dllmflow.max_new_tokens"
+            )
+
+    def sampler_overrides(self) -> dict[str, Any]:
+        """The request's sampler options: the vendor key's, then temperature and seed when given."""
+        out = dict(self.dllmflow)
+        out.update({k: v for k in ("temperature", "seed") if (v := getattr(self, k)) is not None})
+        return out
+
+
+class DllmChatBody(_DllmBody, ChatBody):
+    pass
+
+
+class DllmCompletionBody(_DllmBody, CompletionBody):
+    pass
 
 
 # ---- reading and decoding -----------------------------------------------------------------------
@@ -141,52 +191,57 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def _explain(err: dict[str, Any], honoured: tuple[str, ...] = HONOURED) -> RequestError:
+def _explain(err: dict[str, Any], schema: type[_Body]) -> RequestError:
     """One pydantic error -> a message naming the field, what is wrong and what is accepted."""
     param = _param(err["loc"])
     if err["type"] == "extra_forbidden":
-        where = f"this server honours {', '.join(honoured)}"
+        where = f"this server honours {', '.join(schema.model_fields)}"
         if len(err["loc"]) > 1 and err["loc"][0] == "messages":
             where = "a message may hold role, content, name and reasoning_content"
         return RequestError(f"'{param}' is not supported: {where}", param)
-    if param == "n":
-        return RequestError(f"'n' must be 1 (got {err['input']!r}): this server returns one choice", param)
+    if param in schema.ONE_ONLY:
+        return RequestError(f"'{param}' must be 1 (got {err['input']!r}): {schema.ONE_ONLY[param]}", param)
     got = repr(err["input"])
     return RequestError(f"'{param}': {err['msg']} (got {got[:80]}{'...' if len(got) > 80 else ''})", param)
 
 
-def parse_body(body: Any, limits: RequestLimits) -> ChatBody:
-    """Validate an OpenAI chat body; raises RequestError with the message the client sees (HTTP 400)."""
+def parse_body(body: Any, limits: RequestLimits, schema: type[_Body] = ChatBody) -> Any:
+    """Validate a decoded request body against `schema` (a chat or text completion, causal or dLLM) and
+    the server's `limits`; raises RequestError with the message the client sees (HTTP 400). The
+    returned body's `max_tokens` is the one asked (`max_tokens` or `max_completion_tokens`), or None."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     messages = body.get("messages")
-    if isinstance(messages, list) and len(messages) > limits.max_messages:
+    if (
+        "messages" in schema.model_fields
+        and isinstance(messages, list)
+        and len(messages) > limits.max_messages
+    ):
         raise RequestError(
             f"'messages' holds {len(messages)} messages, above this server's limit of "
             f"{limits.max_messages} (--max-messages)",
             "messages",
         )
     try:
-        chat = ChatBody.model_validate({k: v for k, v in body.items() if v is not None})
+        req = schema.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
-        raise _explain(e.errors()[0]) from None
-    if (
-        None not in (chat.max_tokens, chat.max_completion_tokens)
-        and chat.max_tokens != chat.max_completion_tokens
-    ):
+        raise _explain(e.errors()[0], schema) from None
+    alt = getattr(req, "max_completion_tokens", None)  # chat only
+    if None not in (req.max_tokens, alt) and req.max_tokens != alt:
         raise RequestError(
             "give 'max_tokens' or 'max_completion_tokens', not two different values", "max_tokens"
         )
-    name = "max_tokens" if chat.max_tokens is not None else "max_completion_tokens"
-    asked = chat.max_tokens or chat.max_completion_tokens
+    name = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+    asked = req.max_tokens or alt
     cap = limits.max_tokens_cap
     if asked is not None and asked > cap:
         raise RequestError(f"'{name}' is {asked}, above this server's cap of {cap} (--max-tokens-cap)", name)
-    if chat.stream_options is not None and not chat.stream:
+    req.check()
+    if req.stream_options is not None and not req.stream:
         raise RequestError("'stream_options' is only allowed with \"stream\": true", "stream_options")
-    return chat.model_copy(update={"max_tokens": asked or min(DEFAULT_MAX_TOKENS, cap)})
+    return req.model_copy(update={"max_tokens": asked})
 
 
-def parse_request(raw: bytes, limits: RequestLimits) -> ChatBody:
-    """The body bytes of a chat request -> a validated ChatBody (RequestError 400 otherwise)."""
-    return parse_body(decode_json(raw), limits)
+def parse_request(raw: bytes, limits: RequestLimits, schema: type[_Body] = ChatBody) -> Any:
+    """The body bytes of a request -> its validated `schema` body (RequestError 400 otherwise)."""
+    return parse_body(decode_json(raw), limits, schema)

@@ -1,5 +1,6 @@
-"""The HTTP side of `dllmflow serve`: an OpenAI-compatible chat API over a `ChatEngine` (routes, API key,
-server-sent events). Batched decoding lives in `inference/engine.py`, request validation in
+"""The HTTP side of `dllmflow serve`: an OpenAI-compatible chat and text completion API over a `ChatEngine`
+(routes, API key, server-sent events); `inference/dllm_serve.py` puts the same server over a dLLM.
+Batched decoding lives in `inference/engine.py` and `inference/scheduler.py`, request validation in
 `inference/requests.py`, the command line and `local_server` in `inference/serve_cli.py`.
 
     dllmflow serve --model-path runs/target --port 30000 --served-model-name target
@@ -8,13 +9,15 @@ server-sent events). Batched decoding lives in `inference/engine.py`, request va
     app = build_app(ChatEngine("runs/target"), "target", max_tokens_cap=1024)   # a Starlette app
     uvicorn.run(app, port=30000)
 
-Endpoints: `POST /v1/chat/completions` (also `"stream": true`: server-sent `chat.completion.chunk` events
-ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (200 once the model is loaded) and `GET /stats`
+Endpoints: `POST /v1/chat/completions` and `POST /v1/completions` (a `prompt` string, encoded as
+`dllmflow generate --raw` does; also `"stream": true`: server-sent `chat.completion.chunk` /
+`text_completion` events ending in `data: [DONE]`), `GET /v1/models`, `GET /health` (200 once the model is loaded) and `GET /stats`
 (counters, for tests and benchmarks). Production users point `dllmflow regenerate --target-server` at
 SGLang or vLLM instead; this server exists so the pipeline runs without them.
 
 Requests are validated strictly (`inference/requests.py`): the honoured fields are `model`, `messages`
-(`role`, `content`, optional `name` and `reasoning_content`, all passed to the chat template),
+(`role`, `content`, optional `name` and `reasoning_content`, all passed to the chat template; a text
+completion's `prompt` instead),
 `max_tokens` / `max_completion_tokens` (at most `--max-tokens-cap`), `temperature` in [0, 2], `top_p` in
 (0, 1], `seed` (an int64: the request samples from its own generator seeded with it, so the same request
 and seed give the same tokens whatever is batched with it), `n` (1 only), `stream`,
@@ -47,7 +50,9 @@ from dllmflow.inference.engine import ChatEngine, ChatRequest
 from dllmflow.inference.requests import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_TOKENS,
     ChatBody,
+    CompletionBody,
     RequestError,
     RequestLimits,
     parse_request,
@@ -77,17 +82,30 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(res: dict[str, Any]) -> dict[str, int]:
-    total = res["prompt_tokens"] + res["completion_tokens"]
-    return {
-        "prompt_tokens": res["prompt_tokens"],
-        "completion_tokens": res["completion_tokens"],
-        "total_tokens": total,
-    }
+def _usage(res: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI usage of a finished request; a dLLM's carries its decoding figures under `dllmflow`."""
+    prompt, completion = res["prompt_tokens"], res["completion_tokens"]
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return usage | ({"dllmflow": res["dllmflow"]} if "dllmflow" in res else {})
+
+
+def _choice(chat: bool, text: str, finish_reason: str | None, *, delta: bool, role: bool = False):
+    """One choice of a chat or text completion (`delta`: of a stream chunk)."""
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    content = {"role": "assistant", "content": text} if role or not delta else {"content": text}
+    if delta and finish_reason is not None and not text:
+        content = {}
+    return {"index": 0, ("delta" if delta else "message"): content, "finish_reason": finish_reason}
 
 
 class ChatServer:
-    """The routes over one engine and its scheduler; `build_app` mounts them."""
+    """The routes over one engine and its scheduler; `build_app` mounts them. Chat and text completions
+    share one path (`handle`): read and validate the body (`SCHEMAS`), build the engine's request
+    (`build_request`), submit it, then answer it whole (`complete`) or stream it (`stream`). A dLLM
+    server (`inference/dllm_serve.py`) changes only the schemas, the request and the model card."""
+
+    SCHEMAS: dict[bool, type] = {True: ChatBody, False: CompletionBody}  # chat? -> the body it parses
 
     def __init__(
         self, engine: ChatEngine, served_model_name: str, scheduler: Scheduler, limits: RequestLimits,
@@ -97,6 +115,7 @@ class ChatServer:
         self.request_timeout_s, self.api_key = request_timeout_s, api_key
         self.stats = {"requests": 0, "completed": 0, "in_flight": 0, "max_in_flight": 0, "timed_out": 0}
         self.stats["rejected"] = 0
+        self.preparing = 0  # requests being read and validated (not yet submitted)
         # Decoding, validating and templating a large body is CPU work: it runs here, not on the event
         # loop, and not in the default executor the scheduler's turns use (`prep`).
         self.prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-prep")
@@ -127,13 +146,16 @@ class ChatServer:
     async def models(self, request):
         from starlette.responses import JSONResponse
 
-        card = {
+        return JSONResponse({"object": "list", "data": [self.card()]})
+
+    def card(self) -> dict[str, Any]:
+        """The served model's `/v1/models` entry."""
+        return {
             "id": self.name,
             "object": "model",
             "owned_by": "dllmflow",
             "max_model_len": self.engine.max_length,
         }
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def get_stats(self, request):
         import torch
@@ -142,31 +164,41 @@ class ChatServer:
         # threads: what a forward may use (`--threads`), for reading a benchmark's figures
         return JSONResponse({**self.stats, **self.scheduler.stats(), "threads": torch.get_num_threads()})
 
-    # ---- chat completions ----------------------------------------------------------------------------
+    # ---- chat and text completions -------------------------------------------------------------------
 
     async def chat_completions(self, request):
+        return await self.handle(request, chat=True)
+
+    async def completions(self, request):
+        return await self.handle(request, chat=False)
+
+    async def handle(self, request, *, chat: bool):
         from starlette.responses import StreamingResponse
 
         self.stats["requests"] += 1
+        self.preparing += 1  # the scheduler forms a batch once the requests sent together are in
         try:
-            chat, prompt_ids = await self.accept(request)
+            body, req = await self.accept(request, chat)
+            self.scheduler.submit(req)
         except RequestError as e:
             self.stats["rejected"] += 1
             return _error(e.status, str(e), param=e.param)
-        req = ChatRequest(
-            prompt_ids, chat.max_tokens, chat.temperature, chat.top_p, stream=chat.stream, seed=chat.seed
-        )
+        finally:
+            self.preparing -= 1
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        head = {"id": f"chatcmpl-{self.stats['requests']}", "created": int(time.time()), "model": self.name}
-        if chat.stream:
-            usage = chat.stream_options is not None and chat.stream_options.include_usage
-            return StreamingResponse(self.stream(req, deadline, head, usage), media_type="text/event-stream")
-        return await self.complete(req, deadline, head)
+        prefix = "chatcmpl" if chat else "cmpl"
+        head = {"id": f"{prefix}-{self.stats['requests']}", "created": int(time.time()), "model": self.name}
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(
+                self.stream(req, deadline, head, usage, chat), media_type="text/event-stream"
+            )
+        return await self.complete(req, deadline, head, chat)
 
-    async def accept(self, request) -> tuple[ChatBody, list[int]]:
-        """Read a request's body, then validate and tokenise it (`prep`)."""
+    async def accept(self, request, chat: bool):
+        """Read a request's body, then validate and tokenise it and build the engine's request (`prep`)."""
         raw = await read_body(request, self.limits.max_body_bytes)
-        return await self.prep(self.prepare, raw)
+        return await self.prep(self.prepare, raw, chat)
 
     async def prep(self, fn, raw: bytes, *args):
         """`fn(raw, *args)`: on the event loop for a body of at most INLINE_PREP_BYTES, else in ONE hop to
@@ -177,15 +209,24 @@ class ChatServer:
             return fn(raw, *args)
         return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, raw, *args)
 
-    def prepare(self, raw: bytes) -> tuple[ChatBody, list[int]]:
-        """Body bytes -> (validated chat, prompt ids); RequestError (400/404, naming the field) if refused."""
-        chat = parse_request(raw, self.limits)
-        self.check_model(chat.model)
-        prompt_ids = self.encode_chat(chat.messages, chat.chat_template_kwargs)
-        self.check_length(len(prompt_ids), chat.max_tokens)
-        return chat, prompt_ids
+    def prepare(self, raw: bytes, chat: bool) -> tuple[Any, ChatRequest]:
+        """Body bytes -> (validated body, request); RequestError (400/404, naming the field) if refused."""
+        body = parse_request(raw, self.limits, self.SCHEMAS[chat])
+        self.check_model(body.model)
+        if chat:
+            prompt_ids = self.encode_chat(body.messages, body.chat_template_kwargs)
+        else:  # as `dllmflow generate --raw` encodes a prompt
+            prompt_ids = self.engine.tokenizer.encode(body.prompt, add_special_tokens=True)
+        req = self.build_request(body, prompt_ids)
+        self.check_length(len(prompt_ids), req.max_tokens)
+        return body, req
 
-    # ---- the checks every request passes (this server's and the dLLM server's) --------------------
+    def build_request(self, body: Any, prompt_ids: list[int]) -> ChatRequest:
+        """What the scheduler decodes for a validated body: OpenAI's defaults where the body is silent."""
+        max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, self.limits.max_tokens_cap)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        return ChatRequest(prompt_ids, max_tokens, temperature, top_p, stream=body.stream, seed=body.seed)
 
     def check_model(self, model: str) -> None:
         if model != self.name:
@@ -218,13 +259,14 @@ class ChatServer:
         self.stats["in_flight"] += 1
         self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.stats["in_flight"])
 
-    async def complete(self, req: ChatRequest, deadline: float, head: dict[str, Any]):
-        """A whole `chat.completion` once the scheduler finished the row (504 past the deadline)."""
+    async def complete(self, req: ChatRequest, deadline: float, head: dict[str, Any], chat: bool):
+        """The whole completion once the scheduler finished the (submitted) row; 504 past the deadline."""
         from starlette.responses import JSONResponse
 
         self._enter()
         try:
-            kind, res = await asyncio.wait_for(self.answer(req), deadline - asyncio.get_running_loop().time())
+            left = deadline - asyncio.get_running_loop().time()
+            kind, res = await asyncio.wait_for(self.answer(req), left)
         except TimeoutError:
             self.stats["timed_out"] += 1
             return _error(504, self.timeout_message, "timeout")
@@ -234,53 +276,52 @@ class ChatServer:
         if kind == "error":
             return _error(500, f"generation failed: {type(res).__name__}: {res}", "server_error")
         self.stats["completed"] += 1
-        message = {"role": "assistant", "content": res["text"]}
-        choice = {"index": 0, "message": message, "finish_reason": res["finish_reason"]}
-        return JSONResponse({**head, "object": "chat.completion", "choices": [choice], "usage": _usage(res)})
+        obj = "chat.completion" if chat else "text_completion"
+        choice = _choice(chat, res["text"], res["finish_reason"], delta=False)
+        return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(res)})
 
-    async def answer(self, req: ChatRequest) -> tuple[str, Any]:
-        """Submit; wait for "done" or "error" (streamed "tokens" events are skipped)."""
-        self.scheduler.submit(req)
+    @staticmethod
+    async def answer(req: ChatRequest) -> tuple[str, Any]:
+        """Wait for "done" or "error" of a submitted request (streamed "tokens" events are skipped)."""
         while (event := await req.events.get())[0] == "tokens":
             pass
         return event
 
-    async def stream(self, req: ChatRequest, deadline: float, head: dict[str, Any], include_usage: bool):
-        """Server-sent `chat.completion.chunk` events: the role, text deltas as turns finish, the finish
-        reason, usage if asked, then `[DONE]`. Errors after the 200 go out as an `error` event."""
+    async def stream(
+        self, req: ChatRequest, deadline: float, head: dict[str, Any], include_usage: bool, chat: bool
+    ):
+        """Server-sent events of a submitted request: (chat: the role first) a text delta whenever the text
+        so far grows (a causal turn's tokens, a dLLM's committed block), the finish reason, usage if
+        asked, then `[DONE]`. Errors after the 200 go out as an `error` event (504 past the deadline)."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-            return _sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
-
-        def text_of(kind: str, payload: Any) -> str:
-            return (
-                self.engine.text(req)
-                if kind == "done"
-                else self.engine.tokenizer.decode(payload, skip_special_tokens=True)
+        def chunk(text: str, finish_reason: str | None = None, role: bool = False) -> str:
+            return _sse(
+                {
+                    **head,
+                    "object": obj,
+                    "choices": [_choice(chat, text, finish_reason, delta=True, role=role)],
+                }
             )
 
         self._enter()
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            self.scheduler.submit(req)
-            deltas = self.stream_deltas(req, deadline, text_of, lambda d: chunk({"content": d}),
-                                        lambda fr: chunk({}, fr),
-                                        {**head, "object": "chat.completion.chunk"} if include_usage else None)  # fmt: skip
-            async for event in deltas:
+            if chat:
+                yield chunk("", role=True)
+            async for event in self.stream_deltas(
+                req, deadline, chunk, {**head, "object": obj} if include_usage else None
+            ):
                 yield event
         finally:  # also on a client disconnect: the scheduler drops the row at its next turn
             req.cancelled = True
             self.stats["in_flight"] -= 1
 
-    @staticmethod
-    def usage(res: dict[str, Any]) -> dict[str, Any]:
-        return _usage(res)
-
-    async def stream_deltas(self, req, deadline: float, text_of, delta_chunk, final_chunk, usage_head):
-        """The events every stream shares, from the request's queue: a text delta whenever the text so far
-        (`text_of(kind, payload)`: a finished turn or block) grows, a 504 / 500 `error` event, then the
-        finish reason (`final_chunk`), usage (on `usage_head`, when asked) and `[DONE]`."""
+    async def stream_deltas(
+        self, req: ChatRequest, deadline: float, chunk, usage_head: dict[str, Any] | None
+    ):
+        """The events of `stream` from the request's queue: a text delta (`chunk(text)`) whenever the text
+        so far grows, a 504 / 500 `error` event, then the finish reason, usage (on `usage_head`, when
+        asked) and `[DONE]`."""
         sent = ""  # the text streamed so far; every delta extends it
         while True:
             try:  # a timeout scope, not wait_for: no task per event, so a block reaches the socket sooner
@@ -294,16 +335,16 @@ class ChatServer:
                 message = f"generation failed: {type(payload).__name__}: {payload}"
                 yield _sse(_error_body(500, message, "server_error", None))
                 return
-            text = text_of(kind, payload)
+            text = payload["text"] if kind == "done" else self.engine.partial_text(payload)
             # A turn may end inside a multi-byte character (decoded as U+FFFD): wait for the rest.
             if text.startswith(sent) and (kind == "done" or not text.endswith("\ufffd")):
                 if delta := text[len(sent) :]:
-                    yield delta_chunk(delta)
+                    yield chunk(delta)
                 sent = text
             if kind == "done":
-                yield final_chunk(payload["finish_reason"])
+                yield chunk("", payload["finish_reason"])
                 if usage_head is not None:
-                    yield _sse({**usage_head, "choices": [], "usage": self.usage(payload)})
+                    yield _sse({**usage_head, "choices": [], "usage": _usage(payload)})
                 yield "data: [DONE]\n\n"
                 self.stats["completed"] += 1
                 return
@@ -313,6 +354,7 @@ def build_app(
     engine: ChatEngine,
     served_model_name: str,
     *,
+    server_cls: type[ChatServer] = ChatServer,
     max_batch_size: int = 16,
     max_tokens_cap: int = 1024,
     request_timeout_s: float = 300.0,
@@ -321,18 +363,16 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_messages: int = DEFAULT_MAX_MESSAGES,
 ):
-    """The Starlette app; `engine` is loaded before the app starts, so `/health` means ready."""
-    limits = RequestLimits(max_tokens_cap, max_body_bytes, max_messages)
-    scheduler = Scheduler(engine, max_batch_size, chunk_tokens)
-    server = ChatServer(engine, served_model_name, scheduler, limits, request_timeout_s, api_key)
-    return starlette_app(server, scheduler, completions=False)
-
-
-def starlette_app(server: ChatServer, scheduler: Scheduler, *, completions: bool):
-    """The routes every server has (health, stats, models, chat; text completions when `completions`),
-    with the scheduler's worker running for the app's lifetime."""
+    """The Starlette app: health, stats, models, chat and text completions, with the scheduler's worker
+    running for the app's lifetime. `engine` is loaded before the app starts, so `/health` means ready.
+    `server_cls`: `dllm_serve.DllmServer` over a `DllmEngine` (`dllm_serve.build_dllm_app`)."""
     from starlette.applications import Starlette
     from starlette.routing import Route
+
+    limits = RequestLimits(max_tokens_cap, max_body_bytes, max_messages)
+    scheduler = Scheduler(engine, max_batch_size, chunk_tokens)
+    server = server_cls(engine, served_model_name, scheduler, limits, request_timeout_s, api_key)
+    scheduler.incoming = lambda: server.preparing
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -348,7 +388,6 @@ def starlette_app(server: ChatServer, scheduler: Scheduler, *, completions: bool
         Route("/stats", server.guarded(server.get_stats), methods=["GET"]),
         Route("/v1/models", server.guarded(server.models), methods=["GET"]),
         Route("/v1/chat/completions", server.guarded(server.chat_completions), methods=["POST"]),
+        Route("/v1/completions", server.guarded(server.completions), methods=["POST"]),
     ]
-    if completions:
-        routes.append(Route("/v1/completions", server.guarded(server.completions), methods=["POST"]))
     return Starlette(routes=routes, lifespan=lifespan)

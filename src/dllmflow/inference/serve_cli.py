@@ -143,39 +143,29 @@ def app_from_args(args: argparse.Namespace, served=None):
     if served is None and str(args.model_path).startswith("models:/"):
         raise UserError(f"--model {args.model_path}: a registry URI is resolved by `dllmflow serve`")
     settings = parse_sampler_settings(getattr(args, "sampler_setting", None))
+    options = dict(
+        max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
+        request_timeout_s=args.request_timeout_s,
+        api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+    )  # fmt: skip
     if served is not None or is_dllm_checkpoint(args.model_path):
+        from dllmflow.inference.dllm_engine import DllmEngine
+        from dllmflow.inference.dllm_serve import build_dllm_app
+
         served = served or served_from_path(args.model_path)
         # the caller's flag, never the checkpoint or the registry, decides (docs/security.md)
         served = dataclasses.replace(
             served, trust_remote_code=bool(getattr(args, "trust_remote_code", False))
         )
-        return _dllm_app(args, served, settings)
+        engine = DllmEngine(served, args.dtype, settings=settings, max_tokens_cap=args.max_tokens_cap)
+        name = args.served_model_name or served.lineage.get("name") or Path(args.model_path).resolve().name
+        return build_dllm_app(engine, name, **options), name
     if settings:
         raise UserError(f"--sampler-setting: {args.model_path} is a causal LM; only a dLLM has a sampler")
     engine = ChatEngine(args.model_path, args.dtype)
     name = args.served_model_name or Path(args.model_path).resolve().name
-    app = build_app(
-        engine, name, max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
-        request_timeout_s=args.request_timeout_s, chunk_tokens=args.chunk_tokens,
-        api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
-        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
-    )  # fmt: skip
-    return app, name
-
-
-def _dllm_app(args: argparse.Namespace, served, settings: dict | None = None):
-    from dllmflow.inference.dllm_engine import DllmEngine
-    from dllmflow.inference.dllm_serve import build_dllm_app
-
-    engine = DllmEngine(served, args.dtype, settings=settings, max_tokens_cap=args.max_tokens_cap)
-    name = args.served_model_name or served.lineage.get("name") or Path(args.model_path).resolve().name
-    app = build_dllm_app(
-        engine, name, max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
-        request_timeout_s=args.request_timeout_s,
-        api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
-        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
-    )  # fmt: skip
-    return app, name
+    return build_app(engine, name, chunk_tokens=args.chunk_tokens, **options), name
 
 
 def cli_main(args: argparse.Namespace, served=None) -> int:
