@@ -13,7 +13,7 @@ import torch
 
 from _serving import TINY_DLLM_TEXTS as TEXTS
 from _serving import tiny_dllm_export
-from dllmflow.inference.dllm_engine import DllmEngine, ServedModel, is_dllm_checkpoint, served_from_path
+from dllmflow.inference.dllm_engine import DllmEngine, ServedModel, resolve_served, served_from_path
 from dllmflow.inference.requests import RequestError
 from dllmflow.settings import load_settings
 
@@ -42,13 +42,42 @@ def test_a_run_dir_serves_the_setting_it_was_gated_at(export, tmp_path):
     assert served.sampler_settings == {**RECORDED, "threshold": 0.9}
     assert served.lineage["setting"] == {"threshold": 0.9}
     assert served_from_path(export).sampler_settings == {}  # an export without a dllm block: the preset
-    assert is_dllm_checkpoint(run) and is_dllm_checkpoint(export)
+    assert resolve_served(run)[1] == served and resolve_served(export)[1] == served_from_path(export)
 
 
 def test_a_plain_causal_lm_dir_is_not_a_dllm(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert not is_dllm_checkpoint(tmp_path)
-    assert not is_dllm_checkpoint(tmp_path / "missing")
+    assert resolve_served(tmp_path) == (tmp_path, None)
+    assert resolve_served(tmp_path / "missing") == (None, None)
+
+
+def test_serve_resolves_what_a_run_dir_serves_once(export, tmp_path):
+    """`dllmflow serve --model-path RUN` finds the run's export once per start (`runs.find_export` called
+    from outside itself), not once per question asked of it (dLLM or not, sampler, weights)."""
+    import argparse
+    import sys
+
+    from dllmflow import runs
+    from dllmflow.inference.serve_cli import add_cli_args, app_from_args
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "consolidated").symlink_to(export, target_is_directory=True)
+    inner = {runs.find_export.__code__, runs.newest_flow_export.__code__}
+    callers: list[str] = []
+
+    def spy(frame, event, arg):
+        if event == "call" and frame.f_code is runs.find_export.__code__ and frame.f_back.f_code not in inner:
+            callers.append(frame.f_back.f_code.co_name)
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    sys.setprofile(spy)
+    try:
+        app, name = app_from_args(parser.parse_args(["--model-path", str(run)]))
+    finally:
+        sys.setprofile(None)
+    assert name == "run" and callers == ["resolve_served"], callers
 
 
 def test_request_configs(engine):

@@ -7,9 +7,10 @@ sampler, driven by the same round-robin `scheduler.Scheduler` as the causal engi
     scheduler.submit(engine.request(prompt_ids, {"threshold": 0.9}, max_tokens=16, stream=True))
 
 What is served: `ServedModel` (a local checkpoint dir, its sampler and recorded settings, lineage for
-`/v1/models`). `served_from_path` reads them from a run or export dir: the sampler the run was evaluated
-and gated with (`eval/<sampler>.json`, the sweep's chosen setting included), else the export's own
-(`config.json` `dllm` block). A registered model (`models:/<name>@<alias>`) is resolved a layer above,
+`/v1/models`). `resolve_served` finds the HF dir a `--model-path` stands for, once per start, and whether
+it is a dLLM; `served_from_path` reads what to serve from a run or export dir: the sampler the run was
+evaluated and gated with (`eval/<sampler>.json`, the sweep's chosen setting included), else the
+export's own (`config.json` `dllm` block). A registered model (`models:/<name>@<alias>`) is resolved a layer above,
 in `tracking/serve_model.py`, to the same `ServedModel`.
 
 Batching: requests whose sampler and settings are the same decode together (`request().batch_key()`);
@@ -44,7 +45,7 @@ from dllmflow.errors import UserError
 from dllmflow.inference.engine import ChatRequest
 from dllmflow.inference.requests import RequestError
 from dllmflow.inference.scheduler import DecodeAborted
-from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
+from dllmflow.runs import HF_CONFIG, find_export, recorded_settings, resolve_checkpoint
 
 EVAL_DIR = "eval"  # runs.RunLayout.eval_dir: eval/<sampler>.json, what the register step gates with
 
@@ -62,24 +63,29 @@ class ServedModel:
     trust_remote_code: bool = False
 
 
-def is_dllm_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether `path` resolves to a dllmflow export (a `dllm` block in config.json or training
-    settings.json next to it); a plain causal LM dir (the DFlash target) is not."""
+def resolve_served(path: str | os.PathLike) -> tuple[Path | None, ServedModel | None]:
+    """The one resolution of what `dllmflow serve --model-path` serves: (the HF dir `path` stands for,
+    `runs.find_export`, None when it holds none; the dLLM to serve when that dir is a dllmflow export, a
+    `dllm` block in config.json or training settings.json next to it, else None: a causal LM)."""
+    ckpt = find_export(path) if Path(path).is_dir() else None
+    if ckpt is None:
+        return None, None
     try:
-        ckpt = resolve_checkpoint(path)
         config = json.loads((ckpt / HF_CONFIG).read_text())
-    except (UserError, OSError, ValueError):
-        return False
-    return "dllm" in config or (ckpt / "settings.json").is_file()
+    except (OSError, ValueError):
+        return ckpt, None
+    is_dllm = "dllm" in config or (ckpt / "settings.json").is_file()
+    return ckpt, served_from_path(path, ckpt) if is_dllm else None
 
 
-def served_from_path(path: str | os.PathLike) -> ServedModel:
+def served_from_path(path: str | os.PathLike, ckpt: Path | None = None) -> ServedModel:
     """A run/export dir -> what to serve: the sampler and settings it was gated with when a run dir
-    holds `eval/<sampler>.json` (the sweep's chosen point), else the export's `dllm` block."""
+    holds `eval/<sampler>.json` (the sweep's chosen point), else the export's `dllm` block. `ckpt`: the
+    HF dir `path` resolves to, when the caller resolved it already."""
     from dllmflow.inference.generate import resolve_default_sampler
     from dllmflow.models.model_card import read_dllm_block
 
-    ckpt = resolve_checkpoint(path)
+    ckpt = ckpt or resolve_checkpoint(path)
     block = read_dllm_block(ckpt) or {}
     sampler = resolve_default_sampler(ckpt)
     settings = recorded_settings(ckpt)
@@ -161,7 +167,7 @@ class DllmEngine:
         from dllmflow.diffusion.samplers.asked import AskLimits, build_asked_config
         from dllmflow.diffusion.samplers.base import stop_token_ids
         from dllmflow.diffusion.samplers.configs import SamplerSettingError, build_sampler_config
-        from dllmflow.inference.generate import load_for_generation, resolve_default_sampler
+        from dllmflow.inference.generate import load_export, resolve_default_sampler
         from dllmflow.models.limits import max_positions
 
         self.served = served
@@ -192,7 +198,7 @@ class DllmEngine:
             ) from None
         served = self.served = dataclasses.replace(served, sampler_settings=recorded)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, self.tokenizer, self.trained = load_for_generation(
+        self.model, self.tokenizer, self.trained = load_export(
             served.checkpoint, device=device, dtype=getattr(torch, dtype),
             trust_remote_code=served.trust_remote_code,
         )  # fmt: skip

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
-from dllmflow.runs import find_export
 
 
 @dataclass(eq=False)
@@ -100,7 +99,8 @@ def _draw(probs, generators):
 
 class ChatEngine:
     """A causal LM + tokenizer with a chat template, generating a batch a few tokens at a time:
-    `prefill(reqs)` starts a `Decode`, `step(decode, n)` adds up to n tokens per live row."""
+    `prefill(reqs)` starts a `Decode`, `step(decode, n)` adds up to n tokens per live row. `model_path`:
+    a saved HF dir (`serve_cli` resolves a run dir to its export first: `dllm_engine.resolve_served`)."""
 
     stopping = False  # set at the server's shutdown; a turn is only --chunk-tokens forwards: nothing waits
 
@@ -115,7 +115,6 @@ class ChatEngine:
             raise UserError(
                 f"--model-path {path}: not a directory; point it at a saved HF model (config + weights)"
             )
-        path = find_export(path) or path  # a run dir or checkpoint root serves its consolidated export
         header = check_checkpoint_files(path)  # a cut-short or corrupt weight file: one line, before loading
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)

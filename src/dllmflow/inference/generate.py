@@ -62,6 +62,19 @@ def load_for_generation(
     `model.config.mask_token_id`; UserError if none resolves. `adapter`: a peft LoRA dir loaded onto
     the checkpoint (`dllmflow.models.lora.load_adapter`). `trust_remote_code`: the caller's decision
     (a checkpoint that needs its own code without it is refused with an error naming the flag)."""
+    return load_export(resolve_checkpoint(path), mask_id, device, dtype, adapter, trust_remote_code)
+
+
+def load_export(
+    ckpt: Path,
+    mask_id: int | None = None,
+    device: str | None = None,
+    dtype=None,
+    adapter=None,
+    trust_remote_code: bool = False,
+):
+    """`load_for_generation` of a resolved HF dir `ckpt` (`runs.resolve_checkpoint`'s answer): for a
+    caller that resolved it already (`dllmflow serve`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,7 +82,6 @@ def load_for_generation(
     from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
     from dllmflow.models.limits import vocab_rows
 
-    ckpt = resolve_checkpoint(path)
     # With an adapter, its run's settings (next to it in the export) say how it was trained.
     settings = recorded_settings(Path(adapter).parent) if adapter else None
     settings = settings or recorded_settings(ckpt)

@@ -30,7 +30,7 @@ from pathlib import Path
 from dllmflow.common.cli_args import add_flag
 from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
-from dllmflow.inference.dllm_engine import is_dllm_checkpoint, served_from_path
+from dllmflow.inference.dllm_engine import resolve_served
 from dllmflow.inference.requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
 
 log = logging.getLogger("dllmflow.inference.serve")
@@ -149,11 +149,13 @@ def app_from_args(args: argparse.Namespace, served=None):
         api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
     )  # fmt: skip
-    if served is not None or is_dllm_checkpoint(args.model_path):
+    ckpt = None
+    if served is None:  # the one resolution of the dir (its export), whatever it serves
+        ckpt, served = resolve_served(args.model_path)
+    if served is not None:
         from dllmflow.inference.dllm_engine import DllmEngine
         from dllmflow.inference.dllm_serve import build_dllm_app
 
-        served = served or served_from_path(args.model_path)
         # the caller's flag, never the checkpoint or the registry, decides (docs/security.md)
         served = dataclasses.replace(
             served, trust_remote_code=bool(getattr(args, "trust_remote_code", False))
@@ -163,7 +165,7 @@ def app_from_args(args: argparse.Namespace, served=None):
         return build_dllm_app(engine, name, **options), name
     if settings:
         raise UserError(f"--sampler-setting: {args.model_path} is a causal LM; only a dLLM has a sampler")
-    engine = ChatEngine(args.model_path, args.dtype)
+    engine = ChatEngine(ckpt or args.model_path, args.dtype)  # a run dir serves its consolidated export
     name = args.served_model_name or Path(args.model_path).resolve().name
     return build_app(engine, name, chunk_tokens=args.chunk_tokens, **options), name
 
