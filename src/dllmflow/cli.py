@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Regenerate assistant turns through an OpenAI-compatible server.",
     ),
     "serve": (
-        "dllmflow.tracking.serve_model",
+        "dllmflow.inference.serve_cli",
         "Serve a dLLM (run dir, export, models:/ URI) or a causal LM behind an OpenAI-compatible API.",
     ),
     "register": ("dllmflow.tracking.register_cli", "Log a finished run to MLflow and register its model."),

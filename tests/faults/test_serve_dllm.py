@@ -245,7 +245,7 @@ def test_a_client_gone_mid_stream_leaves_its_batch_at_the_next_turn(server):
 
 def test_a_bad_registry_uri_is_one_line_and_exit_2(registered):
     from dllmflow.errors import UserError
-    from dllmflow.tracking.serve_model import resolve_registered
+    from dllmflow.inference.registered import resolve_registered
 
     uri, _, _, tmp = registered
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "DLLMFLOW_MODEL_CACHE": str(tmp / "cache")}
@@ -261,8 +261,8 @@ def test_a_recorded_trust_is_refused_without_the_callers_flag(registered):
     """A version registered with `trust_remote_code: true` is served only with `--trust-remote-code`:
     the record asks, the one who starts the server decides (one line, exit 2, before any port opens)."""
     from dllmflow.errors import UserError
+    from dllmflow.inference.registered import resolve_registered
     from dllmflow.tracking.registry import register_model
-    from dllmflow.tracking.serve_model import resolve_registered
 
     uri, export, run_id, tmp = registered
     trusting = load_settings(
@@ -306,7 +306,7 @@ def test_a_version_that_is_not_a_dllmflow_model_is_refused(registered):
     from mlflow import MlflowClient
 
     from dllmflow.errors import UserError
-    from dllmflow.tracking.serve_model import resolve_registered
+    from dllmflow.inference.registered import resolve_registered
 
     uri, _, _, tmp = registered
     mlflow.set_tracking_uri(uri)

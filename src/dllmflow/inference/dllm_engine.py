@@ -10,8 +10,8 @@ What is served: `ServedModel` (a local checkpoint dir, its sampler and recorded 
 `/v1/models`). `resolve_served` finds the HF dir a `--model-path` stands for, once per start, and whether
 it is a dLLM; `served_from_path` reads what to serve from a run or export dir: the sampler the run was
 evaluated and gated with (`eval/<sampler>.json`, the sweep's chosen setting included), else the
-export's own (`config.json` `dllm` block). A registered model (`models:/<name>@<alias>`) is resolved a layer above,
-in `tracking/serve_model.py`, to the same `ServedModel`.
+export's own (`config.json` `dllm` block). A registered model (`models:/<name>@<alias>`) is resolved
+in `inference/registered.py` to the same `ServedModel`.
 
 Batching: requests whose sampler and settings are the same decode together (`request().batch_key()`);
 the samplers decode a row in a batch as alone (tests/unit/test_sampler_caches.py), so a client's answer

@@ -3,6 +3,7 @@
     dllmflow serve --model-path runs/target --port 30000 --served-model-name target
     dllmflow serve --model runs/tiny_addition                # a dLLM run: its gated sampler and settings
     dllmflow serve --model runs/tiny_addition --sampler-setting cache=dual   # ... served with a cache
+    dllmflow serve --model models:/dllmflow-tiny-addition@champion   # a registered dLLM (inference/registered.py)
     python -m dllmflow.inference.serve_cli --model-path runs/target          # the same, without the cli
 
     with local_server("runs/target", served_model_name="target") as url:    # http://127.0.0.1:PORT/v1
@@ -45,8 +46,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         dest="model_path",
         required=True,
         help="What to serve: a local causal LM dir (config, weights, tokenizer with a chat template), a "
-        "dllmflow run or export dir (a dLLM, decoded with its recorded sampler), or, through `dllmflow "
-        "serve`, a registered model models:/<name>@<alias> or models:/<name>/<version>.",
+        "dllmflow run or export dir (a dLLM, decoded with its recorded sampler), or a registered model "
+        "models:/<name>@<alias> or models:/<name>/<version>.",
     )
     p.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
     p.add_argument("--port", type=int, default=30000)
@@ -100,6 +101,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="dLLM: run the checkpoint's own Python code (auto_map); only for checkpoints you trust. A "
         "registered version recorded with trust_remote_code is refused without it.",
     )  # fmt: skip
+    add_flag(
+        p, "--tracking-uri", default=None,
+        help="MLflow tracking server of a models:/ URI (default $MLFLOW_TRACKING_URI, else MLflow's).",
+    )  # fmt: skip
     add_flag(p, "--log-level", default="INFO")
 
 
@@ -126,10 +131,10 @@ def parse_sampler_settings(items: Sequence[str] | None) -> dict:
     return out
 
 
-def app_from_args(args: argparse.Namespace, served=None):
-    """Check the flags, load the engine, build the app: (app, served model name). `served`: a
-    `dllm_engine.ServedModel` resolved by the caller (a registered model, `tracking/serve_model.py`);
-    else a dllmflow run/export dir serves a dLLM and any other dir a causal LM."""
+def app_from_args(args: argparse.Namespace):
+    """Check the flags, resolve what `--model` names (once), load the engine, build the app: (app, served
+    model name). A registered model (`models:/...`, `inference/registered.py`) and a dllmflow run/export
+    dir serve a dLLM, any other dir a causal LM."""
     from dllmflow.inference.engine import ChatEngine
     from dllmflow.inference.serve import build_app
 
@@ -140,26 +145,27 @@ def app_from_args(args: argparse.Namespace, served=None):
         raise UserError(f"--request-timeout-s must be > 0 (got {args.request_timeout_s:g})")
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1 (got {args.threads})")
-    if served is None and str(args.model_path).startswith("models:/"):
-        raise UserError(f"--model {args.model_path}: a registry URI is resolved by `dllmflow serve`")
-    settings = parse_sampler_settings(getattr(args, "sampler_setting", None))
+    settings = parse_sampler_settings(getattr(args, "sampler_setting", None))  # before any download
     options = dict(
         max_batch_size=args.max_batch_size, max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout_s,
         api_key=args.api_key or os.environ.get("DLLMFLOW_SERVE_API_KEY") or None,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
     )  # fmt: skip
-    ckpt = None
-    if served is None:  # the one resolution of the dir (its export), whatever it serves
+    trust = bool(getattr(args, "trust_remote_code", False))
+    if str(args.model_path).startswith("models:/"):
+        from dllmflow.inference.registered import resolve_registered
+
+        tracking_uri = getattr(args, "tracking_uri", None)
+        ckpt, served = None, resolve_registered(args.model_path, tracking_uri, trust_remote_code=trust)
+    else:  # the one resolution of the dir (its export), whatever it serves
         ckpt, served = resolve_served(args.model_path)
     if served is not None:
         from dllmflow.inference.dllm_engine import DllmEngine
         from dllmflow.inference.dllm_serve import build_dllm_app
 
         # the caller's flag, never the checkpoint or the registry, decides (docs/security.md)
-        served = dataclasses.replace(
-            served, trust_remote_code=bool(getattr(args, "trust_remote_code", False))
-        )
+        served = dataclasses.replace(served, trust_remote_code=trust)
         engine = DllmEngine(served, args.dtype, settings=settings, max_tokens_cap=args.max_tokens_cap)
         name = args.served_model_name or served.lineage.get("name") or Path(args.model_path).resolve().name
         return build_dllm_app(engine, name, **options), name
@@ -170,11 +176,11 @@ def app_from_args(args: argparse.Namespace, served=None):
     return build_app(engine, name, chunk_tokens=args.chunk_tokens, **options), name
 
 
-def cli_main(args: argparse.Namespace, served=None) -> int:
+def cli_main(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app, name = app_from_args(args, served)
+    app, name = app_from_args(args)
     import torch
 
     # process-wide: the scheduler's decode thread inherits it

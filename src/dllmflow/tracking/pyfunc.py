@@ -45,7 +45,8 @@ class DllmGenerator(PythonModel):
     one is an error naming it)."""
 
     def load_context(self, context):
-        from dllmflow.tracking.pyfunc_runtime import TRUST_ENV, caller_trusts, check_recorded_trust
+        from dllmflow.inference.registered import check_recorded_trust
+        from dllmflow.tracking.pyfunc_runtime import TRUST_ENV, caller_trusts
 
         self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
         trust = caller_trusts(getattr(context, "model_config", None))

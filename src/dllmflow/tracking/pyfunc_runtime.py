@@ -70,18 +70,6 @@ def caller_trusts(model_config: dict[str, Any] | None) -> bool:
     return os.environ.get(TRUST_ENV, "").lower() in ("1", "true")
 
 
-def check_recorded_trust(generation: dict[str, Any], trusted: bool, what: str, how: str) -> None:
-    """UserError when the registered `generation` was recorded with `trust_remote_code: true` and the
-    caller did not consent (`how` says how to): the record asks, only the caller decides."""
-    from dllmflow.errors import UserError
-
-    if generation.get("trust_remote_code") and not trusted:
-        raise UserError(
-            f"{what}: this version was registered with trust_remote_code (its checkpoint runs its own "
-            f"Python code); {how} to allow it, only for a model you trust"
-        )
-
-
 def recorded_params(sampler: str, sampler_settings: dict[str, Any]) -> dict[str, Any]:
     """What a registered model generates with (its signature's param defaults): the sampler and its
     preset under the recorded settings."""

@@ -1,9 +1,8 @@
-"""`dllmflow serve` with a registered model: resolve `models:/<name>@<alias>` or `models:/<name>/<version>`
-through the MLflow registry to the version's checkpoint and recorded generation (downloaded once into a
-cache), then serve it as `inference/serve_cli.py` serves a local dir.
+"""What `dllmflow serve` serves for a registered model: resolve `models:/<name>@<alias>` or
+`models:/<name>/<version>` through the MLflow registry to the version's checkpoint and recorded
+generation (downloaded once into a cache), which `inference/serve_cli.py` then serves as a local dir.
 
     dllmflow serve --model models:/dllmflow-tiny-addition@champion --tracking-uri sqlite:///mlflow.db
-    dllmflow serve --model runs/tiny_addition          # local dirs go straight to inference/serve_cli.py
 
     served = resolve_registered("models:/dllmflow-tiny-addition@champion")   # a dllm_engine.ServedModel
 
@@ -18,7 +17,6 @@ $MLFLOW_TRACKING_URI, else MLflow's default. Downloads go to `$DLLMFLOW_MODEL_CA
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -29,31 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
-from dllmflow.inference import serve_cli
 from dllmflow.inference.dllm_engine import ServedModel
-from dllmflow.tracking.pyfunc_runtime import check_recorded_trust
 
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
 _COMPLETE = ".dllmflow-complete"
-
-
-def add_cli_args(p: argparse.ArgumentParser) -> None:
-    serve_cli.add_cli_args(p)
-    p.add_argument(
-        "--tracking-uri",
-        default=None,
-        help="MLflow tracking server of a models:/ URI (default $MLFLOW_TRACKING_URI, else MLflow's).",
-    )
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    served = None
-    serve_cli.parse_sampler_settings(args.sampler_setting)  # a malformed one fails before any download
-    if str(args.model_path).startswith("models:/"):
-        served = resolve_registered(
-            args.model_path, args.tracking_uri, trust_remote_code=args.trust_remote_code
-        )
-    return serve_cli.cli_main(args, served)
 
 
 def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
@@ -118,6 +95,17 @@ def resolve_registered(
         lineage=lineage,
         trust_remote_code=trust_remote_code,
     )
+
+
+def check_recorded_trust(generation: dict[str, Any], trusted: bool, what: str, how: str) -> None:
+    """UserError when the registered `generation` was recorded with `trust_remote_code: true` and the
+    caller did not consent (`how` says how to): the record asks, only the caller decides. `dllmflow serve`
+    and the registered pyfunc (`tracking/pyfunc.py`) both ask it."""
+    if generation.get("trust_remote_code") and not trusted:
+        raise UserError(
+            f"{what}: this version was registered with trust_remote_code (its checkpoint runs its own "
+            f"Python code); {how} to allow it, only for a model you trust"
+        )
 
 
 def _download(client: Any, tracking_uri: str, name: str, version: str, cache_dir: str | None) -> Path:
