@@ -179,7 +179,7 @@ def every_sampler(model, tok, prompts, n: int) -> dict[str, dict]:
         "scdd": ("scdd", {"steps": n}),
         "llada2": ("llada2", {"block_size": min(32, n)}),
         "nemotron (kv cache)": ("nemotron", {"steps": n}),
-        "nemotron (no cache)": ("nemotron", {"steps": n, "use_kv_cache": False}),
+        "nemotron (no cache)": ("nemotron", {"steps": n, "cache": "none"}),
         "idlm": ("idlm", {"steps": n}),
         "gemma (random tiny)": ("gemma", {"steps": 8}),
     }
@@ -198,8 +198,8 @@ def kv_cache_runs(model, tok, prompts, n: int, eos: bool) -> dict[str, dict]:
     if not eos:
         common["eos_token_id"] = None
     return {
-        "no cache (base)": run_sampler(model, tok, "nemotron", {**common, "use_kv_cache": False}, prompts),
-        "kv cache": run_sampler(model, tok, "nemotron", {**common, "use_kv_cache": True}, prompts),
+        "no cache (base)": run_sampler(model, tok, "nemotron", {**common, "cache": "none"}, prompts),
+        "kv cache": run_sampler(model, tok, "nemotron", {**common, "cache": "exact"}, prompts),
     }
 
 
@@ -225,10 +225,10 @@ def cache_runs(model, tok, prompts, n: int, block: int, threshold: float) -> dic
         "llada dual": ("llada", {**llada, "cache": "dual"}),
         f"llada dual thr {threshold}": ("llada", {**llada, "cache": "dual", "threshold": threshold}),
         f"llada none thr {threshold}": ("llada", {**llada, "threshold": threshold}),
-        "llada2 no cache": ("llada2", {**common, "use_kv_cache": False}),
-        "llada2 kv cache": ("llada2", {**common, "use_kv_cache": True}),
-        "idlm no cache": ("idlm", {**common, "steps": n, "use_kv_cache": False}),
-        "idlm kv cache": ("idlm", {**common, "steps": n, "use_kv_cache": True}),
+        "llada2 no cache": ("llada2", {**common, "cache": "none"}),
+        "llada2 kv cache": ("llada2", {**common, "cache": "exact"}),
+        "idlm no cache": ("idlm", {**common, "steps": n, "cache": "none"}),
+        "idlm kv cache": ("idlm", {**common, "steps": n, "cache": "exact"}),
     }
     return {label: run_sampler(model, tok, name, over, prompts) for label, (name, over) in runs.items()}
 

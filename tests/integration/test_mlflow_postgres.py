@@ -8,7 +8,7 @@
 Then consumers with nothing but the tracking URI (no S3 credentials, no training dirs): a fresh process
 loads `models:/<name>@champion` and generates, and `mlflow models serve` answers `/invocations`, with
 the recorded sampler (nemotron), an override to another sampler (llada: the recorded nemotron-only
-knobs such as use_kv_cache must not reach it), and an option the sampler does not take (HTTP 400 naming
+knobs such as causal_context must not reach it), and an option the sampler does not take (HTTP 400 naming
 it).
 """
 

@@ -87,7 +87,7 @@ def test_the_sampler_equals_hf_greedy_generate(model):
     uncached = SAMPLERS["ar"](
         model, _Tok(), build_sampler_config("ar", {"max_new_tokens": 10, "no_kv_cache": True})
     )
-    assert uncached.config.use_kv_cache is False and uncached.generate(PROMPTS).sequences == out.sequences
+    assert uncached.config.cache == "none" and uncached.generate(PROMPTS).sequences == out.sequences
 
 
 def test_a_row_decodes_as_it_would_alone(model):

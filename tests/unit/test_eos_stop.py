@@ -27,7 +27,7 @@ SMALL = {  # 12 new tokens, blocks of 4
 }
 MODES = [("llada", {"cache": c}) for c in ("none", "prefix", "dual")]
 MODES += [("llada", {"threshold": 0.05})]
-MODES += [(n, {"use_kv_cache": c}) for n in ("llada2", "nemotron", "idlm") for c in (True, False)]
+MODES += [(n, {"cache": c}) for n in ("llada2", "nemotron", "idlm") for c in ("exact", "none")]
 MODES += [("llada2", {"temperature": 1.0})]  # sampled: the stopped row's noise is still drawn
 
 
@@ -156,12 +156,12 @@ def test_scdd_eos_truncate_cuts_the_canvas_and_stops_the_row():
     assert min(widths) == 5 and sum(widths) < 9 * 10  # [0, 5) once the EOS is in; the full run: 9 x 10
 
 
-@pytest.mark.parametrize("use_kv_cache", [True, False])
-def test_ar_positions_prefill_then_one_a_token(model, tok, use_kv_cache):
+@pytest.mark.parametrize("cache", ["exact", "none"])
+def test_ar_positions_prefill_then_one_a_token(model, tok, cache):
     ps = [tok.encode("What is 2 + 3?"), tok.encode("Natalia sold 48 clips in April")]
-    cfg = build_sampler_config("ar", {"max_new_tokens": 6, "use_kv_cache": use_kv_cache}, tok)
+    cfg = build_sampler_config("ar", {"max_new_tokens": 6, "cache": cache}, tok)
     out = SAMPLERS["ar"](model, tok, cfg).generate(ps)
-    if use_kv_cache:  # the prompt once, then the last token per forward: a ratio near 1 on long answers
+    if cache == "exact":  # the prompt once, then the last token per forward: a ratio near 1 on long answers
         assert out.row_positions == [len(p) + n - 1 for p, n in zip(ps, out.row_nfe)]
     else:  # every forward recomputes the prompt and the answer so far
         assert out.row_positions == [sum(len(p) + i for i in range(n)) for p, n in zip(ps, out.row_nfe)]

@@ -209,15 +209,15 @@ def test_llada2_decodes_a_shifted_model_as_without_a_cache():
     model = apply_logit_shift(_tiny_qwen3()).eval()
     tok = SimpleNamespace(mask_token_id=47, eos_token_id=None, pad_token_id=0)
 
-    def run(use_kv_cache):
+    def run(cache):
         over = {
             "max_new_tokens": 8,
             "steps": 3,
             "block_size": 4,
             "threshold": 0.5,
-            "use_kv_cache": use_kv_cache,
+            "cache": cache,
         }
         config = build_sampler_config("llada2", over)
         return SAMPLERS["llada2"](model, tok, config, mask_id=47).generate([[5, 6, 7], [9, 10, 11, 12, 13]])
 
-    assert run(True).sequences == run(False).sequences
+    assert run("exact").sequences == run("none").sequences

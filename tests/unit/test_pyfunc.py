@@ -98,9 +98,11 @@ def test_cache_is_a_typed_param_and_a_cache_the_sampler_cannot_use_is_a_400(gene
 
     model, _ = generator
     spec = {p.name: p for p in build_signature("llada2", RECORDED).params}
-    assert spec["cache"].dtype.name == "string" and spec["cache"].default == ""  # llada2: no cache option
-    # llada2's cache is exact (off with no_kv_cache): a Fast-dLLM mode is refused, naming sampler and field
-    with pytest.raises(InvalidGenerationRequest, match="sampler llada2 does not take cache") as e:
+    assert spec["cache"].dtype.name == "string" and spec["cache"].default == "exact"  # llada2's preset
+    # llada2's cache is exact (or none): a Fast-dLLM mode is refused, naming sampler and field
+    with pytest.raises(
+        InvalidGenerationRequest, match="sampler llada2 takes cache exact or none, not 'dual'"
+    ) as e:
         model.predict(None, PROMPTS, params={"sampler": "llada2", "cache": "dual"})
     assert e.value.error_code == "INVALID_PARAMETER_VALUE"  # what `mlflow models serve` answers with 400
     out = model.predict(None, PROMPTS, params={"sampler": "llada2", "cache": "none"})  # no cache: fine

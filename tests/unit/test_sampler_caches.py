@@ -31,7 +31,7 @@ MODES += [("llada", {"cache": "dual", "threshold": 0.05})]
 MODES += [("scdd", {"cache": c}) for c in ("none", "prefix")] + [
     ("scdd", {"cache": "prefix", "temperature": 0.0})
 ]
-MODES += [(n, {"use_kv_cache": c}) for n in ("llada2", "nemotron", "idlm") for c in (True, False)]
+MODES += [(n, {"cache": c}) for n in ("llada2", "nemotron", "idlm") for c in ("exact", "none")]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_exact_cache_gives_the_uncached_tokens(model, tok, name, over):
     ps = [tok.encode(p) for p in PHRASES[:3]]
     for batch in (ps, ps[:1], ps[2:]):
         (cached, c_seen), (plain, p_seen) = (
-            widths(model, lambda c=c, b=batch: raw(make(name, model, tok, use_kv_cache=c, **over), b))
-            for c in (True, False)
+            widths(model, lambda c=c, b=batch: raw(make(name, model, tok, cache=c, **over), b))
+            for c in ("exact", "none")
         )
         assert cached == plain  # tokens, nfe, per-row nfe
         assert cached[1] == len(c_seen) == len(p_seen)  # no forward added
@@ -110,8 +110,8 @@ def test_exact_cache_gives_the_uncached_tokens(model, tok, name, over):
 
 def test_idlm_cache_with_per_row_eos_equals_uncached(model, tok):
     ps = [tok.encode(p) for p in PHRASES[:4]]
-    eos = raw(make("idlm", model, tok, use_kv_cache=False), ps[:1])[0][0][5]  # a token row 0 produces
-    runs = [raw(make("idlm", model, tok, use_kv_cache=c, eos_token_id=eos), ps) for c in (True, False)]
+    eos = raw(make("idlm", model, tok, cache="none"), ps[:1])[0][0][5]  # a token row 0 produces
+    runs = [raw(make("idlm", model, tok, cache=c, eos_token_id=eos), ps) for c in ("exact", "none")]
     assert runs[0] == runs[1] and min(runs[0][2]) < max(runs[0][2])  # a row stopped early
 
 
@@ -206,26 +206,29 @@ def test_gemma_batch_equals_each_alone(tok):
 
 
 @pytest.mark.parametrize("name", ["gemma", "nemotron", "llada2", "idlm"])
-def test_cache_refused_by_samplers_without_it(name):
-    with pytest.raises(UserError, match=rf"sampler {name} does not take cache"):
+def test_fast_dllm_cache_refused_by_samplers_without_it(name):
+    takes = "takes no cache but 'none'" if name == "gemma" else "takes cache exact or none, not 'prefix'"
+    with pytest.raises(UserError, match=rf"sampler {name} {takes}"):
         build_sampler_config(name, {"cache": "prefix"})
     # `defaults` is the eval section shared by every sampler of a mode: a sampler without a cache runs
     # without it; the section is refused at parse time only when no sampler of the mode takes the value
     # (evaluation.protocol.check_eval_settings, tests/unit/test_sweep.py).
-    for value in ("dual", "none"):
-        assert not hasattr(build_sampler_config(name, defaults={"cache": value}), "cache")
+    runs = "none" if name == "gemma" else "exact"  # a mode it does not take: its preset
+    for value, want in (("dual", runs), ("none", "none")):
+        assert getattr(build_sampler_config(name, defaults={"cache": value}), "cache", "none") == want
 
 
 def test_cache_modes_validated_and_turned_off_by_no_kv_cache():
     with pytest.raises(
-        UserError, match="invalid scdd sampler settings: --cache: .*sampler scdd cannot use cache 'dual'"
+        UserError,
+        match="invalid scdd sampler settings: --cache: .*sampler scdd takes cache none or prefix, not 'dual'",
     ):
         build_sampler_config("scdd", {"cache": "dual"})
     with pytest.raises(UserError, match="--cache"):
         build_sampler_config("llada", {"cache": "triple"})
     assert build_sampler_config("llada", {"cache": "dual", "no_kv_cache": True}).cache == "none"
-    assert build_sampler_config("idlm", {"no_kv_cache": True}).use_kv_cache is False
-    assert build_sampler_config("llada2", {"no_kv_cache": True}).use_kv_cache is False
+    assert build_sampler_config("idlm", {"no_kv_cache": True}).cache == "none"
+    assert build_sampler_config("llada2", {"no_kv_cache": True}).cache == "none"
 
 
 @pytest.mark.parametrize("name, over", [("llada", {"cache": "prefix"}), ("llada", {"cache": "dual"}),

@@ -24,13 +24,13 @@ PRESETS = {
     "scdd": dict(steps=128, max_new_tokens=128, temperature=1.0, uniform_ratio=0.1, schedule_shape=1.0,
                  schedule_peak=0.5, eps=1e-3, cache="none"),
     "llada2": dict(steps=32, max_new_tokens=128, block_size=32, temperature=0.0, threshold=0.5,
-                   editing_threshold=0.0, max_post_steps=16, use_kv_cache=True),
-    "nemotron": dict(steps=1024, max_new_tokens=1024, block_size=32, temperature=0.0, use_kv_cache=True,
+                   editing_threshold=0.0, max_post_steps=16, cache="exact"),
+    "nemotron": dict(steps=1024, max_new_tokens=1024, block_size=32, temperature=0.0, cache="exact",
                      threshold=0.9, causal_context=True, eos_token_id="tokenizer"),
     "gemma": dict(steps=48, max_new_tokens=256),
     "idlm": dict(steps=256, max_new_tokens=256, block_size=4, threshold=0.9, eos_token_id="tokenizer",
-                 use_kv_cache=True),
-    "ar": dict(max_new_tokens=128, seed=42, use_kv_cache=True),
+                 cache="exact"),
+    "ar": dict(max_new_tokens=128, seed=42, cache="exact"),
 }  # fmt: skip
 
 # One option each sampler does not take (another sampler's knob).
@@ -51,10 +51,14 @@ def test_preset_is_the_config_class_defaults(name):
 
 
 def test_presets_differ_per_sampler():
-    assert build_sampler_config("nemotron").use_kv_cache and build_sampler_config("nemotron").causal_context
+    assert (
+        build_sampler_config("nemotron").cache == "exact" and build_sampler_config("nemotron").causal_context
+    )
     assert build_sampler_config("llada").block_size == 128 and build_sampler_config("idlm").block_size == 4
     assert build_sampler_config("llada2").steps == 32 and build_sampler_config("gemma").steps == 48
-    assert not hasattr(build_sampler_config("llada"), "use_kv_cache")
+    assert build_sampler_config("llada").cache == "none" and not hasattr(
+        build_sampler_config("gemma"), "cache"
+    )
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
@@ -64,9 +68,9 @@ def test_an_option_the_sampler_does_not_take_is_named(name):
         build_sampler_config(name, {option: 1})
     with pytest.raises(ValidationError, match=option):
         SAMPLERS[name].config_cls(**{option: 1})
-    if name not in ("nemotron", "llada2", "idlm", "ar"):  # the samplers with an exact KV cache
-        with pytest.raises(UserError, match="does not take use_kv_cache.*--no-kv-cache"):
-            build_sampler_config(name, {"use_kv_cache": True})
+    # the old spelling of the cache: one line naming its replacement, for every sampler
+    with pytest.raises(UserError, match=r"^use_kv_cache was replaced by cache: exact \(use_kv_cache false"):
+        build_sampler_config(name, {"use_kv_cache": False})
 
 
 def test_none_values_skipped_and_generic_defaults_dropped_where_not_taken():
@@ -82,7 +86,7 @@ def test_none_values_skipped_and_generic_defaults_dropped_where_not_taken():
 
 def test_no_kv_cache_turns_off_cache_and_causal_context():
     cfg = build_sampler_config("nemotron", {"no_kv_cache": True, "causal_context": True})
-    assert (cfg.use_kv_cache, cfg.causal_context) == (False, False)
+    assert (cfg.cache, cfg.causal_context) == ("none", False)
     assert build_sampler_config("llada", {"no_kv_cache": True}) == build_sampler_config(
         "llada"
     )  # nothing to turn off

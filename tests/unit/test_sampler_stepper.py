@@ -10,9 +10,9 @@ from test_sampler_caches import PHRASES, TEXTS, make, qwen3, raw
 CASES = [
     ("llada", {"cache": "none"}),
     ("llada", {"cache": "dual", "threshold": 0.05}),
-    ("llada2", {"use_kv_cache": True}),
-    ("llada2", {"use_kv_cache": False}),
-    ("idlm", {"use_kv_cache": True}),
+    ("llada2", {"cache": "exact"}),
+    ("llada2", {"cache": "none"}),
+    ("idlm", {"cache": "exact"}),
 ]
 
 
@@ -70,9 +70,9 @@ def test_keep_before_the_first_step_is_refused(model, tok):
 SETTLING = [
     ("llada", {"cache": "none", "threshold": 0.7}),
     ("llada", {"cache": "dual", "threshold": 0.7}),
-    ("llada2", {"use_kv_cache": True, "threshold": 0.7}),
-    ("llada2", {"use_kv_cache": False, "threshold": 0.7}),
-    ("idlm", {"use_kv_cache": True, "threshold": 0.7}),
+    ("llada2", {"cache": "exact", "threshold": 0.7}),
+    ("llada2", {"cache": "none", "threshold": 0.7}),
+    ("idlm", {"cache": "exact", "threshold": 0.7}),
 ]
 
 

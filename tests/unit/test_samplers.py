@@ -171,11 +171,11 @@ def test_shift_right_zero_fill():
 
 def test_geometry():
     assert block_geometry(128, 128, 128, False) == block_geometry(128, None, 128, False)
-    g = block_geometry(100, 32, 10, use_kv_cache=False)
+    g = block_geometry(100, 32, 10, whole_blocks=False)
     assert (g.gen_length, g.num_blocks, g.steps_per_block) == (100, 4, 3)
-    g = block_geometry(100, 32, 10, use_kv_cache=True)
+    g = block_geometry(100, 32, 10, whole_blocks=True)
     assert (g.gen_length, g.num_blocks, g.steps_per_block) == (96, 3, 3)
-    g = block_geometry(20, 32, 1, use_kv_cache=True)
+    g = block_geometry(20, 32, 1, whole_blocks=True)
     assert (g.gen_length, g.num_blocks, g.steps_per_block) == (32, 1, 1)
 
 
@@ -193,7 +193,7 @@ def test_trim_and_presets():
     with pytest.raises(UserError, match="choose one of"):
         build_sampler_config("nope")
     # what is read before a model loads agrees with the class
-    for feature in ("infill", "kv_cache", "batching"):
+    for feature in ("infill", "batching"):
         assert sampler_supports("llada", feature) == getattr(LLaDASampler, f"supports_{feature}")
 
 
@@ -319,9 +319,9 @@ def test_mask_never_committed_even_if_model_prefers_it():
     assert 0 not in out.sequences[0] and len(out.sequences[0]) == 4
 
 
-def test_kv_cache_refused_and_mask_id_required(model, tok):
-    with pytest.raises(UserError, match="--no-kv-cache"):
-        _llada(model, tok, use_kv_cache=True)
+def test_exact_cache_refused_and_mask_id_required(model, tok):
+    with pytest.raises(UserError, match="sampler llada takes cache none or prefix or dual, not 'exact'"):
+        _llada(model, tok, cache="exact")
 
     class NoMask(_FakeTok):
         mask_token_id = None

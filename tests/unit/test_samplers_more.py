@@ -219,7 +219,7 @@ def test_scdd_schedule_comes_from_training_and_mismatch_warns(model, tok):
 @pytest.mark.parametrize("name", list(SMALL))
 def test_no_mask_left_full_window_and_prompt_unchanged(model, tok, name):
     # the uncached path shows the whole canvas (nemotron, llada2 and idlm cache by default)
-    over = {"use_kv_cache": False} if name in ("nemotron", "llada2", "idlm") else {}
+    over = {"cache": "none"} if name in ("nemotron", "llada2", "idlm") else {}
     sampler = make(name, model, tok, eos_token_id=None, **over)
     ps = prompts(tok)
     batches = [ps] if sampler.supports_batching else [[p] for p in ps]
@@ -251,7 +251,7 @@ def test_determinism_with_seed(model, tok, name):
 @pytest.mark.parametrize("name", ["llada2", "nemotron", "idlm"])
 def test_threshold_commits_at_least_one_per_forward(model, tok, name):
     # a random model is never 0.99-confident: each step commits its top-1 (at least), never nothing
-    over = {"use_kv_cache": False}  # the uncached path shows the whole canvas
+    over = {"cache": "none"}  # the uncached path shows the whole canvas
     sampler = make(name, model, tok, threshold=0.99, eos_token_id=None, **over)
     (p,) = prompts(tok)[:1]
     seen, handle = record_inputs(model)
@@ -298,7 +298,7 @@ def test_block_sampler_heads_only_the_generation_windows_same_tokens(model, tok,
         tok.encode("Hi"),
     ]
     small = dict(steps=8, max_new_tokens=8, block_size=4)  # two blocks of 4
-    uncached = {"use_kv_cache": False} if name == "idlm" else {}  # the canvas path is the one under test
+    uncached = {"cache": "none"} if name == "idlm" else {}  # the canvas path is the one under test
     kept = SAMPLERS[name](model, tok, build_sampler_config(name, {**small, **over, **uncached}, tok))
     full = SAMPLERS[name](model, tok, kept.config, forward=lambda ids, mask: kept.model_forward(ids, mask))
     head_rows = []
@@ -367,7 +367,7 @@ def test_nemotron_kv_cache_equals_no_cache(model, tok, causal_context):
     runs = {}
     for cache in (True, False):
         s = make("nemotron", model, tok, max_new_tokens=24, steps=24, block_size=8, threshold=0.3,
-                 use_kv_cache=cache, causal_context=causal_context, eos_token_id=None)  # fmt: skip
+                 cache="exact" if cache else "none", causal_context=causal_context, eos_token_id=None)  # fmt: skip
         seen, handle = record_inputs(model)
         try:
             runs[cache] = (raw_generate(s, ps), seen)
@@ -385,7 +385,7 @@ def test_nemotron_kv_cache_equals_no_cache(model, tok, causal_context):
 def test_nemotron_ar_seed_is_the_causal_next_token(model, tok, use_cache):
     # the prompt is prefilled causally: block 0's first token is the plain causal LM's greedy next token
     ps = prompts(tok)
-    out = raw_generate(make("nemotron", model, tok, use_kv_cache=use_cache, causal_context=True,
+    out = raw_generate(make("nemotron", model, tok, cache="exact" if use_cache else "none", causal_context=True,
                             eos_token_id=None), ps)  # fmt: skip
     for p, gen in zip(ps, out):
         logits = model(input_ids=torch.tensor([p])).logits[0, -1]
@@ -422,7 +422,7 @@ def test_nemotron_per_row_eos_and_ar_seed(use_cache):
     # row 1 never says EOS and decodes both blocks.
     table = [{1: (20, 9.0), 3: (1, 12.0)}, {}]
     cfg = build_sampler_config("nemotron", dict(max_new_tokens=8, steps=8, block_size=4, eos_token_id=1,
-                                                use_kv_cache=use_cache, causal_context=True))  # fmt: skip
+                                                cache="exact" if use_cache else "none", causal_context=True))  # fmt: skip
     s = NemotronSampler(ScriptedLM(table), _FakeTok(), cfg)
     out = s.generate([[11, 12], [11, 12, 13, 14]])
     assert out.sequences == [[20], [30] * 8]
@@ -563,22 +563,23 @@ def test_native_generate_is_used_when_the_checkpoint_has_one(model, tok):
 
 
 CAPABILITIES = {  # docs/strategies.md §3.1-3.6
-    "llada": dict(infill=True, kv_cache=False, batching=True),
-    "scdd": dict(infill=False, kv_cache=False, batching=True),
-    "llada2": dict(infill=False, kv_cache=True, batching=True),
-    "nemotron": dict(infill=False, kv_cache=True, batching=True),
-    "gemma": dict(infill=False, kv_cache=False, batching=False),
-    "idlm": dict(infill=False, kv_cache=True, batching=True),
-    "ar": dict(infill=False, kv_cache=True, batching=True),  # §3.9
+    "llada": dict(infill=True, batching=True, cache=("none", "prefix", "dual")),
+    "scdd": dict(infill=False, batching=True, cache=("none", "prefix")),
+    "llada2": dict(infill=False, batching=True, cache=("exact", "none")),
+    "nemotron": dict(infill=False, batching=True, cache=("exact", "none")),
+    "gemma": dict(infill=False, batching=False, cache=("none",)),
+    "idlm": dict(infill=False, batching=True, cache=("exact", "none")),
+    "ar": dict(infill=False, batching=True, cache=("exact", "none")),  # §3.9
 }
 
 
 def test_capability_table_agrees_with_every_sampler_class():
     assert set(CAPABILITIES) == set(SAMPLERS)
     for name in SAMPLERS:
-        for feature in ("infill", "kv_cache", "batching"):
+        for feature in ("infill", "batching"):
             assert CAPABILITIES[name][feature] == getattr(SAMPLERS[name], f"supports_{feature}")
             assert sampler_supports(name, feature) == CAPABILITIES[name][feature]
+        assert SAMPLERS[name].config_cls.cache_modes == CAPABILITIES[name]["cache"]
 
 
 def test_unknown_sampler_and_infill_refused_before_loading(tmp_path):
@@ -595,9 +596,15 @@ def test_unknown_sampler_and_infill_refused_before_loading(tmp_path):
         cli_main(args)
 
 
-@pytest.mark.parametrize("name", ["scdd"])  # idlm has an exact cache now (the logit shift re-feeds a token)
-def test_kv_cache_refused(model, tok, name):
-    with pytest.raises(UserError, match="--no-kv-cache"):
+@pytest.mark.parametrize("name", ["scdd", "llada"])  # bidirectional: no exact cache
+def test_exact_cache_refused(name):
+    with pytest.raises(UserError, match=f"--cache: .*sampler {name} takes cache none or prefix.*not 'exact'"):
+        build_sampler_config(name, {"cache": "exact"})
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_use_kv_cache_refused_naming_cache(model, tok, name):
+    with pytest.raises(UserError, match=r"^use_kv_cache was replaced by cache: exact"):
         make(name, model, tok, use_kv_cache=True)
 
 

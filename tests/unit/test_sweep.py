@@ -78,7 +78,7 @@ def test_build_grid_from_flags_and_a_file(tmp_path):
         (["threshold"], "write KEY=V1,V2"),
         (["temperature=0,1"], "temperature: Extra inputs"),
         (["threshold=2"], "threshold.0: Input should be less than or equal to 1"),
-        (["cache=full"], "cache.0: Input should be 'none', 'prefix' or 'dual'"),
+        (["cache=full"], "cache.0: Input should be 'none', 'exact', 'prefix' or 'dual'"),
         (["steps=4,4"], "steps: must be a non-empty list without repeats"),
     ]:
         with pytest.raises(UserError, match=message):

@@ -37,10 +37,11 @@ __all__ = [
 ]
 
 
-# Fast-dLLM approximate KV caches of the bidirectional samplers (llada, scdd): none, the committed
-# prefix, or prefix and suffix ("dual"), refreshed per block. Samplers with an exact cache (llada2, idlm)
-# turn it off with `no_kv_cache` instead.
-CacheMode = Literal["none", "prefix", "dual"]
+# A sampler's KV cache, the one `cache` setting (docs/strategies.md §3.0 "Caches"): none; exact (llada2,
+# nemotron, idlm, ar: causal or block-causal attention keeps every cached key final, so the tokens are
+# the uncached ones); Fast-dLLM's approximate caches of the bidirectional samplers (llada, scdd), the
+# committed prefix or prefix and suffix ("dual"), refreshed per block. Each sampler takes some of them.
+CacheMode = Literal["none", "exact", "prefix", "dual"]
 CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
 
 # The sampler settings a sweep may vary, in the order a point is written.
@@ -172,8 +173,9 @@ class EvalConfig(Section):
     threshold: float | None = Field(None, gt=0.0, le=1.0)
     cache: CacheMode | None = Field(
         None,
-        description="KV cache of the samplers that take one (llada, scdd: Fast-dLLM prefix/dual); the "
-        "others run as they are. None = each sampler's preset. Refused if no evaluated sampler can use it.",
+        description="KV cache of the samplers that take that mode (none; exact: llada2, nemotron, idlm; "
+        "Fast-dLLM prefix/dual: llada, scdd prefix); the others run with their preset. None = each sampler's "
+        "preset. Refused if no evaluated sampler can use it.",
     )
     temperature: NonNegativeFloat | None = None
     n_shot: NonNegativeInt = 0

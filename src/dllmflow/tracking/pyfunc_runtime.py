@@ -128,7 +128,7 @@ _PARAM_TYPES = {
     "temperature": "double",
     "threshold": "double",
     "remasking": "string",
-    "cache": "string",  # llada, scdd: none | prefix | dual; refused (HTTP 400) by a sampler without it
+    "cache": "string",  # none | exact | prefix | dual, each sampler its modes; another is refused (HTTP 400)
     "seed": "long",
 }
 

@@ -8,7 +8,7 @@ sampler of an `ar` export (the AR control, workflow/ar_control.py) and of the un
 The prompts are left-padded to a common length S (`loop.build_left_padded_canvas`): position ids
 restart at each row's first real token and padded keys are blocked, so a row decodes as it would
 alone (batch invariance). One forward reads the prompts, then one forward per new token reads only
-that token against the cache (`use_kv_cache: false`: the whole sequence again, same tokens). A row that emits a stop id leaves the batch (its cached keys dropped):
+that token against the cache (`cache: none`: the whole sequence again, same tokens). A row that emits a stop id leaves the batch (its cached keys dropped):
 no forward is spent on a finished answer, and a row's forwards are its own answer length.
 """
 
@@ -30,7 +30,6 @@ from .loop import build_left_padded_canvas
 class ARSampler(Sampler):
     name = "ar"
     config_cls: ClassVar[type[ARConfig]] = ARConfig
-    supports_kv_cache = True
     uses_mask = False
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int], list[int]]:
@@ -50,7 +49,7 @@ class ARSampler(Sampler):
             lo = kv.length
             logits = self._step(kv, c, lo, S + t)  # [b, V]
             computed = c.valid[:, lo : S + t].sum(dim=1).tolist()  # [b] real positions forwarded
-            if not self.config.use_kv_cache:
+            if self.config.cache == "none":
                 kv.truncate(0)
             token = logits.argmax(-1)  # [b]
             c.x[:, S + t] = token

@@ -31,7 +31,7 @@ from .configs import SamplerConfig, SamplerSettingError, build_sampler_config  #
 from .loop import SETTLED_LISTENER, SettledListener
 
 
-def sampler_supports(name: str, feature: Literal["infill", "kv_cache", "batching"]) -> bool:
+def sampler_supports(name: str, feature: Literal["infill", "batching"]) -> bool:
     """The sampler class's `supports_<feature>` flag (the sampler modules import only torch)."""
     from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
@@ -113,10 +113,10 @@ class Sampler(ABC):
     name: ClassVar[str] = "base"
     config_cls: ClassVar[type[SamplerConfig]] = SamplerConfig
     supports_infill: ClassVar[bool] = False
-    supports_kv_cache: ClassVar[bool] = False
     supports_batching: ClassVar[bool] = True
-    # Why a sampler has no KV-cache path (said when a cache is asked for).
-    no_kv_cache_reason: ClassVar[str] = "it has no KV-cache path"
+    # Why a sampler without a `cache` option has no KV-cache path (said when a cache is asked for); the
+    # cache modes a sampler takes are its config's `cache_modes`.
+    no_cache_reason: ClassVar[str] = "it has no KV-cache path"
     # Whether it fills [MASK] positions (every diffusion sampler); a causal decoder resolves no mask id.
     uses_mask: ClassVar[bool] = True
     # The grad mode `generate` runs in. GRPO's rollouts under FSDP2 set `torch.no_grad`: FSDP2 reuses

@@ -43,10 +43,24 @@ class SamplerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     # `steps` is the step budget of each block (llada2), not the total over max_new_tokens.
     steps_per_block: ClassVar[bool] = False
+    # The `cache` modes the sampler takes (a config with a `cache` field; none: no cache of its own), and
+    # why it takes no other (said when one is asked for).
+    cache_modes: ClassVar[tuple[str, ...]] = ("none",)
+    cache_why: ClassVar[str] = ""
 
     steps: PositiveInt = 128
     max_new_tokens: PositiveInt = 128
     seed: int = 42
+
+    @field_validator("cache", check_fields=False)
+    @classmethod
+    def _cache_mode(cls, cache: str) -> str:
+        if cache not in cls.cache_modes:
+            name = cls.__name__.removesuffix("Config").lower()
+            raise ValueError(
+                f"sampler {name} takes cache {' or '.join(cls.cache_modes)}, not {cache!r}: {cls.cache_why}"
+            )
+        return cache
 
 
 class BlockConfig(SamplerConfig):
@@ -60,6 +74,17 @@ class BlockConfig(SamplerConfig):
         None, description="Set = stop a row once it has an EOS with no [MASK] before it."
     )
 
+
+# Why each sampler takes the cache modes it takes (docs/strategies.md §3.0 "Caches").
+EXACT_CACHE_MODES = ("exact", "none")
+EXACT_CACHE = (
+    "its attention (causal or block-causal) keeps every cached key final, so its cache is exact; Fast-dLLM's "
+    "approximate prefix/dual are for the bidirectional llada and scdd"
+)
+BIDIRECTIONAL_CACHE = (
+    "bidirectional attention changes every key as the canvas fills, so no cache of it is exact: Fast-dLLM's "
+    "approximate prefix or dual"
+)
 
 # EoTP-style truncation of the full-canvas samplers (docs/strategies.md §3.0 "Stopping at EOS").
 EOS_TRUNCATE = (
@@ -84,6 +109,9 @@ class LLaDAConfig(BlockConfig):
     remasking, no threshold, no EOS stop (the output is trimmed afterwards), no cache; the rest as
     `BlockConfig`."""
 
+    cache_modes: ClassVar[tuple[str, ...]] = ("none", "prefix", "dual")
+    cache_why: ClassVar[str] = BIDIRECTIONAL_CACHE
+
     block_size: PositiveInt | None = 128
     cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
     eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
@@ -100,6 +128,11 @@ class SCDDConfig(SamplerConfig):
     schedule_shape: float = Field(1.0, gt=0.0)
     schedule_peak: float = Field(0.5, gt=0.0, lt=1.0)
     eps: float = Field(1e-3, gt=0.0, le=1.0)
+    cache_modes: ClassVar[tuple[str, ...]] = ("none", "prefix")
+    cache_why: ClassVar[str] = (
+        "it redraws every window position at every step, so no suffix keeps its tokens (no 'dual'), and "
+        "bidirectional attention changes every key (no 'exact')"
+    )
     cache: CacheMode = Field("none", description="Fast-dLLM prefix cache of the prompt (approximate).")
     cache_refresh: PositiveInt = Field(
         16, description="Steps between the full forwards refreshing the cache."
@@ -107,16 +140,6 @@ class SCDDConfig(SamplerConfig):
     eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
 
     _truncate_without_cache = field_validator("eos_truncate")(classmethod(_refuse_truncate_with_cache))
-
-    @field_validator("cache")
-    @classmethod
-    def _no_dual(cls, cache: str) -> str:
-        if cache == "dual":
-            raise ValueError(
-                "sampler scdd cannot use cache 'dual': it redraws every window position at every step, so "
-                "no suffix keeps its tokens; use cache 'prefix' or 'none'"
-            )
-        return cache
 
 
 class LLaDA2Config(SamplerConfig):
@@ -132,7 +155,9 @@ class LLaDA2Config(SamplerConfig):
     # in a different token exceeds this; 0 = off.
     editing_threshold: float = Field(0.0, ge=0.0, le=1.0)
     max_post_steps: int = Field(16, ge=0, description="Editing-only forwards after a block is full.")
-    use_kv_cache: bool = Field(True, description="Exact cache of the prompt and committed blocks.")
+    cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
+    cache_why: ClassVar[str] = EXACT_CACHE
+    cache: CacheMode = Field("exact", description="Exact cache of the prompt and committed blocks, or none.")
 
 
 class NemotronConfig(BlockConfig):
@@ -143,7 +168,9 @@ class NemotronConfig(BlockConfig):
     max_new_tokens: PositiveInt = 1024
     threshold: float | None = Field(0.9, gt=0.0, le=1.0)
     eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
-    use_kv_cache: bool = True
+    cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
+    cache_why: ClassVar[str] = EXACT_CACHE
+    cache: CacheMode = Field("exact", description="Exact cache of the prompt and committed blocks, or none.")
     causal_context: bool = Field(True, description="Prompt attends causally; each block gets an AR seed.")
 
 
@@ -156,14 +183,18 @@ class IDLMConfig(BlockConfig):
     block_size: PositiveInt | None = 4
     threshold: float | None = Field(0.9, gt=0.0, le=1.0)
     eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
-    use_kv_cache: bool = True
+    cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
+    cache_why: ClassVar[str] = EXACT_CACHE
+    cache: CacheMode = Field("exact", description="Exact cache of the committed prefix, or none.")
 
 
 class ARConfig(SamplerConfig):
     """Greedy next-token decoding of a causal LM with its KV cache (docs/strategies.md §3.9): one forward
     per token, a row stops at its first stop id. `steps` is not read (one token per forward)."""
 
-    use_kv_cache: bool = Field(True, description="Exact cache of the prompt and the tokens so far.")
+    cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
+    cache_why: ClassVar[str] = "causal attention keeps every cached key final"
+    cache: CacheMode = Field("exact", description="Exact cache of the prompt and the tokens so far, or none.")
 
 
 class GemmaConfig(SamplerConfig):
@@ -186,9 +217,9 @@ def build_sampler_config(
     overrides: options asked for explicitly (CLI flags, pyfunc params, Python callers); one the sampler
     does not take is a UserError naming it. defaults: generic settings shared by several samplers (the
     eval section, a registered model's recorded settings); the ones the sampler does not take are
-    dropped, but a `cache` other than "none" is refused by a sampler without one. `no_kv_cache=True` turns
-    off the caches (exact and approximate) and the causal context (docs/strategies.md §3.7; nothing to turn
-    off for a sampler without them). `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
+    dropped. `no_kv_cache=True` (the CLI's `--no-kv-cache`) is `cache: none` and turns off the causal
+    context too (docs/strategies.md §3.7; nothing to turn off for a sampler without them); the old
+    `use_kv_cache` is refused, naming `cache`. `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
     no tokenizer the sampler fills it from its own.
     """
     from dllmflow.diffusion.modes import check_sampler
@@ -199,15 +230,21 @@ def build_sampler_config(
     fields = config_cls.model_fields
     explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
     no_kv_cache = explicit.pop("no_kv_cache", False)
+    if "use_kv_cache" in explicit:
+        raise SamplerSettingError(
+            "use_kv_cache was replaced by cache: exact (use_kv_cache false: cache: none)", "use_kv_cache"
+        )
     if explicit.get("cache") == "none" and "cache" not in fields:  # no cache asked of a sampler without one
         del explicit["cache"]
     unknown = [k for k in explicit if k not in fields]
     if unknown:
         raise SamplerSettingError(_unknown_options_message(name, unknown), unknown[0])
     values = {k: v for k, v in (defaults or {}).items() if v is not None and k in fields}
+    if values.get("cache", "none") not in config_cls.cache_modes:  # a shared setting it cannot use
+        del values["cache"]
     values.update(explicit)
     if no_kv_cache:
-        values.update({k: False for k in ("use_kv_cache", "causal_context") if k in fields})
+        values.update({"causal_context": False} if "causal_context" in fields else {})
         values.update({"cache": "none"} if "cache" in fields else {})
     if tokenizer is not None and "eos_token_id" in fields:
         if values.get("eos_token_id", fields["eos_token_id"].default) == "tokenizer":
@@ -225,12 +262,7 @@ def _unknown_options_message(name: str, unknown: list[str]) -> str:
     from dllmflow.diffusion.samplers import SAMPLERS  # the class's cache facts: torch, on this error only
 
     sampler = SAMPLERS[name]
-    if "use_kv_cache" in unknown and not sampler.supports_kv_cache:
-        why = sampler.no_kv_cache_reason
-        return f"sampler {sampler.name} does not take use_kv_cache: {why}; drop it (--no-kv-cache)"
     if "cache" in unknown:
-        exact = "its KV cache is exact (use_kv_cache; --no-kv-cache turns it off)"
-        why = exact if sampler.supports_kv_cache else sampler.no_kv_cache_reason
-        return f"sampler {sampler.name} does not take cache (Fast-dLLM's approximate cache of llada, scdd): {why}"
+        return f"sampler {sampler.name} takes no cache but 'none': {sampler.no_cache_reason}"
     takes = ", ".join(sampler.config_cls.model_fields)
     return f"sampler {sampler.name} does not take {', '.join(unknown)}; its options: {takes}"

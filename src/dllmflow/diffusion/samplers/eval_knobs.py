@@ -4,7 +4,7 @@ Torch-free (the sampler configs, not the samplers): the recipe parse, the evalua
 call it.
 
     defaults = eval_defaults(settings.eval, "llada")     # {"max_new_tokens": .., "cache": .., ...}
-    sampler_takes("nemotron", "cache", "dual")            # False: no Fast-dLLM cache option
+    sampler_takes("nemotron", "cache", "dual")            # False: its cache is exact (exact or none)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ EVAL_SETTINGS = ("max_new_tokens", "steps", "block_size", "threshold", "cache", 
 def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
     """The eval section's sampler knobs as defaults for `sampler`. The section is shared by every sampler
     of the mode: a knob it does not take is dropped (by `build_sampler_config`), and so is an
-    `eval.cache` it cannot use (llada2's exact cache, nemotron: no Fast-dLLM cache); `check_eval_settings`
+    `eval.cache` mode it cannot use (llada2, nemotron: exact or none; llada: no exact); `check_eval_settings`
     refuses a cache that no evaluated sampler can use."""
     values = {k: getattr(eval_cfg, k, None) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
     if values.get("cache") is not None and not sampler_takes(sampler, "cache", values["cache"]):
@@ -27,14 +27,16 @@ def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
 
 def sampler_takes(sampler: str, key: str, value: Any) -> bool:
     """Whether `sampler`'s config has option `key` and accepts `value` for it (None = the preset: always).
-    `cache: none` asks for no cache, which a sampler without a cache option also honours."""
+    `cache`: one of the config's `cache_modes` (`none` for a sampler without a cache option too)."""
     from pydantic import TypeAdapter, ValidationError
 
     from dllmflow.diffusion.samplers import SAMPLER_CONFIGS  # torch-free: the recipe parse calls this
 
+    if key == "cache":
+        return value is None or value in SAMPLER_CONFIGS[sampler].cache_modes
     field = SAMPLER_CONFIGS[sampler].model_fields.get(key)
     if field is None:
-        return key == "cache" and value == "none"
+        return False
     if value is None:
         return True
     try:
@@ -46,7 +48,7 @@ def sampler_takes(sampler: str, key: str, value: Any) -> bool:
 
 
 def cache_modes(sampler: str) -> tuple[str, ...]:
-    """The `cache` values `sampler` takes ("none" only: it has no Fast-dLLM cache option)."""
+    """The `cache` values `sampler` takes, in `CACHE_MODES` order ("none" only: it has no cache option)."""
     from dllmflow.settings.pipeline import CACHE_MODES
 
     return tuple(m for m in CACHE_MODES if sampler_takes(sampler, "cache", m))

@@ -24,9 +24,8 @@ class GemmaSampler(Sampler):
     name = "gemma"
     config_cls = GemmaConfig
     supports_infill = False
-    supports_kv_cache = False
     supports_batching = False
-    no_kv_cache_reason = "it runs DiffusionGemma's own generate, whose caching is upstream's"
+    no_cache_reason = "it runs DiffusionGemma's own generate, whose caching is upstream's"
 
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         if not hasattr(model, "generate") or not hasattr(getattr(model, "model", None), "decoder"):

@@ -8,8 +8,8 @@ block's last step commits the rest), per-row EOS stop.
 With the KV cache (preset, exact): prompts are left-padded, the committed prefix but its last token is
 cached, and each step forwards that last committed token and the block (its query gives the block's
 first logit; `kv.CausalShiftCache`). Causal attention makes every cached key final, so the tokens are
-those of the uncached path, which runs plain causal forwards over the whole canvas (`use_kv_cache`
-False, `--no-kv-cache`, or a canvas `forward` handed in).
+those of the uncached path, which runs plain causal forwards over the whole canvas (`cache: none`,
+`--no-kv-cache`, or a canvas `forward` handed in).
 
     sampler = IDLMSampler(model, tok, IDLMConfig(max_new_tokens=64), mask_id=M)
     result = sampler.generate([ids_a, ids_b])     # prompts of different lengths in one batch
@@ -35,7 +35,6 @@ class IDLMSampler(Sampler):
     name = "idlm"
     config_cls = IDLMConfig
     supports_infill = False
-    supports_kv_cache = True
     supports_batching = True
     # Checkpoints trained with the next-token shift (docs/strategies.md §2.6): position p reads the logit of p - 1.
     logit_shift = 1
@@ -45,14 +44,14 @@ class IDLMSampler(Sampler):
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
         # A canvas forward handed in cannot take a cache; the cache is exact, so its tokens are the same.
-        self.cached = self.config.use_kv_cache and forward is None
+        self.cached = self.config.cache == "exact" and forward is None
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         return drain(self._iter_generate(prompt_ids))
 
     def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
         cfg = self.config
-        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
+        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
         if self.cached:
             return (yield from self._iter_cached(prompt_ids, geometry))
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
@@ -74,7 +73,7 @@ class IDLMSampler(Sampler):
         canvas = build_left_padded_canvas(
             prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
-        check_cache_fits(self.model, canvas.x.shape[1], self.name, "the KV cache (use_kv_cache)")
+        check_cache_fits(self.model, canvas.x.shape[1], self.name, "cache 'exact'")
         source = CausalShiftCache(self.model, canvas)
         nfe, row_nfe, positions = yield from iter_cached_block_sampler(
             source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()

@@ -43,7 +43,6 @@ class LLaDASampler(Sampler):
     name = "llada"
     config_cls = LLaDAConfig
     supports_infill = True
-    supports_kv_cache = False
     supports_batching = True
 
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
@@ -64,7 +63,7 @@ class LLaDASampler(Sampler):
 
     def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
         cfg = self.config
-        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
+        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
         if cfg.cache != "none":
             return (yield from self._iter_cached(prompt_ids, geometry))
         canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)

@@ -16,7 +16,7 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
   block has no mask left, up to `max_post_steps` (preset 16) editing-only forwards run, stopping at
   the first one that edits nothing;
 * decoding stops at an EOS with no mask before it (the EOS id: `eos_token_id`, else the tokenizer's);
-* KV cache (`use_kv_cache`, preset on; exact): the prompt and the committed blocks are cached, each
+* KV cache (`cache: exact`, the preset; `none` turns it off): the prompt and the committed blocks are cached, each
   step forwards the current block against them (a block's first forward also feeds the previous,
   now final, block). Block-causal attention makes every cached key final, so the tokens are those of
   the uncached path (`--no-kv-cache`, or a canvas `forward` handed in).
@@ -200,13 +200,12 @@ class LLaDA2Sampler(Sampler):
     name = "llada2"
     config_cls = LLaDA2Config
     supports_infill = False
-    supports_kv_cache = True
     supports_batching = True  # a checkpoint's own generate takes one prompt: then one at a time
 
     def __init__(self, model, tokenizer, config, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
         # A canvas forward handed in cannot take a cache; the cache is exact, so its tokens are the same.
-        self.cached = self.config.use_kv_cache and forward is None
+        self.cached = self.config.cache == "exact" and forward is None
 
     def model_forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, num_logits: int
@@ -241,14 +240,14 @@ class LLaDA2Sampler(Sampler):
             out = [self._generate_native(native, p) for p in prompt_ids]
             return [s for o in out for s in o[0]], sum(o[1] for o in out), [n for o in out for n in o[2]]
         cfg = self.config
-        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
+        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
         canvas = build_left_padded_canvas(
             prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
         # A Dream-style A2D model (mdlm with dllm.logit_shift) reads each position's logit one earlier.
         shift = int(self.model is not None and is_logit_shifted(self.model))
         if self.cached:
-            check_cache_fits(self.model, canvas.x.shape[1], self.name, "the KV cache (use_kv_cache)")
+            check_cache_fits(self.model, canvas.x.shape[1], self.name, "cache 'exact'")
             source = BlockCausalCache(self.model, canvas, geometry.block_size, shift)
         else:
             source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, self._mask_dtype(), shift)

@@ -3,7 +3,7 @@ selection with the Gumbel trick, logit shift, block geometry and canvas, the sta
 semi-autoregressive block sampler (`llada`, `idlm`), infill (`llada`), and the left-padded canvas of
 block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the sampler files call them.
 
-    geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=False)
+    geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
     x, nfe, row_nfe, positions = drain(iter_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator))
 
@@ -136,11 +136,12 @@ class BlockGeometry:
 
 
 def block_geometry(
-    max_new_tokens: int, block_size: int | None, steps: int, use_kv_cache: bool
+    max_new_tokens: int, block_size: int | None, steps: int, whole_blocks: bool
 ) -> BlockGeometry:
-    """docs/strategies.md §3.0 step 1. With the cache G is a whole number of blocks and steps a multiple of nb."""
+    """docs/strategies.md §3.0 step 1. With `whole_blocks` (nemotron) G is a whole number of blocks and
+    steps a multiple of nb."""
     bs = block_size or max_new_tokens
-    if use_kv_cache:
+    if whole_blocks:
         g = (max_new_tokens // bs) * bs or bs
         nb = g // bs
         total = (steps // nb) * nb or nb

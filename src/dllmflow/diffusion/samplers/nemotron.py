@@ -16,9 +16,9 @@ HF decoders (Qwen3, Llama), decoded here in a batch:
 
 With the KV cache (preset) the prompt is prefilled once, each step runs only the current block
 against the cache, and a finished block is appended with one more forward (whose last logit is the
-next block's seed). Without it (`--no_kv_cache`, or `use_kv_cache=False`) every forward runs over the
+next block's seed). Without it (`--no-kv-cache`, or `cache: none`) every forward runs over the
 whole canvas with the same 4D mask, so both paths compute the same logits and greedy decoding gives
-the same tokens. `--no_kv_cache` also turns `causal_context` off (docs/strategies.md §3.7); set `causal_context`
+the same tokens. `--no-kv-cache` also turns `causal_context` off (docs/strategies.md §3.7); set `causal_context`
 yourself to compare the two paths.
 
     sampler = NemotronSampler(model, tok, NemotronConfig(max_new_tokens=256))
@@ -132,7 +132,7 @@ def decode_block_causal(
     forwards (and the cache). -> (nfe, row_nfe [B], positions [B] computed per row)."""
     x, S, bs = canvas.x, canvas.prefix_len, geometry.block_size
     G, B = geometry.gen_length, x.shape[0]
-    source = _BlockCausalForward(model, canvas, bs, cfg.causal_context, cfg.use_kv_cache)
+    source = _BlockCausalForward(model, canvas, bs, cfg.causal_context, cfg.cache == "exact")
     state = LoopRows.new(torch.full((B,), S, device=x.device))
     live, row_nfe = state.live, state.row_nfe  # rows are never re-indexed here: no pause between blocks
 
@@ -150,7 +150,7 @@ def decode_block_causal(
             state.retire_done(source)
 
     # the prompt pass: fills the cache, and gives block 0's AR seed
-    seed_logits = forward(source.prefix) if (cfg.use_kv_cache or cfg.causal_context) else None  # [R, V]
+    seed_logits = forward(source.prefix) if (cfg.cache == "exact" or cfg.causal_context) else None  # [R, V]
     for j in range(geometry.num_blocks):
         lo, hi = S + j * bs, S + (j + 1) * bs
         block = x[:, lo:hi]  # [B, bs] a view: writes land in x
@@ -183,7 +183,7 @@ def decode_block_causal(
             check_eos()
         if not len(live) or j == geometry.num_blocks - 1:
             break
-        if cfg.use_kv_cache or cfg.causal_context:
+        if cfg.cache == "exact" or cfg.causal_context:
             seed_logits = forward(source.commit, lo, hi)
     # rows that stopped at an EOS keep masks after it: filler (trimmed away with the EOS)
     x[:, S:][x[:, S:] == mask_id] = fill_id
@@ -194,12 +194,11 @@ class NemotronSampler(Sampler):
     name = "nemotron"
     config_cls = NemotronConfig
     supports_infill = False
-    supports_kv_cache = True
     supports_batching = True
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         cfg = self.config
-        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, use_kv_cache=True)
+        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=True)
         native = native_generate(self.model, "block_length", "causal_context")
         if native is not None:
             return self._generate_native(native, prompt_ids, geometry)

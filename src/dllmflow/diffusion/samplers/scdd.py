@@ -116,10 +116,9 @@ class SCDDSampler(Sampler):
     name = "scdd"
     config_cls = SCDDConfig
     supports_infill = False
-    supports_kv_cache = False
     supports_batching = True
 
-    no_kv_cache_reason = "it redraws every canvas position every step, so it has no KV-cache path"
+    no_cache_reason = "it redraws every canvas position every step, so it has no KV-cache path"
 
     def __init__(self, model, tokenizer, config: SCDDConfig, mask_id: int | None = None, forward=None, **kw):
         super().__init__(model, tokenizer, config, mask_id, forward, **kw)
