@@ -74,7 +74,8 @@ def register_model(
     generation = {"sampler": sampler, "sampler_settings": sampler_settings, "mode": settings.dllm.mode}
     if setting is not None:
         generation["setting"] = setting
-    if settings.model.trust_remote_code:  # the registering run's decision; the pyfunc loads with it
+    # Recorded only: a consumer runs the checkpoint's code with its own consent (--trust-remote-code).
+    if settings.model.trust_remote_code:
         generation["trust_remote_code"] = True
     artifacts = {"checkpoint": str(consolidated_dir)}
     if sampler == SPECULATIVE:  # the draft is useless without its target: ship a local target along
