@@ -52,6 +52,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -246,7 +247,11 @@ def main() -> None:
     p.add_argument("--baseline-src", default=None, help="src/ of the old code (e.g. git archive main src).")
     p.add_argument("--workers", default="1,2")
     p.add_argument("--task-rows", type=int, default=0, help="dataset.task_rows (0: rows / max workers).")
-    p.add_argument("--workdir", default="/tmp/data_scale")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="Keep the data in this dir (reused by a rerun); default: a temp dir, removed",
+    )
     p.add_argument("--skip-step", action="store_true", help="Skip the tiny_mdlm step timing.")
     p.add_argument("--child", choices=sorted(CHILDREN))
     p.add_argument("--chats"), p.add_argument("--tok"), p.add_argument("--out")
@@ -254,8 +259,16 @@ def main() -> None:
     if a.child:
         print(json.dumps(CHILDREN[a.child](a)))
         return
-    work = Path(a.workdir)
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="bench-data-scale-"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        measure(a, work)
+    finally:
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(a, work: Path) -> None:
     chats, tok = work / f"chats-{a.rows}.jsonl", work / "tok"
     t0 = time.perf_counter()
     write_chats(chats, a.rows)
