@@ -18,13 +18,14 @@ from dllmflow.diffusion.samplers.base import (
 )
 from dllmflow.diffusion.samplers.llada import LLaDASampler
 from dllmflow.diffusion.samplers.loop import (
+    FullForward,
     block_geometry,
     build_canvas,
     drain,
     get_num_transfer_tokens,
     get_transfer_index,
     gumbel_argmax,
-    iter_block_sampler,
+    iter_block_loop,
     shift_right_zero_fill,
 )
 from dllmflow.errors import UserError
@@ -210,9 +211,12 @@ def test_no_mask_left_prompt_unchanged_and_blocks_in_order(model, tok):
     ps = prompts(tok)
     geo = block_geometry(12, 4, 12, False)
     canvas = build_canvas(ps, geo.gen_length, sampler.mask_id, sampler.fill_id, "cpu")
-    x, nfe, row_nfe, positions = drain(
-        iter_block_sampler(rec, canvas, sampler.config, geo, sampler.mask_id, sampler.fill_id)
+    nfe, row_nfe, positions = drain(
+        iter_block_loop(
+            FullForward(rec, canvas), canvas, sampler.config, geo, sampler.mask_id, sampler.fill_id
+        )
     )
+    x = canvas.x
     m = sampler.mask_id
     assert nfe == 12 and row_nfe.tolist() == [12, 12]
     assert positions.tolist() == [12 * (len(p) + 12) for p in ps]  # each forward: its prompt and window

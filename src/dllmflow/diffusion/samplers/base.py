@@ -1,5 +1,5 @@
-"""The sampler interface (docs/strategies.md §3.0): the `Sampler` base class, mask-id resolution and
-response trimming. The configs and `build_sampler_config` live in the torch-free `configs.py` (imported
+"""The sampler interface (docs/strategies.md §3.0): the `Sampler` base class (and `BlockSampler`, the
+samplers of `loop.iter_block_loop`), mask-id resolution and response trimming. The configs and `build_sampler_config` live in the torch-free `configs.py` (imported
 here too), the denoising math in `loop.py`, each sampler in its file.
 
     from dllmflow.diffusion.samplers import SAMPLERS
@@ -28,7 +28,15 @@ from dllmflow.errors import UserError
 from dllmflow.models.mask_id import resolve_mask_id
 
 from .configs import SamplerConfig, SamplerSettingError, build_sampler_config  # noqa: F401  (their home)
-from .loop import SETTLED_LISTENER, SettledListener
+from .loop import (
+    SETTLED_LISTENER,
+    BlockLoop,
+    SettledListener,
+    block_geometry,
+    drain,
+    iter_block_loop,
+    window_ids,
+)
 
 
 def sampler_supports(name: str, feature: Literal["infill", "batching"]) -> bool:
@@ -204,6 +212,28 @@ class Sampler(ABC):
 
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         raise UserError(f"sampler {self.name} does not support infill; use --sampler llada")
+
+
+class BlockSampler(Sampler):
+    """A sampler decoded by `loop.iter_block_loop` (llada, idlm): what tells them apart is the canvas
+    and the logits source they decode it with (`logits_source`: uncached, an exact or a Fast-dLLM cache)."""
+
+    @abstractmethod
+    def logits_source(self, prompt_ids: list[list[int]], gen_length: int) -> tuple[Any, Any]:
+        """(canvas, source) for `gen_length` new tokens of each prompt."""
+
+    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int], list[int]]:
+        return drain(self._iter_generate(prompt_ids))
+
+    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
+        cfg = self.config
+        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
+        canvas, source = self.logits_source(prompt_ids, geometry.gen_length)
+        nfe, row_nfe, positions = yield from iter_block_loop(
+            source, canvas, cfg, geometry, self.mask_id, self.fill_id, self.generator()
+        )
+        seqs = window_ids(canvas.x, canvas.gen_start, geometry.gen_length)  # the kept rows'
+        return seqs, nfe, row_nfe.tolist(), positions.tolist()
 
 
 class BlockStepper:

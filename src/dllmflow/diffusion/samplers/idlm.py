@@ -17,21 +17,13 @@ those of the uncached path, which runs plain causal forwards over the whole canv
 
 from __future__ import annotations
 
-from .base import Sampler
+from .base import BlockSampler
 from .configs import IDLMConfig
-from .kv import CausalShiftCache, check_cache_fits, iter_cached_block_sampler
-from .loop import (
-    BlockGeometry,
-    BlockLoop,
-    block_geometry,
-    build_canvas,
-    build_left_padded_canvas,
-    drain,
-    iter_block_sampler,
-)
+from .kv import CausalShiftCache, check_cache_fits
+from .loop import FullForward, build_canvas, build_left_padded_canvas
 
 
-class IDLMSampler(Sampler):
+class IDLMSampler(BlockSampler):
     name = "idlm"
     config_cls = IDLMConfig
     supports_infill = False
@@ -46,36 +38,13 @@ class IDLMSampler(Sampler):
         # A canvas forward handed in cannot take a cache; the cache is exact, so its tokens are the same.
         self.cached = self.config.cache == "exact" and forward is None
 
-    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
-        return drain(self._iter_generate(prompt_ids))
-
-    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
-        cfg = self.config
-        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
-        if self.cached:
-            return (yield from self._iter_cached(prompt_ids, geometry))
-        canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
-        x, nfe, row_nfe, positions = yield from iter_block_sampler(
-            self._forward,
-            canvas,
-            cfg,
-            geometry,
-            self.mask_id,
-            self.fill_id,
-            self.generator(),
-            self.logit_shift,
-        )
-        G = geometry.gen_length
-        seqs = [x[b, int(s) : int(s) + G].tolist() for b, s in enumerate(canvas.gen_start)]  # kept rows
-        return seqs, nfe, row_nfe.tolist(), positions.tolist()
-
-    def _iter_cached(self, prompt_ids, geometry: BlockGeometry) -> BlockLoop:
+    def logits_source(self, prompt_ids: list[list[int]], gen_length: int):
+        if not self.cached:
+            canvas = build_canvas(prompt_ids, gen_length, self.mask_id, self.fill_id, self.device)
+            return canvas, FullForward(self._forward, canvas, self.logit_shift)
+        # left-padded: the cached prefix is the same slice of every row
         canvas = build_left_padded_canvas(
-            prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
+            prompt_ids, gen_length, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
         check_cache_fits(self.model, canvas.x.shape[1], self.name, "cache 'exact'")
-        source = CausalShiftCache(self.model, canvas)
-        nfe, row_nfe, positions = yield from iter_cached_block_sampler(
-            source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
-        )
-        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist(), positions.tolist()
+        return canvas, CausalShiftCache(self.model, canvas)

@@ -5,14 +5,14 @@ dual caches for the bidirectional `llada` and `scdd`.
 Every source here decodes a left-padded canvas (`loop.build_left_padded_canvas`): block j is the same
 slice of every row, position ids restart at each row's first real token and padded keys are blocked,
 so a row decodes as it would alone. A source is called `source(lo, hi, rows)` -> logits [R, hi-lo, V]
-of the canvas positions [lo, hi) of the canvas rows `rows` [R] (idlm: the logits that fill them, read
-one position earlier; rows None: every row), counts its model forwards in `calls` and leaves the
-canvas span its forward computed in `span`. Its cache holds the rows it is called with, in that order:
-rows leave it through `select_rows` (the block loop's `LiveRows`: a row stopped at its EOS is computed
-no more).
+of the canvas positions [lo, hi) (`cols`) of the canvas rows `rows` [R] (idlm: the logits that fill
+them, read one position earlier; rows None: every row), counts its model forwards in `calls` and leaves
+the canvas span its forward computed in `span`. Its cache holds the rows it is called with, in that
+order: rows leave it through `select_rows` (the block loop's `LiveRows`: a row stopped at its EOS is
+computed no more). `loop.iter_block_loop` decodes with any of them, as with its uncached `FullForward`.
 
     source = CausalShiftCache(model, canvas)               # idlm, exact
-    nfe, row_nfe, positions = drain(iter_cached_block_sampler(source, canvas, cfg, geometry, mask_id, fill_id))
+    nfe, row_nfe, positions = drain(iter_block_loop(source, canvas, cfg, geometry, mask_id, fill_id))
 """
 
 from __future__ import annotations
@@ -27,19 +27,8 @@ from dllmflow.errors import UserError
 from dllmflow.models.logit_shift import is_logit_shifted
 from dllmflow.settings.pipeline import CacheMode
 
-from .configs import BlockConfig
-from .loop import (
-    BlockGeometry,
-    BlockLoop,
-    LeftPaddedCanvas,
-    LoopRows,
-    SettledRows,
-    between_blocks,
-    build_left_padded_canvas,
-    commit_step,
-    get_num_transfer_tokens,
-)
-from .stopping import first_eos_done
+from .loop import LeftPaddedCanvas, build_left_padded_canvas
+from .stopping import LiveRows
 
 
 def on_rows(t: Tensor, rows: Tensor | None) -> Tensor:
@@ -168,6 +157,11 @@ class CacheSource:
     def calls(self) -> int:
         return self.kv.calls
 
+    def rows(self, needs: Tensor, live: LiveRows) -> Tensor:
+        """The rows a step of `loop.iter_block_loop` forwards: every live one (the cache holds them all,
+        a row done with the block while others are not stays until the block ends)."""
+        return live.index  # [R]
+
     def select_rows(self, index: Tensor) -> None:
         self.kv.select_rows(index)
 
@@ -189,7 +183,7 @@ class CausalShiftCache(CacheSource):
         Q = end - start  # its last hi - lo positions are [lo-1, hi-1)
         ids, positions = on_rows(c.x, rows)[:, start:end], on_rows(c.position_ids, rows)[:, start:end]
         logits = self.kv.forward(ids, mask, positions, Q - (hi - lo), Q)
-        self.span = (start, end)
+        self.span, self.cols = (start, end), (lo, hi)
         self.kv.truncate(lo - 1)  # the block (and the last committed token) are re-fed next time
         return logits  # [B, hi-lo, V]
 
@@ -214,7 +208,7 @@ class BlockCausalCache(CacheSource):
         )
         ids, positions = on_rows(c.x, rows)[:, start:hi], on_rows(c.position_ids, rows)[:, start:hi]
         logits = self.kv.forward(ids, mask, positions, a - start, hi - self.shift - start)
-        self.span = (start, hi)
+        self.span, self.cols = (start, hi), (lo, hi)
         self.kv.truncate(a)
         return logits  # [B, hi-lo, V]
 
@@ -250,7 +244,7 @@ class FastDLLMCache(CacheSource):
         valid = on_rows(c.valid, rows)
         mask = bidirectional_mask(valid, self.kv.dtype)  # [R, 1, T, T]; padded queries keep a diagonal
         logits = self.kv.forward(on_rows(c.x, rows), mask, on_rows(c.position_ids, rows), a, a + hi - lo)
-        self.span = (0, c.x.shape[1])
+        self.span, self.cols = (0, c.x.shape[1]), (lo, hi)
         if self.mode == "dual":
             self.kv.drop(a, hi)
         else:
@@ -270,60 +264,5 @@ class FastDLLMCache(CacheSource):
         ids, positions = on_rows(c.x, rows)[:, a:end], on_rows(c.position_ids, rows)[:, a:end]
         logits = self.kv.forward(ids, mask, positions, 0, hi - lo)
         self.kv.truncate(cached)
-        self.span = (a, end)
+        self.span, self.cols = (a, end), (lo, hi)
         return logits  # [R, hi-lo, V]
-
-
-# ---- the block loop over a cached source -------------------------------------------------------------
-
-
-def iter_cached_block_sampler(
-    source,
-    canvas: LeftPaddedCanvas,
-    cfg: BlockConfig,
-    geometry: BlockGeometry,
-    mask_id: int,
-    fill_id: int,
-    generator: torch.Generator | None = None,
-) -> BlockLoop:
-    """The block sampler of `loop.iter_block_sampler` on a left-padded canvas, logits from `source`
-    (same schedule, selection, threshold, last-step commit and per-row EOS stop), in place on
-    `canvas.x`, one block at a time (a `loop.BlockLoop`); kept rows are selected in the canvas and the
-    source's cache. A row that stops at its EOS leaves the forwards (and the cache) at once; a row done
-    with its block while others are not stays in them until the block ends (its cached keys are the
-    batch's). -> (nfe, row_nfe [B], positions [B] computed per row)."""
-    S, G = canvas.prefix_len, geometry.gen_length
-    state = LoopRows.new(torch.full((canvas.x.shape[0],), S, device=canvas.x.device))
-    for j in range(geometry.num_blocks):
-        if j:
-            yield from between_blocks(state, canvas, j * geometry.block_size, source)
-        start, done, row_nfe, live = state.start, state.done, state.row_nfe, state.live
-        if not len(live):
-            break
-        x = canvas.x
-        lo, hi = S + j * geometry.block_size, min(S + (j + 1) * geometry.block_size, S + G)
-        block = x[:, lo:hi]  # [B, b] a view: commits land in x
-        schedule = get_num_transfer_tokens(block == mask_id, geometry.steps_per_block)  # [B, spb]
-        settled = SettledRows(done)
-        for i in range(geometry.steps_per_block):
-            r = live.index  # [R] the rows the source holds
-            candidates = block[r] == mask_id  # [R, b]
-            if not candidates.any():
-                break
-            row_nfe[r] += candidates.any(dim=1).long()
-            last = i == geometry.steps_per_block - 1
-            logits = source(lo, hi, r)  # [R, b, V]
-            live.computed(r, canvas.valid[r, source.span[0] : source.span[1]])
-            sub = block[r]  # [R, b] a copy: written back below
-            commit_step(logits, candidates, sub, schedule[r, i], last, cfg, mask_id, generator)
-            block[r] = sub
-            if cfg.eos_token_id is not None:
-                done |= first_eos_done(x, start, G, cfg.eos_token_id, mask_id)
-            if settled and not last:
-                settled.update(x, start, hi, ~(block == mask_id).any(dim=1) | done)
-            state.retire_done(source)
-            if not len(live):
-                break
-    x = canvas.x
-    x[:, S:][x[:, S:] == mask_id] = fill_id  # rows stopped at an EOS keep masks after it
-    return source.calls, state.row_nfe, state.live.positions

@@ -25,21 +25,13 @@ from torch import Tensor
 
 from dllmflow.errors import UserError
 
-from .base import GenerationResult, Sampler
+from .base import BlockSampler, GenerationResult
 from .configs import LLaDAConfig
-from .kv import FastDLLMCache, fast_dllm_canvas, iter_cached_block_sampler
-from .loop import (
-    BlockGeometry,
-    BlockLoop,
-    block_geometry,
-    build_canvas,
-    drain,
-    iter_block_sampler,
-    run_infill,
-)
+from .kv import FastDLLMCache, fast_dllm_canvas
+from .loop import FullForward, build_canvas, run_infill
 
 
-class LLaDASampler(Sampler):
+class LLaDASampler(BlockSampler):
     name = "llada"
     config_cls = LLaDAConfig
     supports_infill = True
@@ -58,29 +50,13 @@ class LLaDASampler(Sampler):
 
         return forward_bidirectional(self.model, input_ids, attention_mask, logits_to_keep)  # [B, T|n, V]
 
-    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
-        return drain(self._iter_generate(prompt_ids))
-
-    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
-        cfg = self.config
-        geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
-        if cfg.cache != "none":
-            return (yield from self._iter_cached(prompt_ids, geometry))
-        canvas = build_canvas(prompt_ids, geometry.gen_length, self.mask_id, self.fill_id, self.device)
-        x, nfe, row_nfe, positions = yield from iter_block_sampler(
-            self._forward, canvas, cfg, geometry, self.mask_id, self.fill_id, self.generator()
-        )
-        G = geometry.gen_length
-        seqs = [x[b, int(s) : int(s) + G].tolist() for b, s in enumerate(canvas.gen_start)]  # kept rows
-        return seqs, nfe, row_nfe.tolist(), positions.tolist()
-
-    def _iter_cached(self, prompt_ids: list[list[int]], geometry: BlockGeometry) -> BlockLoop:
-        canvas = fast_dllm_canvas(self, prompt_ids, geometry.gen_length, self.config.cache)
-        source = FastDLLMCache(self.model, canvas, self.config.cache)
-        nfe, row_nfe, positions = yield from iter_cached_block_sampler(
-            source, canvas, self.config, geometry, self.mask_id, self.fill_id, self.generator()
-        )
-        return canvas.x[:, canvas.prefix_len :].tolist(), nfe, row_nfe.tolist(), positions.tolist()
+    def logits_source(self, prompt_ids: list[list[int]], gen_length: int):
+        if self.config.cache == "none":
+            canvas = build_canvas(prompt_ids, gen_length, self.mask_id, self.fill_id, self.device)
+            return canvas, FullForward(self._forward, canvas)
+        # Fast-dLLM's prefix or dual cache, on a left-padded canvas
+        canvas = fast_dllm_canvas(self, prompt_ids, gen_length, self.config.cache)
+        return canvas, FastDLLMCache(self.model, canvas, self.config.cache)
 
     def infill(self, seqs: list[list[int]]) -> GenerationResult:
         """Fill the [MASK] positions of whole sequences; returns the full filled sequences (untrimmed)."""

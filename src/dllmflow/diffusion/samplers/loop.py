@@ -5,10 +5,10 @@ block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the 
 
     geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)
-    x, nfe, row_nfe, positions = drain(iter_block_sampler(forward, canvas, cfg, geometry, mask_id, fill_id, generator))
+    nfe, row_nfe, positions = drain(iter_block_loop(FullForward(forward, canvas), canvas, cfg, geometry, mask_id, fill_id))
 
-The block loops are generators (`iter_block_sampler`, `kv.iter_cached_block_sampler`,
-`llada2.iter_refine_blocks`) that yield a `BlockProgress` between blocks (`between_blocks`) and may be
+The block loops are generators (`iter_block_loop` over a logits source: `FullForward`, or a cache of
+`kv.py`; `llada2.iter_refine_blocks`) that yield a `BlockProgress` between blocks (`between_blocks`) and may be
 sent the rows to keep (a server drops finished or abandoned rows there); `drain` runs one to its end, so
 decoding block by block gives the tokens of decoding at once. Within a block they tell a listener (`SettledRows`,
 set by `BlockStepper.step(on_settled=...)`) of each row whose block is final while others still decode
@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Generator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -155,16 +155,13 @@ class Canvas:
     """Prompts left-aligned, [MASK] over each row's own window [P_b, P_b + G), eos filler after."""
 
     x: Tensor  # [B, T]
-    attention_mask: Tensor  # [B, T] 1 on [0, P_b + G)
+    valid: Tensor  # [B, T] 1 on [0, P_b + G): the attention mask
     gen_start: Tensor  # [B] = P_b
+    origin: ClassVar[int] = 0  # a source's block [lo, hi) counts from each row's window start
 
     def select_rows(self, index: Tensor) -> None:
         """Keep the rows `index` [B'] (in place: the loop and its sources share the canvas)."""
-        self.x, self.attention_mask, self.gen_start = (
-            self.x[index],
-            self.attention_mask[index],
-            self.gen_start[index],
-        )
+        self.x, self.valid, self.gen_start = self.x[index], self.valid[index], self.gen_start[index]
 
 
 def build_canvas(prompts: list[list[int]], gen_length: int, mask_id: int, fill_id: int, device) -> Canvas:
@@ -175,8 +172,8 @@ def build_canvas(prompts: list[list[int]], gen_length: int, mask_id: int, fill_i
         x[b, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
         x[b, len(p) : len(p) + gen_length] = mask_id
     pos = torch.arange(total, device=device)[None, :]  # [1, T]
-    attention_mask = (pos < (lengths + gen_length)[:, None]).long()  # [B, T]
-    return Canvas(x, attention_mask, lengths)
+    valid = (pos < (lengths + gen_length)[:, None]).long()  # [B, T]
+    return Canvas(x, valid, lengths)
 
 
 @dataclass
@@ -188,6 +185,15 @@ class LeftPaddedCanvas:
     valid: Tensor  # [B, S + G] 0 on the left padding
     position_ids: Tensor  # [B, S + G] 0 at each row's first real token
     prefix_len: int  # S
+
+    @property
+    def origin(self) -> int:
+        """Where every row's window starts: a source's block [lo, hi) is in canvas positions."""
+        return self.prefix_len
+
+    @property
+    def gen_start(self) -> Tensor:
+        return torch.full((self.x.shape[0],), self.prefix_len, device=self.x.device)  # [B]
 
     def select_rows(self, index: Tensor) -> None:
         """Keep the rows `index` [B'] (in place: the loop and its cache share the canvas). S stays: the
@@ -238,12 +244,17 @@ class LoopRows:
             source.select_rows(stay)
 
 
+def window_ids(x: Tensor, start: Tensor, length: int) -> list[list[int]]:
+    """Each row's first `length` ids of its window ([B] `start` on), untrimmed."""
+    return [x[b, s : s + length].tolist() for b, s in enumerate(start.tolist())]
+
+
 def between_blocks(rows: LoopRows, canvas, upto: int, source=None) -> Generator[BlockProgress, Any, None]:
     """The pause of a block loop after a block: yield each row's first `upto` generated ids (final
     now), then keep the rows the caller sends back (None: all) in `rows`, the canvas and the `source`'s
     cache (`select_rows` of the live rows that stay)."""
     x, start = canvas.x, rows.start
-    tokens = [x[b, int(s) : int(s) + upto].tolist() for b, s in enumerate(start)]
+    tokens = window_ids(x, start, upto)
     positions = rows.live.positions.tolist()
     kept = yield BlockProgress(tokens, rows.done.tolist(), rows.row_nfe.tolist(), positions)
     if kept is None:
@@ -339,78 +350,101 @@ def commit_step(
     x[transfer] = x0[transfer]
 
 
-def iter_block_sampler(
-    forward: ForwardFn,
-    canvas: Canvas,
+class FullForward:
+    """The uncached logits source of `iter_block_loop` on a `Canvas`: each call forwards the rows that
+    still have masks in their block (a row stopped at its EOS, or done with the block while others are
+    not, is not computed), only as wide as the longest of them needs, with `logits_to_keep` when the
+    forward takes it. `source(lo, hi, rows)`: [lo, hi) counts from each row's window start; the logits
+    [R, n, V] are those of the canvas columns `cols`. logit_shift: position p reads logits[p - shift]
+    (I-DLM's next-token checkpoints: 1)."""
+
+    def __init__(self, forward: ForwardFn, canvas: Canvas, logit_shift: int = 0):
+        self.forward, self.c, self.shift = forward, canvas, logit_shift
+        self.keep_arg = takes_logits_to_keep(forward)
+        self.calls = 0
+
+    def rows(self, needs: Tensor, live: LiveRows) -> Tensor:
+        """The rows a step forwards: those with masks left in their block ([B] `needs`)."""
+        return needs.nonzero().flatten()  # [R]
+
+    def select_rows(self, index: Tensor) -> None:
+        pass  # no state of its own: the canvas is shared with the loop, which selects it
+
+    def __call__(self, lo: int, hi: int, rows: Tensor) -> Tensor:
+        c = self.c
+        width = int(c.valid[rows].sum(dim=1).max())  # each row's attention is [0, end)
+        # Only the rows' blocks are filled now, and with prompts left-aligned and filler after, their union
+        # lies in the suffix from the earliest block start on (plus the `logit_shift` positions read from
+        # before it): logits for that suffix alone (the LM head then skips the prompts and the committed
+        # blocks). Same commits: candidates keep their order.
+        keep = min(width, width - int((c.gen_start[rows] + lo).min()) + self.shift)
+        kw = {"logits_to_keep": keep} if self.keep_arg else {}
+        logits = self.forward(c.x[rows, :width], c.valid[rows, :width], **kw)[:, -keep:]
+        self.calls += 1
+        self.span, self.cols = (0, width), (width - keep, width)
+        return shift_right_zero_fill(logits, self.shift)  # [R, keep, V]
+
+
+def iter_block_loop(
+    source,
+    canvas: Canvas | LeftPaddedCanvas,
     cfg: BlockConfig,
     geometry: BlockGeometry,
     mask_id: int,
     fill_id: int,
     generator: torch.Generator | None = None,
-    logit_shift: int = 0,
 ) -> BlockLoop:
-    """Semi-autoregressive block decoding without a KV cache (docs/strategies.md §3.0 step 4, no-cache
-    path), in place on `canvas.x`, one block at a time (a `BlockLoop`; `drain` runs it whole). Block j
-    of row b covers [P_b + j*bs, P_b + min((j+1)*bs, G)). Returns (x [B, T], nfe = forward calls,
-    row_nfe [B] = forwards made while the row still had masks to fill, positions [B] = canvas positions
-    those forwards computed for the row). logit_shift: position p reads logits[p - shift] (I-DLM's
-    next-token checkpoints: 1). Each forward runs on the rows that still have masks in their block (a
-    row stopped at its EOS, or done with the block while others are not, is not computed) and only as
-    wide as the longest of them needs."""
-    total = canvas.x.shape[1]
-    keep_kw_ok = takes_logits_to_keep(forward)
-    truncate = getattr(cfg, "eos_truncate", False) and cfg.eos_token_id is not None
-    pos = torch.arange(total, device=canvas.x.device)[None, :]  # [1, T]
-    state, nfe = LoopRows.new(canvas.gen_start), 0
+    """Semi-autoregressive block decoding (docs/strategies.md §3.0 step 4), in place on `canvas.x`, one
+    block at a time (a `BlockLoop`; `drain` runs it whole): block j of row b covers its window's
+    [j*bs, min((j+1)*bs, G)); per block the transfer schedule, per step `commit_step` (selection,
+    threshold, the last step commits the rest) and the per-row EOS stop. The logits come from `source`:
+    `FullForward` (no cache), `kv.CausalShiftCache` (exact), `kv.FastDLLMCache` (prefix, dual). A
+    source is called `source(lo, hi, rows)` for the block [lo, hi) (from `canvas.origin`) of the rows
+    `source.rows(needs, live)` and leaves the canvas columns its logits cover in `cols`, those its
+    forward computed in `span`, its forwards in `calls`; rows leave it through `select_rows` (a row
+    stopped at its EOS at once). -> (nfe, row_nfe [B] = forwards made while the row still had masks to
+    fill, positions [B] = canvas positions those forwards computed for the row)."""
+    G, bs, spb = geometry.gen_length, geometry.block_size, geometry.steps_per_block
+    eos = cfg.eos_token_id
+    truncate = getattr(cfg, "eos_truncate", False) and eos is not None
+    pos = torch.arange(canvas.x.shape[1], device=canvas.x.device)[None, :]  # [1, T]
+    state = LoopRows.new(canvas.gen_start)
     for j in range(geometry.num_blocks):
         if j:
-            yield from between_blocks(state, canvas, min(j * geometry.block_size, geometry.gen_length))
-        x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start
-        done, row_nfe, live = state.done, state.row_nfe, state.live
-        lo = start + j * geometry.block_size  # [B]
-        hi = torch.minimum(lo + geometry.block_size, start + geometry.gen_length)  # [B]
-        in_block = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, T]
-        schedule = get_num_transfer_tokens(in_block & (x == mask_id), geometry.steps_per_block)  # [B, spb]
+            yield from between_blocks(state, canvas, j * bs, source)
+        x, start, done, row_nfe, live = canvas.x, state.start, state.done, state.row_nfe, state.live
+        first, stop = j * bs, min((j + 1) * bs, G)  # the block in each row's window
+        in_block = (pos >= (start + first)[:, None]) & (pos < (start + stop)[:, None])  # [B, T]
+        schedule = get_num_transfer_tokens(in_block & (x == mask_id), spb)  # [B, spb]
         settled = SettledRows(done)
-        for i in range(geometry.steps_per_block):
+        for i in range(spb):
             candidates = in_block & (x == mask_id) & ~done[:, None]  # [B, T]
             needs = candidates.any(dim=1)  # [B]
             if not needs.any():
                 break
-            r = needs.nonzero().flatten()  # [R] the rows this forward computes
-            ends = attn[r].sum(dim=1)  # [R] each row's attention is [0, end)
-            width = int(ends.max())
-            # Only the rows' blocks [lo_b, hi_b) are filled now, and with prompts left-aligned and filler
-            # after, their union lies in the suffix from the earliest block start on (plus the
-            # `logit_shift` positions read from before it): logits for that suffix alone, through the
-            # forward's `logits_to_keep` when it takes one (the LM head then skips the prompts and the
-            # committed blocks). Same commits: candidates keep their order.
-            keep = min(width, width - int(lo[r].min()) + logit_shift)
-            off = width - keep
-            keep_kw = {"logits_to_keep": keep} if keep_kw_ok else {}
-            sub = x[r, :width]  # [R, W] a copy: written back below
-            logits = shift_right_zero_fill(forward(sub, attn[r, :width], **keep_kw)[:, -keep:], logit_shift)
-            nfe += 1
-            row_nfe[r] += 1  # forwards a row needed, not the batch's
-            live.computed(r, attn[r, :width])
-            last = i == geometry.steps_per_block - 1
-            commit_step(logits, candidates[r, off:width], sub[:, off:], schedule[r, i], last, cfg, mask_id,
-                        generator)  # fmt: skip
-            x[r, :width] = sub
+            r = source.rows(needs, live)  # [R] the rows this forward computes
+            row_nfe[r] += needs[r].long()  # forwards a row needed, not the batch's
+            logits = source(canvas.origin + first, canvas.origin + stop, r)  # [R, n, V]
+            live.computed(r, canvas.valid[r, source.span[0] : source.span[1]])
+            a, b = source.cols
+            last = i == spb - 1
+            sub = x[r, a:b]  # [R, n] a copy: written back below
+            commit_step(logits, candidates[r, a:b], sub, schedule[r, i], last, cfg, mask_id, generator)
+            x[r, a:b] = sub
             if truncate:
-                truncate_after_eos(x, attn, start, geometry.gen_length, cfg.eos_token_id, fill_id)
-            if cfg.eos_token_id is not None:
-                done |= first_eos_done(x, start, geometry.gen_length, cfg.eos_token_id, mask_id)
+                truncate_after_eos(x, canvas.valid, start, G, eos, fill_id)
+            if eos is not None:
+                done |= first_eos_done(x, start, G, eos, mask_id)
             if settled and not last:
-                settled.update(x, start, hi, ~(in_block & (x == mask_id)).any(dim=1) | done)
-        if cfg.eos_token_id is not None and bool(done.all()):
+                settled.update(x, start, start + stop, ~(in_block & (x == mask_id)).any(dim=1) | done)
+            state.retire_done(source)
+        if not len(live):  # every row stopped at its EOS
             break
-    # Finished rows stop early: their leftover masks become filler (trimmed away after the EOS).
-    x, start = canvas.x, canvas.gen_start
-    gen_end = start + geometry.gen_length  # [B]
-    leftover = (x == mask_id) & (pos >= start[:, None]) & (pos < gen_end[:, None])  # [B, T]
-    x[leftover] = fill_id
-    return x, nfe, state.row_nfe, state.live.positions
+    # Rows stopped early: their leftover masks become filler (trimmed away after the EOS).
+    x, start = canvas.x, state.start
+    window = (pos >= start[:, None]) & (pos < (start + G)[:, None])  # [B, T]
+    x[window & (x == mask_id)] = fill_id
+    return source.calls, state.row_nfe, state.live.positions
 
 
 def run_infill(

@@ -148,7 +148,7 @@ class SCDDSampler(Sampler):
         cfg, G, B = self.config, self.config.max_new_tokens, len(prompt_ids)
         if cfg.cache == "none":
             canvas = build_canvas(prompt_ids, G, self.mask_id, self.fill_id, self.device)
-            x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start  # [B, T], [B, T], [B]
+            x, attn, start = canvas.x, canvas.valid, canvas.gen_start  # [B, T], [B, T], [B]
             pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
             rows, cols = ((pos >= start[:, None]) & (pos < (start + G)[:, None])).nonzero(as_tuple=True)
             return x, rows, cols, lambda i: self._forward(x, attn)[rows, cols].view(B, G, -1)
@@ -205,7 +205,7 @@ class SCDDSampler(Sampler):
         as wide as the longest of them still is; only window positions before a row's cut are redrawn."""
         cfg, G, mask = self.config, self.config.max_new_tokens, self.mask_id
         canvas = build_canvas(prompt_ids, G, mask, self.fill_id, self.device)
-        x, attn, start = canvas.x, canvas.attention_mask, canvas.gen_start  # [B, T], [B, T], [B]
+        x, attn, start = canvas.x, canvas.valid, canvas.gen_start  # [B, T], [B, T], [B]
         pos = torch.arange(x.shape[1], device=x.device)[None, :]  # [1, T]
         window = (pos >= start[:, None]) & (pos < (start + G)[:, None])  # [B, T]
         done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=x.device)  # [B]
