@@ -4,9 +4,9 @@ does not collect bench/).
 
     OMP_NUM_THREADS=2 python bench/real_model.py --recipe params/smollm2_idlm.yaml --minutes 30
     python bench/real_model.py --recipe params/smollm2_mdlm.yaml --max-steps 40 --eval-limit 32
-    python bench/real_model.py --recipe params/smollm2_idlm.yaml --skip-train --run-dir runs/bench_real/x
+    python bench/real_model.py --recipe params/smollm2_idlm.yaml --skip-train --run-dir /tmp/bench-real-model-XXXX
 
-Steps: `prepare` (the recipe's prepared dir; reused when unchanged); training through torchx as
+Steps: `prepare` (into the bench's dir, `--run-dir` or a new temp dir; reused when unchanged); training through torchx as
 `dllmflow train` runs it, capped at `--minutes` of training: without `--max-steps`, a 3-step
 calibration run measures s/step first and max_steps becomes min(the recipe's, what fits); then the
 `ar` evaluation (evaluation/ar_baseline.py: the base causal LM, greedy), the converted model before
@@ -31,6 +31,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=30.0, help="training wall-time cap (calibrated s/step)")
     p.add_argument("--max-steps", type=int, help="train exactly this many steps (no calibration)")
     p.add_argument("--eval-limit", type=int, help="held-out problems (default: the recipe's eval.limit)")
-    p.add_argument("--run-dir", help="default runs/bench_real_model/<recipe name>")
+    p.add_argument(
+        "--run-dir", help="its dir (prepared rows, runs, baselines); default: a new temp dir, kept"
+    )
     p.add_argument("--skip-train", action="store_true", help="evaluate the run dir's existing export")
     p.add_argument(
         "--overlap",
@@ -109,6 +112,7 @@ def baseline_key(s) -> str:
     (mdlm's attention annealing) do not enter it."""
     d = s.model_dump(mode="json")
     d["dllm"].pop("attention_annealing_steps", None)
+    d["dataset"].pop("prepared_dir", None)  # where the rows are stored is not what they are
     return json.dumps({k: d[k] for k in ("model", "tokenizer", "dataset", "dllm", "eval")}, sort_keys=True)
 
 
@@ -134,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     from dllmflow.workflow import finetune
 
     args = parse_args(argv)
-    overrides = {"eval": {"limit": args.eval_limit}} if args.eval_limit else {}
+    # Everything it writes (the prepared rows too) goes under its own dir: a new temp dir unless --run-dir.
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="bench-real-model-"))
+    overrides: dict = {"dataset": {"prepared_dir": str(run_dir / "prepared")}}
+    if args.eval_limit:
+        overrides["eval"] = {"limit": args.eval_limit}
     s = load_settings(args.recipe, **overrides)
-    run_dir = Path(args.run_dir or ROOT / "runs" / "bench_real_model" / s.name)
+    print(f"bench dir {run_dir} (kept: rerun with --skip-train --run-dir {run_dir})", flush=True)
     sampler = finetune.eval_samplers(s)[0]
     out: dict = {
         "recipe": args.recipe,
@@ -175,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             return got["ar"], got["before"]
         ar = evaluate_ar(base, limit=base.eval.limit)
         with_before = load_settings(
-            args.recipe, eval={**overrides.get("eval", {}), "untrained_baseline": True}
+            args.recipe, **{**overrides, "eval": {**overrides.get("eval", {}), "untrained_baseline": True}}
         )
         return ar, finetune.untrained_baseline(with_before, sampler)
 
@@ -194,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             "--recipe",
             args.recipe,
             "--baselines-only",
+            "--run-dir",
+            str(run_dir),
             "--output",
             str(baselines_file),
         ]

@@ -5,7 +5,7 @@ batch), then decode the same held-out prompts with each at the recipe's generati
 new tokens. Opt-in (tens of minutes on 2 CPU cores; pytest does not collect bench/).
 
     OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_mdlm_lora.yaml --steps 400
-    python bench/vs_ar.py --recipe params/smollm2_mdlm_lora.yaml --skip-train --run-dir runs/bench_vs_ar/x
+    python bench/vs_ar.py --recipe params/smollm2_mdlm_lora.yaml --skip-train --run-dir /tmp/bench-vs-ar-XXXX
     python bench/vs_ar.py ... --setting llada2:block_size=8,threshold=0.9 --setting llada:cache=dual,threshold=0.9
 
 Per generation length and per decoder (the AR control's `ar` sampler, each `--setting` of the dLLM):
@@ -54,6 +54,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,7 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipe", default="params/smollm2_mdlm_lora.yaml", help="the dLLM recipe (SmolLM2 A2D)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
     p.add_argument("--steps", type=int, help="optimizer steps of BOTH arms (default: the recipe's max_steps)")
-    p.add_argument("--run-dir", help="default runs/bench_vs_ar/<recipe name>; arms in <run-dir>/{dllm,ar}")
+    p.add_argument(
+        "--run-dir",
+        help="its dir: prepared/, dllm/ and dllm/ar_control/ (the arms); default: a new temp dir, kept",
+    )
     p.add_argument("--skip-train", action="store_true", help="decode the run dir's existing exports")
     p.add_argument("--eval-limit", type=int, default=64, help="held-out problems (the issue's 64)")
     p.add_argument(
@@ -225,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    over = {**parse_overrides(args.set), "eval.limit": args.eval_limit, "eval.ar_control": {"enabled": True}}
+    # Everything it writes (the prepared rows too) goes under its own dir: a new temp dir unless --run-dir.
+    work = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="bench-vs-ar-"))
+    print(f"bench dir {work} (kept: rerun with --skip-train --run-dir {work})", flush=True)
+    over = {**parse_overrides(args.set), "eval.limit": args.eval_limit, "eval.ar_control": {"enabled": True},
+            "dataset.prepared_dir": str(work / "prepared")}  # fmt: skip
     if args.steps:
         over["train.max_steps"] = args.steps
     s = load_settings(args.recipe, **over)
-    run_dir = Path(args.run_dir or ROOT / "runs" / "bench_vs_ar" / s.name)
+    run_dir = work / "dllm"
     ar_s = ar_control.control_settings(s, run_dir)  # the flow's control arm: same rows, steps, optimizer
     out: dict = {
         "recipe": args.recipe,
