@@ -1,7 +1,9 @@
 """The shared denoising loop of the [MASK]-filling samplers (docs/strategies.md §3.0): transfer schedule, token
-selection with the Gumbel trick, logit shift, block geometry and canvas, the standalone
-semi-autoregressive block sampler (`llada`, `idlm`), infill (`llada`), and the left-padded canvas of
-block-causal decoding (`nemotron`, `llada2`). Plain functions over tensors; the sampler files call them.
+selection with the Gumbel trick, logit shift, block geometry and canvas, the one semi-autoregressive
+block loop over a logits source (`iter_block_loop`: `llada`, `idlm`, uncached or cached; `nemotron` and
+`llada2` decode their own algorithms with its parts: `LoopRows`, `between_blocks`, `commit_step`),
+infill (`llada`), and the left-padded canvas of block-causal decoding. Plain functions over tensors;
+the sampler files call them.
 
     geometry = block_geometry(cfg.max_new_tokens, cfg.block_size, cfg.steps, whole_blocks=False)
     canvas = build_canvas(prompt_ids, geometry.gen_length, mask_id, fill_id, device)

@@ -44,8 +44,8 @@ from .loop import (
     LoopRows,
     block_geometry,
     build_left_padded_canvas,
+    commit_step,
     get_num_transfer_tokens,
-    get_transfer_index,
     gumbel_argmax,
 )
 from .stopping import first_eos_done
@@ -172,13 +172,8 @@ def decode_block_causal(
                 break
             logits = forward(source.block, lo, hi)  # [R, bs, V]
             last = i == geometry.steps_per_block - 1  # commit the rest: never strand a mask
-            k = candidates.sum(dim=1) if last else schedule[r, i]
-            threshold = None if last else cfg.threshold
             sub = block[r]  # [R, bs] a copy: written back below
-            x0, transfer = get_transfer_index(
-                logits, cfg.temperature, cfg.remasking, candidates, sub, k, threshold, generator
-            )
-            sub[transfer] = x0[transfer]
+            commit_step(logits, candidates, sub, schedule[r, i], last, cfg, mask_id, generator)
             block[r] = sub
             check_eos()
         if not len(live) or j == geometry.num_blocks - 1:
