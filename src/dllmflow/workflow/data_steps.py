@@ -42,8 +42,8 @@ def plan_data(settings: SettingsLike, *, force: bool = False) -> dict[str, Any]:
     its params and deps hashes are unchanged; it prepares in one process), and the plan then finds
     the result reusable when it was prepared with exactly these settings. Else the plan lists the
     units for `prepare_unit` (one per flow foreach task) and `join_data` finishes."""
-    from dllmflow.data.prepared_dir import read_manifest
     from dllmflow.data.prepare_units import plan_prepare
+    from dllmflow.data.prepared_dir import read_manifest
 
     s = Settings.coerce(settings)
     via_dvc, dvc_skipped = None if force else _dvc_repro(s.dataset.prepared_dir)
