@@ -1,7 +1,7 @@
 """The dLLM beside its AR control (`eval.ar_control`): what both arms are measured with, and the side by
 side every results table, card, MLflow run and registered version shows.
 
-    speed = measure_speed(runner, prompts)          # seconds per answer at batch 1, tok/s at batch 16
+    speeds = speeds_of({"llada": (ckpt, "llada", None), "ar_control": (ar_ckpt, "ar", None)}, settings)
     trained = training_summary(run_dir)            # steps, tokens, supervised tokens, wall seconds
     side = compare_arms("llada", evals["llada"], evals["ar_control"])   # refuses unlike protocols
 
@@ -69,29 +69,43 @@ class ArmProtocol:
             )
 
 
-def measure_speed(runner: Any, prompts: list[list[int]]) -> dict[str, float]:
-    """Seconds per answer at batch 1 (median over the first `SINGLE_PROMPTS` prompts, each alone) and
-    tokens and answers per second for one batch of the first `BATCH` prompts, after a warm-up answer."""
-    runner.generate(prompts[:1])  # first-call costs (allocations, lazy imports) stay out of the figures
-    single = [runner.generate([p]).elapsed_s for p in prompts[:SINGLE_PROMPTS]]
-    batch = runner.generate(prompts[:BATCH])
-    seconds = max(batch.elapsed_s, 1e-9)
-    return {
-        "latency_s_b1": statistics.median(single),
-        "tokens_per_s_b16": batch.num_generated_tokens / seconds,
-        "answers_per_s_b16": len(batch.sequences) / seconds,
-    }
+def measure_speeds(
+    runners: dict[str, Any], prompts: dict[str, list[list[int]]]
+) -> dict[str, dict[str, float]]:
+    """Each runner's seconds per answer at batch 1 (median over the first `SINGLE_PROMPTS` prompts, each
+    alone) and tokens and answers per second for one batch of the first `BATCH` prompts, after a warm-up
+    answer. Interleaved: every prompt goes through each runner in turn, then each runner's batch, so a
+    change of load on the machine falls on all arms alike. `prompts[name]`: that runner's (each arm's
+    own tokenizer asked the same problems)."""
+    for name, runner in runners.items():
+        runner.generate(prompts[name][:1])  # first-call costs (allocations, lazy imports) stay out
+    single: dict[str, list[float]] = {name: [] for name in runners}
+    for i in range(min(SINGLE_PROMPTS, *(len(p) for p in prompts.values()))):
+        for name, runner in runners.items():
+            single[name].append(runner.generate([prompts[name][i]]).elapsed_s)
+    out = {}
+    for name, runner in runners.items():
+        batch = runner.generate(prompts[name][:BATCH])
+        seconds = max(batch.elapsed_s, 1e-9)
+        out[name] = {
+            "latency_s_b1": statistics.median(single[name]),
+            "tokens_per_s_b16": batch.num_generated_tokens / seconds,
+            "answers_per_s_b16": len(batch.sequences) / seconds,
+        }
+    return out
 
 
-def speed_of(checkpoint: Any, settings: Any, sampler: str, overrides: dict[str, Any] | None = None) -> dict:
-    """`measure_speed` of `sampler` (at `overrides`, e.g. the chosen sweep point) on the checkpoint, with
-    the held-out prompts of `settings.eval`."""
+def speeds_of(arms: dict[str, tuple[Any, str, dict[str, Any] | None]], settings: Any) -> dict[str, dict]:
+    """`measure_speeds` of each arm (name -> (checkpoint, sampler, overrides such as the chosen sweep
+    point)), all loaded in this process, with the held-out prompts of `settings.eval`."""
     from dllmflow.evaluation.protocol import build_eval_runner, eval_prompts
 
-    loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
-    ev = settings.eval
-    asked = eval_prompts(loaded.tokenizer, settings.dataset.prepared_dir, ev.split, ev.limit, ev.n_shot)
-    return measure_speed(loaded.runner, asked.prompts)
+    ev, runners, prompts = settings.eval, {}, {}
+    for name, (checkpoint, sampler, overrides) in arms.items():
+        loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
+        asked = eval_prompts(loaded.tokenizer, settings.dataset.prepared_dir, ev.split, ev.limit, ev.n_shot)
+        runners[name], prompts[name] = loaded.runner, asked.prompts
+    return measure_speeds(runners, prompts)
 
 
 def training_summary(run_dir: Any) -> dict[str, float]:

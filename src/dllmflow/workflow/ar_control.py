@@ -73,11 +73,9 @@ def evaluate_control(settings: Settings, run_dir: str) -> dict[str, Any]:
     """The `ar_control` evaluation: the control's export decoded by the `ar` sampler, asked and scored
     with the run's own eval section (so as the dLLM is), its speed and its training beside."""
     from dllmflow.evaluation.accuracy import evaluate
-    from dllmflow.evaluation.control import speed_of
 
     checkpoint = runs.find_consolidated(control_dir(run_dir))
     result = evaluate(checkpoint, settings=settings, sampler="ar", limit=settings.eval.limit)
-    result["metrics"].update(speed_of(checkpoint, settings, "ar"))
     result["training"] = training_of(control_dir(run_dir))
     result["model"] = (
         f"AR control: {settings.model.pretrained_model_name_or_path or 'the tiny base'} fine-tuned next-token"
@@ -85,15 +83,28 @@ def evaluate_control(settings: Settings, run_dir: str) -> dict[str, Any]:
     return result
 
 
-def add_dllm_figures(settings: Settings, run_dir: str, sampler: str, result: dict[str, Any]) -> None:
-    """The gated dLLM sampler's side of the comparison, in its result: speed at the setting it is
-    registered at, and its training's steps, tokens and seconds."""
-    from dllmflow.evaluation.control import speed_of
+def add_dllm_figures(settings: Settings, run_dir: str, result: dict[str, Any]) -> None:
+    """The gated dLLM sampler's training figures (steps, tokens, seconds) in its result."""
+    result["training"] = training_of(run_dir)
+
+
+def measure_arms(settings: Settings, run_dir: str, evals: dict[str, dict[str, Any]], gated: str) -> None:
+    """Speed of both arms into their results: the gated dLLM sampler at the setting it is registered at
+    and the AR control, loaded side by side in this one process and timed interleaved
+    (`evaluation.control.measure_speeds`). Not in the evaluation tasks: the flow runs those in parallel,
+    so a figure taken there depends on what else ran beside it (measured: the demo's AR control read
+    0.30 s per answer there, 0.011 s alone)."""
+    from dllmflow.evaluation.control import speeds_of
     from dllmflow.evaluation.sweep import chosen_setting
 
-    checkpoint = runs.find_consolidated(run_dir)
-    result["metrics"].update(speed_of(checkpoint, settings, sampler, chosen_setting(result)))
-    result["training"] = training_of(run_dir)
+    if not enabled(settings) or AR_CONTROL not in evals or gated not in evals:
+        return
+    arms = {
+        gated: (runs.find_consolidated(run_dir), gated, chosen_setting(evals[gated])),
+        AR_CONTROL: (runs.find_consolidated(control_dir(run_dir)), "ar", None),
+    }
+    for name, speed in speeds_of(arms, settings).items():
+        evals[name]["metrics"].update(speed)
 
 
 def comparison(settings: Settings, evals: dict[str, dict[str, Any]], gated: str) -> dict[str, Any] | None:
