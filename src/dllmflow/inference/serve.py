@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -59,8 +58,6 @@ from dllmflow.inference.requests import (
     read_body,
 )
 from dllmflow.inference.scheduler import Scheduler
-
-log = logging.getLogger("dllmflow.inference.serve")
 
 # Bodies up to this size are prepared on the event loop (ChatServer.prep): a chat of a few turns, a
 # completion prompt. Preparing the demo dLLM's completion takes 0.07 ms on this CPU, less than handing
@@ -296,13 +293,8 @@ class ChatServer:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str, finish_reason: str | None = None, role: bool = False) -> str:
-            return _sse(
-                {
-                    **head,
-                    "object": obj,
-                    "choices": [_choice(chat, text, finish_reason, delta=True, role=role)],
-                }
-            )
+            choice = _choice(chat, text, finish_reason, delta=True, role=role)
+            return _sse({**head, "object": obj, "choices": [choice]})
 
         self._enter()
         try:
