@@ -254,8 +254,14 @@ def test_request_timeout_is_504_and_frees_its_row(guarded_server):
         c.chat.completions.create(model=MODEL, messages=HI, max_tokens=900, temperature=0)
     assert e.value.status_code == 504 and "--request-timeout-s 2" in e.value.body["message"]
 
-    with pytest.raises(openai.APIError, match="request-timeout-s"):  # streamed: an error event after the 200
-        for _ in c.chat.completions.create(model=MODEL, messages=HI, max_tokens=900, stream=True):
+    # streamed: an error event after the 200. Greedy, as above: sampled, the model draws its stop token now
+    # and then (`never_stop` only keeps it from winning an argmax), and a stream that stops within 2 s
+    # has nothing to time out.
+    with pytest.raises(openai.APIError, match="request-timeout-s"):
+        stream = c.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=900, temperature=0, stream=True
+        )
+        for _ in stream:
             pass
 
     deadline = time.monotonic() + 30
@@ -263,7 +269,7 @@ def test_request_timeout_is_504_and_frees_its_row(guarded_server):
         time.sleep(0.05)
     assert now["active_rows"] == 0 and now["in_flight"] == 0  # both rows left their batches early
     assert now["dropped"] - before["dropped"] == 2 and now["timed_out"] - before["timed_out"] == 2
-    reply = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)  # the server serves on
+    reply = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0)  # it serves on
     assert reply.usage.completion_tokens == 3
 
 
