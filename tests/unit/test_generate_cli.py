@@ -171,6 +171,15 @@ def test_a_cache_the_sampler_cannot_use_exits_2_naming_sampler_and_field(tmp_pat
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("sampler", "takes"), [("llada2", True), ("llada", False)])
+def test_cache_exact_is_a_choice_of_the_flag_checked_per_sampler(tmp_path, capsys, sampler, takes):
+    assert main(["generate", "--checkpoint", str(tmp_path / "x"), "--prompt", "hi", "--sampler", sampler,
+                 "--cache", "exact"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    # llada2 takes it (the next error is the missing checkpoint); llada's cache is approximate only
+    assert ("does not exist" in err) is takes and ("sampler llada takes cache" in err) is not takes, err
+
+
 def test_cache_flag_reaches_a_sampler_that_takes_it(ckpt, capsys, monkeypatch):
     from _cache_config import with_llada_cache
 

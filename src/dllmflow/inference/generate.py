@@ -34,6 +34,7 @@ from typing import Any
 from dllmflow.common.cli_args import add_flag
 from dllmflow.errors import UserError
 from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
+from dllmflow.settings.pipeline import CACHE_MODES
 
 INFILL_SPAN = 20  # [MASK] in an --infill prompt becomes this many mask tokens (docs/strategies.md §3.0)
 RESPONSE_SPLITS = ("<|eot_id|>", "<|end_of_text|>", "<|start_header_id|>")
@@ -249,8 +250,9 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     add_flag(
         g,
         "--cache",
-        choices=["none", "prefix", "dual"],
-        help="llada, scdd: Fast-dLLM approximate KV cache (prefix, or prefix + suffix), refreshed per block",
+        choices=CACHE_MODES,
+        help="the KV cache: exact (llada2, nemotron, idlm, ar: the default), prefix or dual (llada, scdd: "
+        "Fast-dLLM's approximate, refreshed per block), none; each sampler takes some",
     )
     add_flag(
         g,
