@@ -22,8 +22,16 @@ Goals (issue 40): prepare peak RSS of any process <= 1.5 GB at 1M rows; per-core
 old path's; 2 workers >= 1.6x one; dataset RSS added <= 100 MB, flat from 60k to 1M; loader >= 20x a
 step's consumption.
 
-Measured (2 Intel cores shared with ~6 other jobs, load average 14-15 throughout: wall rows/s are a
-fraction of a core; rows per CPU-second are the per-core figure):
+Measured on the 2 quiet cores (load average ~1, 2026-12-04, `--rows 60000 --baseline-rows 60000
+--baseline-src <bbb0de1's src> --workers 1`, then `--rows 60000 --baseline-rows 0`):
+  per core    old path 778 rows/CPU-s, new 1,366, both at 60k rows in one run: 1.76x (goal 3x: not met;
+              bound below: the BPE encode itself).
+  workers     60k rows: 1 worker 1,526 rows/s (39 s), 2 workers 2,487 rows/s (24 s): 1.63x (goal 1.6x).
+  memory      peak RSS of any process 0.44 GB new vs 1.36 GB old at 60k; dataset +28.2 MB; loader
+              7,167 samples/s.
+
+Measured earlier (2 Intel cores shared with ~6 other jobs, load average 14-15 throughout: wall rows/s
+are a fraction of a core; rows per CPU-second are the per-core figure):
   per core    old path 509 rows/CPU-s at 5k rows (4k: 474); new 688 at 5k, 1,278 at 60k (one worker).
               Marginal cost per row from the two sizes: old 1.38 ms, new 0.72 ms = 1.9x (goal 3x: not
               met). The Rust BPE encode is ~0.6 ms of the new 0.72 ms (encode_batch alone: ~1,700
@@ -34,8 +42,8 @@ fraction of a core; rows per CPU-second are the per-core figure):
               old path extrapolates to ~17 GB); 979,856 train rows in 980 shards.
   memory      peak RSS of any process 0.43 GiB at 60k and at 1M (old path 0.48 GB at 5k, 1.23 GB at
               60k in the issue): it does not grow with the rows.
-  workers     60k rows, 2 workers vs 1: 1.02x wall (goal 1.6x) on a machine whose 2 cores were already
-              saturated (load 14.7): a second process shares the same slice; needs a quiet rerun.
+  workers     60k rows, 2 workers vs 1: 1.02x wall on a machine whose 2 cores were already saturated
+              (load 14.7): a second process shares the same slice (the quiet rerun above: 1.63x).
   disk        60k rows: parquet 0.107 GB + token files 0.093 GB (source 0.08 GB); 1M rows: parquet
               1.78 GB + token files 1.55 GB (source 1.40 GB).
   dataset     open + 1,000 random rows: RSS +28 MB at 60k, +29.3 MB on the 1M run's train split
