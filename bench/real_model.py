@@ -99,6 +99,14 @@ def calibrate(recipe: str, overrides: dict, run_dir: Path) -> float:
     return train_figures(run_dir / "calibration")["s_per_step"]
 
 
+def write_output(out: dict, path: str | None) -> int:
+    """`--output FILE`: everything measured, as JSON; the bench's exit status."""
+    if path:
+        Path(path).write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {path}")
+    return 0
+
+
 def _children_cpu_s() -> float:
     import resource
 
@@ -256,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"on 2 quiet cores >= {out['train_cpu_s'] / 2 / t['steps']:.1f} s/step")  # fmt: skip
     gap = rows[2]["exact_match_flexible"] - rows[0]["exact_match_flexible"]
     print(f"goal fine-tuned EM >= AR EM: {'met' if gap >= 0 else 'NOT met'} ({gap:+.3f})")
-    if args.output:
-        Path(args.output).write_text(json.dumps(out, indent=2, default=str))
-        print(f"wrote {args.output}")
-    return 0
+    return write_output(out, args.output)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from real_model import _children_cpu_s, train_figures  # noqa: E402  (bench/ is not a package)
+from real_model import _children_cpu_s, train_figures, write_output  # noqa: E402  (bench/ is not a package)
 
 DEFAULT_SETTINGS = ("llada2:block_size=8,steps=8,threshold=0.9", "llada2:block_size=8,steps=8,threshold=0.5")
 LONG = 256  # the long budget (new tokens)
@@ -269,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = with_ratios([score(d, asked, tok) for d in decoders])
         out["tables"][length] = rows
         print_table(length, rows)
-    if args.output:
-        Path(args.output).write_text(json.dumps(out, indent=2, default=str))
-        print(f"wrote {args.output}")
-    return 0
+    return write_output(out, args.output)
 
 
 if __name__ == "__main__":
