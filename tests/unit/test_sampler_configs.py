@@ -20,7 +20,7 @@ class _Tok:
 # The presets of docs/strategies.md §3.1-3.6 ("tokenizer" = the tokenizer's EOS).
 PRESETS = {
     "llada": dict(steps=128, max_new_tokens=128, block_size=128, temperature=0.0, remasking="low_confidence",
-                  threshold=None, eos_token_id="tokenizer", cache="none"),
+                  threshold=None, eos_token_id=None, cache="none"),
     "scdd": dict(steps=128, max_new_tokens=128, temperature=1.0, uniform_ratio=0.1, schedule_shape=1.0,
                  schedule_peak=0.5, eps=1e-3, cache="none"),
     "llada2": dict(steps=32, max_new_tokens=128, block_size=32, temperature=0.0, threshold=0.5,

@@ -106,18 +106,13 @@ def _refuse_truncate_with_cache(cls, eos_truncate: bool, info: ValidationInfo) -
 
 class LLaDAConfig(BlockConfig):
     """Preset (docs/strategies.md §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
-    remasking, no threshold, no cache; the rest as `BlockConfig`. A row stops once it holds the tokenizer's
-    EOS with no [MASK] before it: its answer is final then (committed tokens never change), so the tokens
-    are the full canvas's and the forwards after it are saved (`eos_token_id: null`: the reference's
-    full canvas, trimmed afterwards)."""
+    remasking, no threshold, no EOS stop (the output is trimmed afterwards), no cache; the rest as
+    `BlockConfig`."""
 
     cache_modes: ClassVar[tuple[str, ...]] = ("none", "prefix", "dual")
     cache_why: ClassVar[str] = BIDIRECTIONAL_CACHE
 
     block_size: PositiveInt | None = 128
-    eos_token_id: int | Literal["tokenizer"] | None = Field(
-        "tokenizer", description="Stop a row once it has this EOS with no [MASK] before it; null = never."
-    )
     cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
     eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
 
