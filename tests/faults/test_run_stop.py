@@ -32,9 +32,10 @@ def prepared(tmp_path_factory) -> Path:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, FileNotFoundError):  # gone, also between the signal and the read
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")  # a zombie is dead
+    return not stat.split(") ")[-1].startswith("Z")  # a zombie is dead
 
 
 def _start(prepared: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, int, Path]:
