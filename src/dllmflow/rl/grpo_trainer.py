@@ -157,30 +157,7 @@ class GRPOTrainer(Trainer):
         scored = [score(self.rewards, [pr.question] * G, g.texts, [pr.answer] * G)
                   for pr, g in zip(prompts, groups)]  # fmt: skip
         failures = [f for b in scored for f in b.failures]
-        rollout = reduce_sums(
-            {
-                "failed": float(bool(failures)),
-                "r_sum": sum(float(b.values.sum()) for b in scored),
-                "r_sq": sum(float((b.values.double() ** 2).sum()) for b in scored),
-                "n": float(G * len(groups)),
-                "nfe": float(sum(g.nfe for g in groups)),
-                "groups": float(len(groups)),
-                "gen_tokens": float(sum(g.num_tokens for g in groups)),
-                "gen_s": sum(g.elapsed_s for g in groups),
-                "tokens": float(sum(int(g.completion_mask.sum()) for g in groups)),
-            },
-            info,
-        )
-        mean = rollout["r_sum"] / rollout["n"]
-        record: dict[str, Any] = {
-            "stage": "grpo",
-            "reward_mean": mean,
-            "reward_std": math.sqrt(max(rollout["r_sq"] / rollout["n"] - mean * mean, 0.0)),
-            "nfe": rollout["nfe"] / rollout["groups"],
-            "rollout_tok_s": rollout["gen_tokens"] / max(rollout["gen_s"], 1e-9) * info.world_size,
-            "tokens_per_step": int(rollout["tokens"]),
-            "lr": self.optimizer.param_groups[0]["lr"],
-        }
+        rollout, record = self._rollout_record(groups, scored, failures)
         if rollout["failed"]:
             return self._skip_reward_step(step, failures, record)
 
@@ -224,6 +201,36 @@ class GRPOTrainer(Trainer):
         if rl.eval_every and (step + 1) % rl.eval_every == 0:
             record["heldout_em"] = self.heldout_accuracy()
         return record
+
+    def _rollout_record(self, groups, scored, failures) -> tuple[dict[str, float], dict[str, Any]]:
+        """The step's rollout figures summed over ranks (a reward failure on any rank counts) and the
+        start of its metrics record: reward mean/std, NFE, rollout tok/s, tokens, lr."""
+        G, info = self.settings.rl.num_generations, self.info
+        rollout = reduce_sums(
+            {
+                "failed": float(bool(failures)),
+                "r_sum": sum(float(b.values.sum()) for b in scored),
+                "r_sq": sum(float((b.values.double() ** 2).sum()) for b in scored),
+                "n": float(G * len(groups)),
+                "nfe": float(sum(g.nfe for g in groups)),
+                "groups": float(len(groups)),
+                "gen_tokens": float(sum(g.num_tokens for g in groups)),
+                "gen_s": sum(g.elapsed_s for g in groups),
+                "tokens": float(sum(int(g.completion_mask.sum()) for g in groups)),
+            },
+            info,
+        )
+        mean = rollout["r_sum"] / rollout["n"]
+        record: dict[str, Any] = {
+            "stage": "grpo",
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(rollout["r_sq"] / rollout["n"] - mean * mean, 0.0)),
+            "nfe": rollout["nfe"] / rollout["groups"],
+            "rollout_tok_s": rollout["gen_tokens"] / max(rollout["gen_s"], 1e-9) * info.world_size,
+            "tokens_per_step": int(rollout["tokens"]),
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        return rollout, record
 
     def _prepare_updates(self, prompts, positions, groups, scored):
         """Per group: advantages [G], the estimator's draws, the reference's (and with mu > 1 the old
