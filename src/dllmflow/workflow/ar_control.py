@@ -3,7 +3,7 @@
 
     control = train(ar_control.control_settings(settings, run_dir), ar_control.control_dir(run_dir))
     result = ar_control.evaluate_control(settings, run_dir)    # the `ar_control` evaluation branch
-    side = ar_control.comparison(settings, evals, "llada")    # register: dLLM vs control, or None
+    side = ar_control.comparison(settings, run_dir, evals, "llada")   # register: speeds, dLLM vs control
     print(card.comparison_table(side))                       # (workflow/card.py: its tables)
 
 The control's settings are the run's with `dllm: {mode: ar}` (the mask id kept: the same tokenizer and
@@ -71,7 +71,7 @@ def training_of(run_dir: str | Path) -> dict[str, float]:
 
 def evaluate_control(settings: Settings, run_dir: str) -> dict[str, Any]:
     """The `ar_control` evaluation: the control's export decoded by the `ar` sampler, asked and scored
-    with the run's own eval section (so as the dLLM is), its speed and its training beside."""
+    with the run's own eval section (so as the dLLM is), its training beside (its speed: `comparison`)."""
     from dllmflow.evaluation.accuracy import evaluate
 
     checkpoint = runs.find_consolidated(control_dir(run_dir))
@@ -83,34 +83,24 @@ def evaluate_control(settings: Settings, run_dir: str) -> dict[str, Any]:
     return result
 
 
-def add_dllm_figures(settings: Settings, run_dir: str, result: dict[str, Any]) -> None:
-    """The gated dLLM sampler's training figures (steps, tokens, seconds) in its result."""
-    result["training"] = training_of(run_dir)
-
-
-def measure_arms(settings: Settings, run_dir: str, evals: dict[str, dict[str, Any]], gated: str) -> None:
-    """Speed of both arms into their results: the gated dLLM sampler at the setting it is registered at
-    and the AR control, loaded side by side in this one process and timed interleaved
+def comparison(
+    settings: Settings, run_dir: str, evals: dict[str, dict[str, Any]], gated: str
+) -> dict[str, Any] | None:
+    """The dLLM (`gated`) vs the AR control (evaluation/control.py), or None without the control. First
+    both arms' speed into their results: the gated sampler at the setting it is registered at and the
+    AR control, loaded side by side in this one process and timed interleaved
     (`evaluation.control.measure_speeds`). Not in the evaluation tasks: the flow runs those in parallel,
     so a figure taken there depends on what else ran beside it (measured: the demo's AR control read
     0.30 s per answer there, 0.011 s alone)."""
-    from dllmflow.evaluation.control import speeds_of
+    from dllmflow.evaluation.control import compare_arms, speeds_of
     from dllmflow.evaluation.sweep import chosen_setting
 
     if not enabled(settings) or AR_CONTROL not in evals or gated not in evals:
-        return
+        return None
     arms = {
         gated: (runs.find_consolidated(run_dir), gated, chosen_setting(evals[gated])),
         AR_CONTROL: (runs.find_consolidated(control_dir(run_dir)), "ar", None),
     }
     for name, speed in speeds_of(arms, settings).items():
         evals[name]["metrics"].update(speed)
-
-
-def comparison(settings: Settings, evals: dict[str, dict[str, Any]], gated: str) -> dict[str, Any] | None:
-    """The dLLM (`gated`) vs the AR control, or None without the control (evaluation/control.py)."""
-    from dllmflow.evaluation.control import compare_arms
-
-    if not enabled(settings) or AR_CONTROL not in evals or gated not in evals:
-        return None
     return compare_arms(gated, evals[gated], evals[AR_CONTROL])

@@ -200,7 +200,7 @@ def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict
         if baseline is not None:
             result["baseline"] = baseline
         if ar_control.enabled(s) and sampler == _gated_sampler(s, dict.fromkeys(eval_samplers(s))):
-            ar_control.add_dllm_figures(s, run_dir, result)  # its training (its speed: at register)
+            result["training"] = ar_control.training_of(run_dir)  # its side (its speed: at register)
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
     return result
 
@@ -303,8 +303,7 @@ def register(
         "git_sha": mlflow_run.git_sha(),
     }
     gated = _gated_sampler(s, evals)
-    ar_control.measure_arms(s, run_dir, evals, gated)  # both arms' speed, back to back in this process
-    side = ar_control.comparison(s, evals, gated)  # eval.ar_control; unlike protocols refused here
+    side = ar_control.comparison(s, run_dir, evals, gated)  # speeds measured here; unlike protocols refused
     run_id = mlflow_run.log_run(s, run_dir, evals=evals, lineage=lineage, run_id=mlflow_run_id)
     protocol = evals.get(gated, {}).get("protocol", {})
     sampler_settings = protocol.get("sampler_settings") or {"max_new_tokens": protocol.get("max_new_tokens")}
