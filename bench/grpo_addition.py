@@ -30,20 +30,22 @@ Printed, not asserted (times depend on the machine's load):
 
     rows seed | EM sft (steps) | +grpo (steps, min) | +sft <control> (steps, min) | gain grpo | gain sft
 
-Issue 39, measured 2026-12-04 with this file (defaults: 1,500 SFT steps, 15 min per arm, 512 held-out
-problems; the two arms of a start side by side, one process each, in the order listed). The 2 CPU cores
-were shared with ~6 other sessions' tests and benches (load average 14-18): each arm got about 1.7
-CPU-minutes of its 15 wall minutes (`ps` TIME of the 138-row pair: 1:42 and 1:43), so both arms took
-about a tenth of the steps a quiet machine gives (3,010 GRPO steps in 15 min on 2026-12-02).
-    rows seed | EM sft | +grpo (steps)  | +sft labelled (steps) | gain grpo | gain sft labelled
-    138  42   | 0.396  | 0.441 (210)    | 0.932 (2,093)         | +0.045    | +0.535
-    140  1    | 0.516  | 0.553 (201)    | 0.998 (1,974)         | +0.037    | +0.482
-    140  42   | 0.561  | 0.611 (208)    | 0.994 (2,017)         | +0.051    | +0.434
-Median gain: GRPO +0.045 (the goal's +0.15 is not met here: short by 0.105), labelled SFT +0.482. RL
-does not beat the labelled control: supervised steps on the same prompts with their verifiable answers
-as labels gain ~10x more held-out EM in the same wall time, on every start (its steps are ~10x cheaper,
-and each carries the answer instead of a reward over 8 sampled ones): on this task the verifier's
-answer is itself a label. (140 rows with seed 2 gave a fourth start, EM 0.592, not run for time.)
+Issue 39's goal, measured 2026-12-04 with this file on a quiet machine (defaults: 1,500 SFT steps, 15
+min per arm, 512 held-out problems; each start made with --start-only, then its two arms side by side as
+two processes with OMP_NUM_THREADS=1, so each arm had ONE of the 2 cores; load average 1.2-2.0, nothing
+else running; the driver is the three-line recipe at the top):
+    rows seed | EM sft | +grpo (steps)   | +sft labelled (steps) | gain grpo | gain sft labelled
+    138  42   | 0.396  | 0.609 (2,333)   | 0.998 (21,271)        | +0.213    | +0.602
+    140  1    | 0.516  | 0.695 (2,337)   | 0.994 (20,472)        | +0.180    | +0.479
+    140  42   | 0.561  | 0.760 (2,398)   | 1.000 (21,758)        | +0.199    | +0.439
+Median gain: GRPO +0.199 (goal >= +0.15: met on every start), labelled SFT +0.479. RL does NOT beat the
+labelled control: supervised steps on the same prompts with their verifiable answers as labels gain
+2.2-2.8x more held-out EM in the same wall time, on every start (a step is ~9x cheaper: 21k vs 2.3k
+steps, and each carries the answer instead of a reward over 8 sampled ones). On this task the
+verifier's answer is itself a label; GRPO is the tool when prompts can be checked but not labelled.
+The same three starts on cores shared with ~6 other sessions (load average 14-18, each arm ~1.7
+CPU-minutes of its 15 wall minutes, ~210 GRPO / ~2,000 SFT steps) gained +0.037..+0.051 and
++0.43..+0.54: the gain is a function of steps, and only the step count depends on the machine.
 
 Why a labeled subset (measured 2026-12-02, 2 shared CPU cores): with the full train split (~6,000 rows)
 SFT is the stronger use of a second, because the task's own labels are its verifiable answers: from a
