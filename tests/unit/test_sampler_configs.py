@@ -20,7 +20,7 @@ class _Tok:
 # The presets of docs/strategies.md §3.1-3.6 ("tokenizer" = the tokenizer's EOS).
 PRESETS = {
     "llada": dict(steps=128, max_new_tokens=128, block_size=128, temperature=0.0, remasking="low_confidence",
-                  threshold=None, eos_token_id=None, cache="none"),
+                  threshold=None, eos_token_id="tokenizer", cache="none"),
     "scdd": dict(steps=128, max_new_tokens=128, temperature=1.0, uniform_ratio=0.1, schedule_shape=1.0,
                  schedule_peak=0.5, eps=1e-3, cache="none"),
     "llada2": dict(steps=32, max_new_tokens=128, block_size=32, temperature=0.0, threshold=0.5,
@@ -48,6 +48,15 @@ def test_preset_is_the_config_class_defaults(name):
     cfg = build_sampler_config(name, tokenizer=_Tok())
     resolved = {k: (_Tok.eos_token_id if v == "tokenizer" else v) for k, v in PRESETS[name].items()}
     assert {k: getattr(cfg, k) for k in resolved} == resolved
+
+
+@pytest.mark.parametrize("name", ["llada", "nemotron", "idlm"])
+def test_none_turns_a_preset_eos_stop_off_where_null_keeps_it(name):
+    # null is "unset" on every path (a flag not given, a recipe key left empty): the preset's stop stays
+    assert build_sampler_config(name, {"eos_token_id": None}, tokenizer=_Tok()).eos_token_id == 1
+    assert build_sampler_config(name, {"eos_token_id": "none"}, tokenizer=_Tok()).eos_token_id is None
+    assert build_sampler_config(name, defaults={"eos_token_id": "none"}).eos_token_id is None
+    assert build_sampler_config(name, {"eos_token_id": 7}, tokenizer=_Tok()).eos_token_id == 7
 
 
 def test_presets_differ_per_sampler():

@@ -136,9 +136,10 @@ def test_the_uneven_samplers_are_those_whose_preset_thresholds_or_stops():
     from dllmflow.diffusion.samplers import SAMPLER_CONFIGS
     from dllmflow.settings import rl as rl_settings
 
-    def preset(cfg, key):
+    def preset(cfg, key):  # what a rollout decodes with: the preset, the sampler's rollout_defaults over it
         field = cfg.model_fields.get(key)
-        return None if field is None else field.default
+        value = None if field is None else cfg.rollout_defaults.get(key, field.default)
+        return None if value == "none" else value
 
     uneven = {
         n
@@ -159,3 +160,18 @@ def test_rollouts_do_not_inherit_the_eval_threshold():
         rollout_sampler_config(load_settings(GRPO, rl={"sampler_overrides": {"threshold": 0.7}})).threshold
         == 0.7
     )
+
+
+def test_llada_rollouts_decode_the_full_canvas_while_its_evaluation_stops_at_eos():
+    from dllmflow.diffusion.samplers.configs import build_sampler_config
+    from dllmflow.rl.rollout import rollout_sampler_config
+
+    class Tok:
+        eos_token_id = 5
+
+    s = load_settings(GRPO)
+    assert build_sampler_config("llada", tokenizer=Tok()).eos_token_id == 5  # evaluate, serve, generate
+    assert rollout_sampler_config(s, Tok()).eos_token_id is None  # rollouts: no stop, as before
+    assert rollout_sampler_config(s, Tok(), greedy=True).eos_token_id is None
+    asked = load_settings(GRPO, rl={"sampler_overrides": {"eos_token_id": "tokenizer"}})
+    assert rollout_sampler_config(asked, Tok()).eos_token_id == 5  # the recipe may still ask for the stop

@@ -264,7 +264,7 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
         g,
         "--eos-token-id",
         type=_eos_id,
-        help="stop each row at this EOS with no mask before it (exact); 'tokenizer': its EOS",
+        help="stop each row at this EOS with no mask before it (exact); 'tokenizer': its EOS; 'none': no stop",
     )
     add_flag(
         g,
@@ -278,12 +278,14 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
 
 
 def _eos_id(value: str) -> int | str:
-    if value == "tokenizer":
+    if value in ("tokenizer", "none"):
         return value
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token id or 'tokenizer', got {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a token id, 'tokenizer' or 'none', got {value!r}"
+        ) from None
 
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",

@@ -9,7 +9,8 @@ its own seed `rollout_seed(train.seed, position)` from the prompt's global strea
 (diffusion/seeding.py: the corruption stream's scheme, on a stream of its own). A group's tokens
 therefore do not depend on the world size or on a restart, and a resumed run redraws them exactly.
 The sampler is the recipe's (`rl.sampler`, default the mode's default sampler) with its options: the
-preset, then the `eval:` section's generation knobs but its threshold (a rollout commits by a threshold
+preset with the sampler's `rollout_defaults` over it (llada's rollouts decode the full canvas, no EOS
+stop), then the `eval:` section's generation knobs but its threshold (a rollout commits by a threshold
 only when `rl.sampler_overrides` sets one), then `rl.sampler_overrides` and `rl.temperature`
 (`build_sampler_config`, the path generate and the registered model use; the sampler must fit the
 mode: `check_sampler`). A completion is the response up to its stop token, plus that token (the
@@ -62,6 +63,7 @@ def rollout_sampler_config(settings: Any, tokenizer: Any = None, *, greedy: bool
     """The rollout sampler's config (seed 0; `decode_group` reseeds it). `greedy`: the held-out
     evaluation's (temperature 0). UserError naming the option when the sampler does not take it."""
     from dllmflow.diffusion.modes import check_sampler
+    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS
     from dllmflow.diffusion.samplers.configs import build_sampler_config
     from dllmflow.diffusion.samplers.eval_knobs import eval_defaults
 
@@ -71,6 +73,8 @@ def rollout_sampler_config(settings: Any, tokenizer: Any = None, *, greedy: bool
     # the eval section's length knobs, not its threshold: a rollout commits by a threshold only when
     # `rl.sampler_overrides` says so (it changes the policy sampled, and under FSDP2 the forwards per rank)
     defaults = {k: v for k, v in eval_defaults(settings.eval, name).items() if k not in NOT_FROM_EVAL}
+    # below those, what the sampler's rollouts take in place of its preset (llada: no EOS stop)
+    defaults = {**SAMPLER_CONFIGS[name].rollout_defaults, **defaults}
     config = build_sampler_config(name, explicit, tokenizer, defaults=defaults)
     if settings.distributed.strategy == "fsdp2" and settings.world_size > 1:  # the preset's, past the parse
         uneven = [k for k in UNEVEN_ROLLOUT_OPTIONS if getattr(config, k, None) is not None]

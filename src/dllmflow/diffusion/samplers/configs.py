@@ -47,6 +47,9 @@ class SamplerConfig(BaseModel):
     # why it takes no other (said when one is asked for).
     cache_modes: ClassVar[tuple[str, ...]] = ("none",)
     cache_why: ClassVar[str] = ""
+    # What GRPO's rollouts (rl/rollout.py) take in place of the preset, below the eval section and
+    # `rl.sampler_overrides`: a preset kept for evaluation that would change how a rollout is drawn.
+    rollout_defaults: ClassVar[dict[str, Any]] = {}
 
     steps: PositiveInt = 128
     max_new_tokens: PositiveInt = 128
@@ -70,9 +73,17 @@ class BlockConfig(SamplerConfig):
     temperature: NonNegativeFloat = 0.0
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     threshold: float | None = Field(None, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer"] | None = Field(
-        None, description="Set = stop a row once it has an EOS with no [MASK] before it."
+    eos_token_id: int | Literal["tokenizer", "none"] | None = Field(
+        None,
+        description="Set = stop a row once it has an EOS with no [MASK] before it; 'none' turns a preset's stop off.",
     )
+
+    @field_validator("eos_token_id")
+    @classmethod
+    def _no_stop(cls, eos: int | str | None) -> int | str | None:
+        # "none" is how a flag, a recipe or a request says "no stop" past a preset that stops: a null
+        # there means "unset, keep the preset" (build_sampler_config skips it)
+        return None if eos == "none" else eos
 
 
 # Why each sampler takes the cache modes it takes (docs/strategies.md §3.0 "Caches").
@@ -106,13 +117,20 @@ def _refuse_truncate_with_cache(cls, eos_truncate: bool, info: ValidationInfo) -
 
 class LLaDAConfig(BlockConfig):
     """Preset (docs/strategies.md §3.1): 128 steps for 128 new tokens in ONE block of 128, greedy, low-confidence
-    remasking, no threshold, no EOS stop (the output is trimmed afterwards), no cache; the rest as
-    `BlockConfig`."""
+    remasking, no threshold, no cache, and a row stops once it holds the tokenizer's EOS with no [MASK]
+    before it: its answer is final then (committed tokens never change), so the answer is the full
+    canvas's token for token and the forwards after it are saved (`eos_token_id: none`: LLaDA's
+    reference full canvas, trimmed afterwards). GRPO's rollouts keep the full canvas (`rollout_defaults`):
+    a stopped row would change the group's noise draws and, under FSDP2, the forwards per rank."""
 
     cache_modes: ClassVar[tuple[str, ...]] = ("none", "prefix", "dual")
     cache_why: ClassVar[str] = BIDIRECTIONAL_CACHE
+    rollout_defaults: ClassVar[dict[str, Any]] = {"eos_token_id": "none"}
 
     block_size: PositiveInt | None = 128
+    eos_token_id: int | Literal["tokenizer", "none"] | None = Field(
+        "tokenizer", description="Stop a row once it has this EOS with no [MASK] before it; 'none': never."
+    )
     cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
     eos_truncate: bool = Field(False, description=EOS_TRUNCATE)
 
@@ -167,7 +185,7 @@ class NemotronConfig(BlockConfig):
     steps: PositiveInt = 1024
     max_new_tokens: PositiveInt = 1024
     threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
+    eos_token_id: int | Literal["tokenizer", "none"] | None = "tokenizer"
     cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
     cache_why: ClassVar[str] = EXACT_CACHE
     cache: CacheMode = Field("exact", description="Exact cache of the prompt and committed blocks, or none.")
@@ -182,7 +200,7 @@ class IDLMConfig(BlockConfig):
     max_new_tokens: PositiveInt = 256
     block_size: PositiveInt | None = 4
     threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer"] | None = "tokenizer"
+    eos_token_id: int | Literal["tokenizer", "none"] | None = "tokenizer"
     cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
     cache_why: ClassVar[str] = EXACT_CACHE
     cache: CacheMode = Field("exact", description="Exact cache of the committed prefix, or none.")
