@@ -57,6 +57,14 @@ def test_choose_setting_is_the_fastest_within_the_tolerance_of_the_best():
         choose_setting([])
 
 
+def test_the_choice_compares_the_speeds_timed_in_turn_over_each_points_own_pass():
+    # each point's own evaluation pass says point 0 is faster; timed taking turns, point 1 is
+    slow_alone, fast_alone = _pt(0.9, 100), _pt(0.9, 500)
+    slow_alone["metrics"]["tokens_per_s_b16"], fast_alone["metrics"]["tokens_per_s_b16"] = 800.0, 200.0
+    assert choose_setting([fast_alone, slow_alone]) == 1
+    assert pareto_front([fast_alone, slow_alone]) == [1]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_chosen_setting_is_on_the_front_and_within_tolerance(seed):
     rng = random.Random(seed)
@@ -113,17 +121,25 @@ def export(tmp_path_factory):
 
 def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, monkeypatch):
     from dllmflow.diffusion.samplers import eval_knobs
+    from dllmflow.evaluation import control
     from dllmflow.evaluation.accuracy import evaluate
     from dllmflow.inference import generate
 
     ckpt, _ = export
-    loads = []
+    loads, timed = [], []
     real = generate.load_for_generation
     monkeypatch.setattr(generate, "load_for_generation", lambda *a, **k: loads.append(a) or real(*a, **k))
+    real_speeds = control.measure_speeds
+    monkeypatch.setattr(control, "measure_speeds", lambda r, p: timed.append(r) or real_speeds(r, p))
     # block_size None is llada's preset 128: the same effective setting as 128, run once
     result = run_sweep(ckpt, None, "llada", {"threshold": [None, 0.5], "block_size": [None, 128]})
     assert len(loads) == 1
     sweep = result["sweep"]
+    # the points' speeds are timed once, all points in turn, and those are the figures the choice read
+    assert len(timed) == 1 and len(timed[0]) == len(sweep["points"]) == 2
+    assert all(
+        p["metrics"]["tokens_per_s_b16"] > 0 and p["metrics"]["latency_s_b1"] > 0 for p in sweep["points"]
+    )
     settings = [p["setting"] for p in sweep["points"]]
     assert settings == [{"threshold": None, "block_size": 128}, {"threshold": 0.5, "block_size": 128}]
     for point in sweep["points"]:

@@ -147,7 +147,7 @@ def run_sweep(
     base = dict(overrides or {})
     loaded = build_eval_runner(checkpoint, settings, sampler, {**base, **requested[0]})
     sampler_options = {k: v for k, v in base.items() if k not in ("mask_id", "adapter", "trust_remote_code")}
-    points, results, seen = [], [], set()
+    points, results, runners, seen = [], [], [], set()
     for i, point in enumerate(requested):
         runner = loaded if i == 0 else loaded.with_overrides({**sampler_options, **point})
         setting = effective_setting(runner.runner.config, list(point))
@@ -160,6 +160,20 @@ def run_sweep(
         points.append({"setting": setting, "metrics": result["metrics"],
                        "sampler_settings": result["protocol"]["sampler_settings"]})  # fmt: skip
         results.append(result)
+        runners.append(runner.runner)
+    if len(points) > 1:
+        # The choice reads speeds timed with the points taking turns on the same prompts: each point's
+        # own evaluation pass ran at its own moment, and a flow runs other evaluations beside it, so
+        # those tok/s compare moments as much as settings (measured: a 2-forward point timed slower
+        # than its 8-forward neighbour).
+        from dllmflow.evaluation.control import measure_speeds
+
+        n_shot = loaded.eval_cfg.n_shot if loaded.eval_cfg is not None else 0
+        where = resolve_prepared_dir(checkpoint, loaded.settings, prepared_dir)
+        prompts = eval_prompts(loaded.tokenizer, where, split, limit, n_shot).prompts
+        speeds = measure_speeds(dict(enumerate(runners)), dict.fromkeys(range(len(runners)), prompts))
+        for i, point in enumerate(points):
+            point["metrics"].update(speeds[i])  # the result's metrics too (one dict)
     chosen = choose_setting(points, tolerance, metric)
     sweep = {"grid": axes, "metric": metric, "tolerance": tolerance, "points": points,
              "pareto": pareto_front(points, metric), "chosen": chosen}  # fmt: skip

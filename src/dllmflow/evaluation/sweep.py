@@ -1,6 +1,7 @@
 """Accuracy and speed together: one checkpoint evaluated over a grid of sampler settings (threshold,
-cache, steps, block_size), each point scored for exact match, tokens/s, NFE and tokens per forward, with
-the Pareto frontier (max exact match, max tokens/s) and the setting a model is registered at: the
+cache, steps, block_size), each point scored for exact match, tokens/s, NFE and tokens per forward (the
+speed compared: one batch timed with the points taking turns on the same prompts,
+`evaluation.control.measure_speeds`), with the Pareto frontier (max exact match, max tokens/s) and the setting a model is registered at: the
 fastest point within `tolerance` of the best exact match (`choose_setting`).
 
     dllmflow evaluate --checkpoint runs/tiny_addition --sweep threshold=none,0.9 --sweep steps=4,8 \
@@ -32,9 +33,15 @@ _PRESET_WORDS = ("none", "null", "preset", "~")
 # ---- the frontier and the choice ----------------------------------------------------------------
 
 
+def speed_of(metrics: dict[str, Any]) -> float:
+    """The speed a sweep compares points by: tokens/s of one batch timed with the points taking turns
+    (`tokens_per_s_b16`, `run_sweep`), else the point's own evaluation tokens/s."""
+    return float(metrics.get("tokens_per_s_b16", metrics.get("tokens_per_s", float("nan"))))
+
+
 def _score(point: dict[str, Any], metric: str) -> tuple[float, float]:
     m = point["metrics"]
-    acc, speed = float(m.get(metric, float("nan"))), float(m.get("tokens_per_s", float("nan")))
+    acc, speed = float(m.get(metric, float("nan"))), speed_of(m)
     return (acc if math.isfinite(acc) else -math.inf, speed if math.isfinite(speed) else -math.inf)
 
 
@@ -149,8 +156,8 @@ def chosen_setting(result: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def sweep_table(result: dict[str, Any]) -> str:
-    """Plain-text table of a sweep: per point its setting, exact match, tok/s, NFE, tokens per forward,
-    `*` on the Pareto front and `<-` at the chosen point."""
+    """Plain-text table of a sweep: per point its setting, exact match, tok/s (`speed_of`), NFE, tokens
+    per forward, `*` on the Pareto front and `<-` at the chosen point."""
     import io
 
     from rich.console import Console
@@ -170,7 +177,7 @@ def sweep_table(result: dict[str, Any]) -> str:
         m = p["metrics"]
         table.add_row(
             setting_label(p["setting"]), f"{m.get(sweep['metric'], float('nan')):.3f}",
-            f"{m.get('tokens_per_s', 0.0):,.1f}", f"{m.get('nfe', 0.0):.1f}",
+            f"{speed_of(m):,.1f}", f"{m.get('nfe', 0.0):.1f}",
             f"{m.get('tokens_per_forward', 0.0):.2f}", "*" if i in front else "", "<-" if i == sweep["chosen"] else "",
         )  # fmt: skip
     console = Console(file=io.StringIO(), width=110, force_terminal=False, color_system=None)
