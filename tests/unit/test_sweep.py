@@ -60,7 +60,7 @@ def test_choose_setting_is_the_fastest_within_the_tolerance_of_the_best():
 def test_the_choice_compares_the_speeds_timed_in_turn_over_each_points_own_pass():
     # each point's own evaluation pass says point 0 is faster; timed taking turns, point 1 is
     slow_alone, fast_alone = _pt(0.9, 100), _pt(0.9, 500)
-    slow_alone["metrics"]["tokens_per_s_b16"], fast_alone["metrics"]["tokens_per_s_b16"] = 800.0, 200.0
+    slow_alone["timed"], fast_alone["timed"] = {"tokens_per_s_b16": 800.0}, {"tokens_per_s_b16": 200.0}
     assert choose_setting([fast_alone, slow_alone]) == 1
     assert pareto_front([fast_alone, slow_alone]) == [1]
 
@@ -137,9 +137,7 @@ def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, mo
     sweep = result["sweep"]
     # the points' speeds are timed once, all points in turn, and those are the figures the choice read
     assert len(timed) == 1 and len(timed[0]) == len(sweep["points"]) == 2
-    assert all(
-        p["metrics"]["tokens_per_s_b16"] > 0 and p["metrics"]["latency_s_b1"] > 0 for p in sweep["points"]
-    )
+    assert all(p["timed"]["tokens_per_s_b16"] > 0 and p["timed"]["latency_s_b1"] > 0 for p in sweep["points"])
     settings = [p["setting"] for p in sweep["points"]]
     assert settings == [{"threshold": None, "block_size": 128}, {"threshold": 0.5, "block_size": 128}]
     for point in sweep["points"]:

@@ -173,7 +173,7 @@ def run_sweep(
         prompts = eval_prompts(loaded.tokenizer, where, split, limit, n_shot).prompts
         speeds = measure_speeds(dict(enumerate(runners)), dict.fromkeys(range(len(runners)), prompts))
         for i, point in enumerate(points):
-            point["metrics"].update(speeds[i])  # the result's metrics too (one dict)
+            point["timed"] = speeds[i]  # beside the metrics: those stay the evaluation's own
     chosen = choose_setting(points, tolerance, metric)
     sweep = {"grid": axes, "metric": metric, "tolerance": tolerance, "points": points,
              "pareto": pareto_front(points, metric), "chosen": chosen}  # fmt: skip

@@ -33,15 +33,16 @@ _PRESET_WORDS = ("none", "null", "preset", "~")
 # ---- the frontier and the choice ----------------------------------------------------------------
 
 
-def speed_of(metrics: dict[str, Any]) -> float:
+def speed_of(point: dict[str, Any]) -> float:
     """The speed a sweep compares points by: tokens/s of one batch timed with the points taking turns
-    (`tokens_per_s_b16`, `run_sweep`), else the point's own evaluation tokens/s."""
-    return float(metrics.get("tokens_per_s_b16", metrics.get("tokens_per_s", float("nan"))))
+    (`point["timed"]`, `run_sweep`), else the point's own evaluation tokens/s."""
+    timed, m = point.get("timed", {}), point["metrics"]
+    return float(timed.get("tokens_per_s_b16", m.get("tokens_per_s", float("nan"))))
 
 
 def _score(point: dict[str, Any], metric: str) -> tuple[float, float]:
     m = point["metrics"]
-    acc, speed = float(m.get(metric, float("nan"))), speed_of(m)
+    acc, speed = float(m.get(metric, float("nan"))), speed_of(point)
     return (acc if math.isfinite(acc) else -math.inf, speed if math.isfinite(speed) else -math.inf)
 
 
@@ -177,7 +178,7 @@ def sweep_table(result: dict[str, Any]) -> str:
         m = p["metrics"]
         table.add_row(
             setting_label(p["setting"]), f"{m.get(sweep['metric'], float('nan')):.3f}",
-            f"{speed_of(m):,.1f}", f"{m.get('nfe', 0.0):.1f}",
+            f"{speed_of(p):,.1f}", f"{m.get('nfe', 0.0):.1f}",
             f"{m.get('tokens_per_forward', 0.0):.2f}", "*" if i in front else "", "<-" if i == sweep["chosen"] else "",
         )  # fmt: skip
     console = Console(file=io.StringIO(), width=110, force_terminal=False, color_system=None)

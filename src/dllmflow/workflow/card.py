@@ -85,8 +85,9 @@ def _layered_chart(title: str, values: list[dict], encoding: dict, layers: list[
 
 def sweep_values(evals: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per sweep point of every sampler that ran `eval.sweep`: its setting, exact match,
-    tokens/s, NFE, whether it is on the Pareto front and whether it was chosen."""
-    from dllmflow.evaluation.sweep import setting_label
+    tokens/s (the one the choice compared: `speed_of`), NFE, whether it is on the Pareto front and whether
+    it was chosen."""
+    from dllmflow.evaluation.sweep import setting_label, speed_of
 
     values = []
     for name, result in evals.items():
@@ -95,7 +96,7 @@ def sweep_values(evals: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             m = point["metrics"]
             values.append({
                 "sampler": name, "setting": setting_label(point["setting"]),
-                "exact_match": m.get(sweep["metric"], 0.0), "tokens_per_s": m.get("tokens_per_s", 0.0),
+                "exact_match": m.get(sweep["metric"], 0.0), "tokens_per_s": speed_of(point),
                 "nfe": m.get("nfe", 0.0), "pareto": i in sweep["pareto"], "chosen": i == sweep["chosen"],
             })  # fmt: skip
     return values
