@@ -27,6 +27,9 @@ from pydantic import (
 from dllmflow.errors import UserError
 from dllmflow.settings.pipeline import CacheMode
 
+# An EOS stop setting: a token id, "tokenizer" (its EOS) or "none" (a preset's stop off); None = unset.
+EosSetting = int | Literal["tokenizer", "none"] | None
+
 
 class SamplerSettingError(UserError):
     """A sampler setting refused by `build_sampler_config`; `field` names it (a server's 400 names it)."""
@@ -73,14 +76,14 @@ class BlockConfig(SamplerConfig):
     temperature: NonNegativeFloat = 0.0
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     threshold: float | None = Field(None, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer", "none"] | None = Field(
+    eos_token_id: EosSetting = Field(
         None,
         description="Set = stop a row once it has an EOS with no [MASK] before it; 'none' turns a preset's stop off.",
     )
 
     @field_validator("eos_token_id")
     @classmethod
-    def _no_stop(cls, eos: int | str | None) -> int | str | None:
+    def _no_stop(cls, eos: EosSetting) -> EosSetting:
         # "none" is how a flag, a recipe or a request says "no stop" past a preset that stops: a null
         # there means "unset, keep the preset" (build_sampler_config skips it)
         return None if eos == "none" else eos
@@ -128,7 +131,7 @@ class LLaDAConfig(BlockConfig):
     rollout_defaults: ClassVar[dict[str, Any]] = {"eos_token_id": "none"}
 
     block_size: PositiveInt | None = 128
-    eos_token_id: int | Literal["tokenizer", "none"] | None = Field(
+    eos_token_id: EosSetting = Field(
         "tokenizer", description="Stop a row once it has this EOS with no [MASK] before it; 'none': never."
     )
     cache: CacheMode = Field("none", description="Fast-dLLM KV cache: none, prefix or dual (approximate).")
@@ -185,7 +188,7 @@ class NemotronConfig(BlockConfig):
     steps: PositiveInt = 1024
     max_new_tokens: PositiveInt = 1024
     threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer", "none"] | None = "tokenizer"
+    eos_token_id: EosSetting = "tokenizer"
     cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
     cache_why: ClassVar[str] = EXACT_CACHE
     cache: CacheMode = Field("exact", description="Exact cache of the prompt and committed blocks, or none.")
@@ -200,7 +203,7 @@ class IDLMConfig(BlockConfig):
     max_new_tokens: PositiveInt = 256
     block_size: PositiveInt | None = 4
     threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    eos_token_id: int | Literal["tokenizer", "none"] | None = "tokenizer"
+    eos_token_id: EosSetting = "tokenizer"
     cache_modes: ClassVar[tuple[str, ...]] = EXACT_CACHE_MODES
     cache_why: ClassVar[str] = EXACT_CACHE
     cache: CacheMode = Field("exact", description="Exact cache of the committed prefix, or none.")
