@@ -33,6 +33,7 @@ from dllmflow.common.progress import Progress
 from dllmflow.data.task import ANSWER_PARSER, gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict
 from dllmflow.errors import UserError
 from dllmflow.evaluation.protocol import (
+    EvalPrompts,
     EvalRunner,
     build_eval_runner,
     default_eval_sampler,
@@ -67,6 +68,28 @@ def evaluate(
     return evaluate_loaded(loaded, checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
 
 
+@dataclass
+class Asked:
+    """What an evaluation of `loaded` asks: its prepared dir, row limit, shots and prompts."""
+
+    prepared_dir: Path
+    limit: int | None
+    n_shot: int
+    asked: EvalPrompts
+
+
+def asked_of(
+    loaded: EvalRunner, checkpoint: str | Path, split: str, limit: int | None, prepared_dir: str | Path | None
+) -> Asked:
+    """The prompts `evaluate_loaded` asks (limit and shots from the eval section where unset): one
+    place, so a sweep's timing pass asks what its evaluations asked."""
+    eval_cfg = loaded.eval_cfg
+    where = resolve_prepared_dir(checkpoint, loaded.settings, prepared_dir)
+    limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
+    n_shot = eval_cfg.n_shot if eval_cfg is not None else 0
+    return Asked(where, limit, n_shot, eval_prompts(loaded.tokenizer, where, split, limit, n_shot))
+
+
 def evaluate_loaded(
     loaded: EvalRunner,
     checkpoint: str | Path,
@@ -81,14 +104,12 @@ def evaluate_loaded(
 
     # 1) what to run
     runner, eval_cfg, sampler = loaded.runner, loaded.eval_cfg, loaded.sampler
-    prepared_dir = resolve_prepared_dir(checkpoint, loaded.settings, prepared_dir)
-    limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
     config = runner.config  # as it ran (scdd: the schedule read from the checkpoint)
-    n_shot = eval_cfg.n_shot if eval_cfg is not None else 0
     batch_size = eval_cfg.batch_size if eval_cfg is not None else 8
 
     # 2) prompts, shortest first so a batch pads little
-    asked = eval_prompts(loaded.tokenizer, prepared_dir, split, limit, n_shot)
+    q = asked_of(loaded, checkpoint, split, limit, prepared_dir)
+    prepared_dir, limit, n_shot, asked = q.prepared_dir, q.limit, q.n_shot, q.asked
     rows, chats, prompts, order = asked.rows, asked.chats, asked.prompts, asked.order
     check_generation_fits(loaded.model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
 
@@ -168,9 +189,7 @@ def run_sweep(
         # than its 8-forward neighbour).
         from dllmflow.evaluation.control import measure_speeds
 
-        n_shot = loaded.eval_cfg.n_shot if loaded.eval_cfg is not None else 0
-        where = resolve_prepared_dir(checkpoint, loaded.settings, prepared_dir)
-        prompts = eval_prompts(loaded.tokenizer, where, split, limit, n_shot).prompts
+        prompts = asked_of(loaded, checkpoint, split, limit, prepared_dir).asked.prompts
         speeds = measure_speeds(dict(enumerate(runners)), dict.fromkeys(range(len(runners)), prompts))
         for i, point in enumerate(points):
             point["timed"] = speeds[i]  # beside the metrics: those stay the evaluation's own
