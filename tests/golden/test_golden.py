@@ -58,6 +58,7 @@ CASES = {
     "idlm": Case("idlm"),
     # Halves of 320 tokens > split_attention.MASKED_MAX_LEN: the mask-free block-shifted kernel runs.
     "idlm_shifted": Case("idlm", seq_length=320),
+    "block_causal": Case("block_causal"),
     "ar": Case("ar"),  # the AR control's causal next-token SFT
 }
 # The four optimizer changes the guard must see (each measured above), applied to the mdlm case.

@@ -36,7 +36,7 @@ from dllmflow.workflow import finetune
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TINY_RECIPES = sorted((ROOT / "params").glob("tiny_*.yaml"))
-BUILT_IN = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm")
+BUILT_IN = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm", "block_causal")
 
 
 # ---- every table is derived from MODES --------------------------------------------------------------

@@ -17,6 +17,8 @@ Kernels (all tensors `[B, L]`; `noisy_ids` keeps the dtype of `input_ids`, `nois
   corrupt_scdd            scdd: t on the discrete grid, channel masses from the SCDD schedule
   corrupt_uniform_random  block diffusion: random replacement tokens over the full vocabulary
   corrupt_all_masked      idlm: every supervised position becomes [MASK] (deterministic)
+  corrupt_one_block       block_causal: one block of the response per row, masked as mdlm's kernel
+                          (two more outputs: the block's positions [B, L] and the prompt length [B])
 """
 
 from __future__ import annotations
@@ -342,6 +344,58 @@ def corrupt_all_masked(
     noise = loss_mask != 0  # [B, L]
     noisy = torch.where(noise, torch.full_like(input_ids, mask_token_id), input_ids)
     return noisy, noise, torch.ones(input_ids.shape, device=input_ids.device, dtype=torch.float32)
+
+
+def corrupt_one_block(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    *,
+    block_size: int,
+    eps: float = 1e-3,
+    suffix: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Block-causal A2D (docs/strategies.md §2.8): per row, the prompt is everything before the first
+    supervised position S; blocks of `block_size` start at S. Draw a block j uniformly among those up to
+    the last supervised position (the blocks before j stay clean, the ones after are never read), then
+    mask in it:
+
+    * random (`suffix` False): t ~ U[0,1), p = (1-eps) t + eps, each supervised position where u < p;
+    * suffix: k ~ U{0..n-1} over the block's n supervised positions, the k-th and every later one
+      (a clean prefix of the block, the rest masked: the views a left-to-right fill meets); p = 1.
+
+    Returns (noisy ids, noise mask, p_mask, the block's positions [B, L] bool, S [B] long); a row with
+    nothing supervised has S = L, no block and no noise (it draws nothing)."""
+    B, L = input_ids.shape
+    dev = input_ids.device
+    pos = torch.arange(L, device=dev)
+    noisy, noise = input_ids.clone(), torch.zeros(B, L, dtype=torch.bool, device=dev)
+    p_mask = torch.full((B, L), 1.0 if suffix else eps, dtype=torch.float32, device=dev)
+    block, prefix = torch.zeros_like(noise), torch.full((B,), L, dtype=torch.long, device=dev)
+    for b in range(B):
+        sup = (loss_mask[b] != 0).nonzero().squeeze(1)  # [n]
+        if not sup.numel():
+            continue
+        start, last = int(sup[0]), int(sup[-1])
+        num_blocks = (last - start) // block_size + 1
+        j = int(torch.randint(num_blocks, (1,), device=dev, generator=generator))
+        lo = start + j * block_size
+        block[b] = (pos >= lo) & (pos < lo + block_size)
+        in_block = block[b] & (loss_mask[b] != 0)  # [L]
+        if suffix:
+            cols = in_block.nonzero().squeeze(1)  # [n]
+            k = int(torch.randint(cols.numel(), (1,), device=dev, generator=generator))
+            noise[b] = in_block & (pos >= cols[k])
+        else:
+            t = torch.rand((), device=dev, generator=generator)
+            p = (1.0 - eps) * t + eps
+            u = torch.rand(L, device=dev, generator=generator)  # [L]
+            noise[b] = in_block & (u < p)
+            p_mask[b] = p.float()
+        noisy[b] = torch.where(noise[b], torch.full_like(input_ids[b], mask_token_id), input_ids[b])
+        prefix[b] = start
+    return noisy, noise, p_mask, block, prefix
 
 
 def _per_row(value: float | Tensor, batch: int, device: torch.device) -> Tensor:

@@ -29,6 +29,7 @@ from dllmflow.common.lazy import load_object
 from dllmflow.errors import UserError
 from dllmflow.settings.dllm import (
     ARConfig,
+    BlockCausalConfig,
     BlockDiffusionConfig,
     DFlashConfig,
     DLLMBaseConfig,
@@ -230,6 +231,14 @@ for _spec in (
         model_builder="dllmflow.models.dflash_target:build_dflash_draft",
     ),
     ModeSpec("idlm", IDLMConfig, f"{_S}.idlm:IDLMStrategy", samplers=("idlm",)),
+    # Trained under the block-causal mask llada2 decodes with (its causal prompt read off config.json).
+    ModeSpec(
+        "block_causal",
+        BlockCausalConfig,
+        f"{_S}.block_causal:BlockCausalStrategy",
+        samplers=("llada2",),
+        model_builder="dllmflow.models.causal_prompt:build_block_causal_model",
+    ),
     # The AR control: the base causal LM fine-tuned next-token, decoded greedily with its KV cache.
     ModeSpec("ar", ARConfig, f"{_S}.ar:ARStrategy", samplers=("ar",)),
 ):

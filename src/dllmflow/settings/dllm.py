@@ -59,6 +59,10 @@ class DLLMBaseConfig(_Section):
     )
     supervise_padding: bool = Field(False, description="loss_mask=1 on the global padding tail.")
 
+    def check_eval(self, eval_section: Any) -> None:
+        """Refuse an `eval:` section that cannot decode what this mode trains (raise ValueError naming
+        the field); the default accepts every one."""
+
 
 # mode name -> its `dllm:` config class, in registration order (the order error messages list them).
 MODE_CONFIGS: dict[str, type[DLLMBaseConfig]] = {}
@@ -203,6 +207,54 @@ class IDLMConfig(DLLMBaseConfig):
     )
     clean_loss_weight: float = Field(0.2, ge=0.0, description="Fixed alpha on CE_clean.")
     auto_balance_clean_loss: bool = Field(False, description="alpha = stopgrad(CE_noisy / CE_clean).")
+
+
+# llada2's preset block size (samplers/configs.py LLaDA2Config.block_size; settings import no sampler).
+LLADA2_PRESET_BLOCK_SIZE = 32
+
+
+@register_mode_config
+class BlockCausalConfig(DLLMBaseConfig):
+    """Block-causal A2D (docs/strategies.md §2.8): a causal LM trained to decode as llada2 does, blocks
+    after the prompt, attention causal across blocks and bidirectional inside one (SDAR, Fast-dLLM v2)."""
+
+    mode: Literal["block_causal"]
+    rl_refusal: ClassVar[str | None] = (
+        "GRPO's estimators score a bidirectional denoiser, not one block at a time"
+    )
+    packing_refusal: ClassVar[str | None] = "each row's blocks start where its own prompt ends"
+    block_size: PositiveInt = Field(
+        32,
+        description="Tokens per block, counted from the prompt's end; decode with llada2 at this block_size.",
+    )
+    mask_pattern: Literal["random", "suffix"] = Field(
+        "random",
+        description="Which positions of the drawn block are masked: random (MDLM: each with p = eps + "
+        "(1-eps) t) or suffix (a clean prefix of random length, the rest masked: the views a left-to-right "
+        "fill meets; every masked position weighted 1).",
+    )
+    logit_shift: bool = Field(
+        True,
+        description="Position i's logit is read from position i-1, the alignment of the causal LM it starts "
+        "from (models/logit_shift.py); a block's first token is then predicted from the position before it.",
+    )
+    causal_prompt: bool = Field(
+        True,
+        description="The prompt attends causally, as in the causal LM it starts from (else bidirectionally, "
+        "llada2's preset); recorded in the export's config.json, which llada2 reads.",
+    )
+
+    def check_eval(self, eval_section: Any) -> None:
+        """llada2 must decode the blocks the model was trained on: `eval.block_size` unset means llada2's
+        preset, LLADA2_PRESET_BLOCK_SIZE (samplers/configs.py, a test keeps the two equal)."""
+        given = eval_section.block_size
+        decoded = LLADA2_PRESET_BLOCK_SIZE if given is None else given
+        if decoded != self.block_size:
+            raise ValueError(
+                f"eval.block_size: the block_causal model is trained on blocks of dllm.block_size="
+                f"{self.block_size}, but llada2 would decode blocks of {decoded}; set eval.block_size: "
+                f"{self.block_size}"
+            )
 
 
 @register_mode_config

@@ -165,6 +165,7 @@ class Settings(BaseSettings):
                 "dflash: section required when dllm.mode is dflash (needs dflash.target_model_id)"
             )
         self.dataset.check_packing(self.dllm)
+        self.dllm.check_eval(self.eval)
         if self.eval.ar_control is not None:
             self.eval.ar_control.check(self.dllm, self.model)
         if self.eval.ar_baseline and self.dllm.mode == "ar":

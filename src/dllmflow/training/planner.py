@@ -88,6 +88,7 @@ MODE_ACTIVATIONS: dict[str, ActivationShape] = {
     "mdlm": ActivationShape(),
     "scdd": ActivationShape(),
     "idlm": ActivationShape(seq_factor=2),  # [x_t | x_0]
+    "block_causal": ActivationShape(),  # one pass over L (one drawn block per row, not [x_t | x_0])
     "hybrid": ActivationShape(passes=2),  # diffusion + causal forwards
     "block_diffusion": ActivationShape(),  # encoder and decoder blocks are both counted as blocks
     "dflash": ActivationShape(),

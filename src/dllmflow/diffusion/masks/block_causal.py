@@ -11,7 +11,8 @@ of `block_size` tokens. With `blk(i) = (i - S) // block_size` for generated posi
 Because a block never sees later positions, the logits of block j are the same whether the model
 runs over the whole canvas with this mask or over block j alone on a KV cache holding the prefix
 and blocks < j computed under the same mask -- which is what makes cached and uncached decoding
-give identical greedy output.
+give identical greedy output. The `block_causal` training mode (diffusion/strategies/block_causal.py)
+builds the same mask over right-padded rows, each with its own prefix length S_b (a [B] tensor).
 
     from dllmflow.diffusion.masks.block_causal import block_causal_mask
     mask = block_causal_mask(valid, prefix_len=S, block_size=32, causal_prefix=True, dtype=torch.float32)
@@ -24,8 +25,11 @@ import torch
 from torch import Tensor
 
 
-def block_causal_keep(q: Tensor, k: Tensor, prefix_len: int, block_size: int, causal_prefix: bool) -> Tensor:
-    """Bool: may query position `q` attend key position `k` (long tensors, broadcastable)?"""
+def block_causal_keep(
+    q: Tensor, k: Tensor, prefix_len: int | Tensor, block_size: int, causal_prefix: bool
+) -> Tensor:
+    """Bool: may query position `q` attend key position `k` (long tensors, broadcastable; `prefix_len`
+    an int or a tensor broadcastable with them, e.g. [B, 1, 1] for one prefix per row)?"""
     q_gen, k_gen = q >= prefix_len, k >= prefix_len
     q_blk = torch.div(q - prefix_len, block_size, rounding_mode="floor")
     k_blk = torch.div(k - prefix_len, block_size, rounding_mode="floor")
@@ -37,7 +41,7 @@ def block_causal_keep(q: Tensor, k: Tensor, prefix_len: int, block_size: int, ca
 
 def block_causal_mask(
     valid: Tensor,
-    prefix_len: int,
+    prefix_len: int | Tensor,
     block_size: int,
     causal_prefix: bool,
     dtype: torch.dtype,
@@ -46,7 +50,8 @@ def block_causal_mask(
 ) -> Tensor:
     """Float additive mask [B, 1, q_len, K] (0 keep / finfo(dtype).min drop).
 
-    valid [B, K]: 1 for real key positions 0..K-1 (0 = padding). Queries are positions
+    valid [B, K]: 1 for real key positions 0..K-1 (0 = padding); `prefix_len` an int (a left-padded
+    canvas) or [B] (each row its own prefix: right-padded training rows). Queries are positions
     [q_start, q_start + q_len) (default: all K), so the KV-cache path asks for the rows of one block
     against every key up to the block's end.
     """
@@ -55,7 +60,8 @@ def block_causal_mask(
     dev = valid.device
     q = torch.arange(q_start, q_start + q_len, device=dev)[:, None]  # [Q, 1]
     k = torch.arange(num_keys, device=dev)[None, :]  # [1, K]
-    keep = block_causal_keep(q, k, prefix_len, block_size, causal_prefix)[None]  # [1, Q, K]
+    prefix = torch.as_tensor(prefix_len, device=dev).reshape(-1, 1, 1)  # [1 or B, 1, 1]
+    keep = block_causal_keep(q[None], k[None], prefix, block_size, causal_prefix)  # [1 or B, Q, K]
     keep = (keep & valid.bool()[:, None, :]) | (q == k)[None]  # [B, Q, K]
     zero = torch.zeros((), dtype=dtype, device=dev)
     low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=dev)

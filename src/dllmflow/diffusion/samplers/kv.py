@@ -189,22 +189,25 @@ class CausalShiftCache(CacheSource):
 
 
 class BlockCausalCache(CacheSource):
-    """llada2 (block-causal, prompt bidirectional): the cache holds the prompt and the committed
-    blocks [0, lo); each step forwards the block against it. A block's first forward also feeds the
-    previous block (now final; block-causal attention makes its keys independent of later blocks).
+    """llada2 (block-causal; the prompt bidirectional, or causal with `causal_prefix`): the cache holds
+    the prompt and the committed blocks [0, lo); each step forwards the block against it. A block's
+    first forward also feeds the previous block (now final; block-causal attention makes its keys
+    independent of later blocks).
     With `shift` 1 (a `dllm.logit_shift` model) the block is filled from the logits of [lo-1, hi-1):
     the last committed position stays out of the cache and is re-fed with the block (its query, in
     the previous block or the prompt, does not see the block, so its logit is the same every step)."""
 
-    def __init__(self, model, canvas: LeftPaddedCanvas, block_size: int, shift: int = 0):
+    def __init__(
+        self, model, canvas: LeftPaddedCanvas, block_size: int, shift: int = 0, causal_prefix: bool = False
+    ):
         super().__init__(model, canvas)
-        self.bs, self.shift = block_size, shift
+        self.bs, self.shift, self.causal_prefix = block_size, shift, causal_prefix
 
     def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, start, a = self.c, self.kv.length, lo - self.shift  # forward [start, hi), logits of [a, a+hi-lo)
         valid = on_rows(c.valid, rows)
         mask = block_causal_mask(
-            valid[:, :hi], c.prefix_len, self.bs, False, self.kv.dtype, start, hi - start
+            valid[:, :hi], c.prefix_len, self.bs, self.causal_prefix, self.kv.dtype, start, hi - start
         )
         ids, positions = on_rows(c.x, rows)[:, start:hi], on_rows(c.position_ids, rows)[:, start:hi]
         logits = self.kv.forward(ids, mask, positions, a - start, hi - self.shift - start)

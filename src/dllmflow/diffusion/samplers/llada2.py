@@ -7,8 +7,8 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
 * blocks of `block_size` (preset 32) after the prompt; `steps` (preset 32) is the step budget of
   EACH block, as in LLaDA2's own generate (not a total as for `llada`);
 * each forward covers the prompt and the blocks up to the current one under the block-causal mask
-  (`dllmflow.diffusion.masks.block_causal`: prompt bidirectional, a block sees the prompt, earlier
-  blocks and itself);
+  (`dllmflow.diffusion.masks.block_causal`: prompt bidirectional, or causal for a `block_causal` model
+  trained so (models/causal_prompt.py); a block sees the prompt, earlier blocks and itself);
 * per step, the block's masks with confidence >= `threshold` (preset 0.5) are committed, and at
   least the schedule's count (the most confident ones); the block's last step commits the rest;
 * editing (LLaDA2.1, `editing_threshold` > 0; preset 0 = off): a committed token of the current block
@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
+from dllmflow.models.causal_prompt import has_causal_prompt
 from dllmflow.models.logit_shift import is_logit_shifted
 
 from .base import Sampler, native_generate
@@ -97,14 +98,17 @@ class CanvasBlockCausal:
         block_size: int,
         dtype: torch.dtype,
         shift: int = 0,
+        causal_prefix: bool = False,
     ):
         self.forward, self.c, self.bs, self.dtype, self.calls = forward, canvas, block_size, dtype, 0
-        self.shift = shift
+        self.shift, self.causal_prefix = shift, causal_prefix
 
     def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, n, s = self.c, hi - lo, self.shift
         valid = on_rows(c.valid, rows)
-        mask = block_causal_mask(valid[:, :hi], c.prefix_len, self.bs, False, self.dtype)  # [R, 1, hi, hi]
+        mask = block_causal_mask(
+            valid[:, :hi], c.prefix_len, self.bs, self.causal_prefix, self.dtype
+        )  # [R,1,hi,hi]
         self.calls, self.span = self.calls + 1, (0, hi)
         ids, positions = on_rows(c.x, rows)[:, :hi], on_rows(c.position_ids, rows)[:, :hi]
         logits = self.forward(ids, mask, positions, n + s)  # [R, >= n+s, V]
@@ -246,11 +250,14 @@ class LLaDA2Sampler(Sampler):
         )
         # A Dream-style A2D model (mdlm with dllm.logit_shift) reads each position's logit one earlier.
         shift = int(self.model is not None and is_logit_shifted(self.model))
+        # A block_causal model trained with a causal prompt (models/causal_prompt.py) is decoded with one.
+        causal = self.model is not None and has_causal_prompt(self.model)
         if self.cached:
             check_cache_fits(self.model, canvas.x.shape[1], self.name, "cache 'exact'")
-            source = BlockCausalCache(self.model, canvas, geometry.block_size, shift)
+            source = BlockCausalCache(self.model, canvas, geometry.block_size, shift, causal)
         else:
-            source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, self._mask_dtype(), shift)
+            dtype = self._mask_dtype()
+            source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, dtype, shift, causal)
         nfe, row_nfe, positions = yield from iter_refine_blocks(
             source, canvas, cfg, geometry, self.mask_id, self._eos_id(), self.generator()
         )
