@@ -233,6 +233,18 @@ class BlockCausalConfig(DLLMBaseConfig):
         "(1-eps) t) or suffix (a clean prefix of random length, the rest masked: the views a left-to-right "
         "fill meets; every masked position weighted 1).",
     )
+    block_attention: Literal["bidirectional", "causal"] = Field(
+        "bidirectional",
+        description="Attention inside a block: bidirectional (SDAR, Fast-dLLM v2) or causal (the whole model "
+        "stays a causal LM: each [MASK] predicts ahead from the clean tokens before it, and every clean "
+        "supervised token with a clean history also gets the next-token loss); recorded in config.json "
+        "(dllm_causal_blocks), which llada2 reads.",
+    )
+    lookahead_weight: float = Field(
+        1.0,
+        gt=0.0,
+        description="Causal blocks: weight of the lookahead (masked suffix) loss beside the next-token loss.",
+    )
     logit_shift: bool = Field(
         True,
         description="Position i's logit is read from position i-1, the alignment of the causal LM it starts "
@@ -243,6 +255,15 @@ class BlockCausalConfig(DLLMBaseConfig):
         description="The prompt attends causally, as in the causal LM it starts from (else bidirectionally, "
         "llada2's preset); recorded in the export's config.json, which llada2 reads.",
     )
+
+    @model_validator(mode="after")
+    def _causal_blocks_need_a_suffix_and_the_shift(self) -> BlockCausalConfig:
+        if self.block_attention == "causal" and (self.mask_pattern != "suffix" or not self.logit_shift):
+            raise ValueError(
+                "block_attention: causal appends a masked suffix after the clean row and reads each logit "
+                "one position early; set mask_pattern: suffix and logit_shift: true"
+            )
+        return self
 
     def check_eval(self, eval_section: Any) -> None:
         """llada2 must decode the blocks the model was trained on: `eval.block_size` unset means llada2's

@@ -8,7 +8,8 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
   EACH block, as in LLaDA2's own generate (not a total as for `llada`);
 * each forward covers the prompt and the blocks up to the current one under the block-causal mask
   (`dllmflow.diffusion.masks.block_causal`: prompt bidirectional, or causal for a `block_causal` model
-  trained so (models/causal_prompt.py); a block sees the prompt, earlier blocks and itself);
+  trained so (models/causal_prompt.py); a block sees the prompt, earlier blocks and itself, causally
+  for a `block_causal` model with causal blocks);
 * per step, the block's masks with confidence >= `threshold` (preset 0.5) are committed, and at
   least the schedule's count (the most confident ones); the block's last step commits the rest;
 * editing (LLaDA2.1, `editing_threshold` > 0; preset 0 = off): a committed token of the current block
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
-from dllmflow.models.causal_prompt import has_causal_prompt
+from dllmflow.models.causal_prompt import has_causal_blocks, has_causal_prompt
 from dllmflow.models.logit_shift import is_logit_shifted
 
 from .base import Sampler, native_generate
@@ -250,14 +251,16 @@ class LLaDA2Sampler(Sampler):
         )
         # A Dream-style A2D model (mdlm with dllm.logit_shift) reads each position's logit one earlier.
         shift = int(self.model is not None and is_logit_shifted(self.model))
-        # A block_causal model trained with a causal prompt (models/causal_prompt.py) is decoded with one.
-        causal = self.model is not None and has_causal_prompt(self.model)
+        # A block_causal model is decoded under the mask it was trained with (models/causal_prompt.py): a
+        # causal prompt, and with causal blocks a causal mask throughout (blocks of 1 in the mask only).
+        causal_blocks = self.model is not None and has_causal_blocks(self.model)
+        causal = causal_blocks or (self.model is not None and has_causal_prompt(self.model))
+        mask_block = 1 if causal_blocks else geometry.block_size
         if self.cached:
             check_cache_fits(self.model, canvas.x.shape[1], self.name, "cache 'exact'")
-            source = BlockCausalCache(self.model, canvas, geometry.block_size, shift, causal)
+            source = BlockCausalCache(self.model, canvas, mask_block, shift, causal)
         else:
-            dtype = self._mask_dtype()
-            source = CanvasBlockCausal(self._forward, canvas, geometry.block_size, dtype, shift, causal)
+            source = CanvasBlockCausal(self._forward, canvas, mask_block, self._mask_dtype(), shift, causal)
         nfe, row_nfe, positions = yield from iter_refine_blocks(
             source, canvas, cfg, geometry, self.mask_id, self._eos_id(), self.generator()
         )
