@@ -4,8 +4,8 @@ as given; the control is the product's `ar` mode with the recipe's model, data, 
 batch), then decode the same held-out prompts with each at the recipe's generation length and at 256
 new tokens. Opt-in (tens of minutes on 2 CPU cores; pytest does not collect bench/).
 
-    OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_mdlm_lora.yaml --steps 400
-    python bench/vs_ar.py --recipe params/smollm2_mdlm_lora.yaml --skip-train --run-dir /tmp/bench-vs-ar-XXXX
+    OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_block_causal_lora.yaml --steps 250
+    python bench/vs_ar.py --recipe params/smollm2_block_causal_lora.yaml --skip-train --run-dir /tmp/bench-vs-ar-XXXX
     python bench/vs_ar.py ... --setting llada2:block_size=8,threshold=0.9 --setting llada:cache=dual,threshold=0.9
 
 Per generation length and per decoder (the AR control's `ar` sampler, each `--setting` of the dLLM):
@@ -20,32 +20,34 @@ and tokens (bench/real_model.py's `train_figures`). `--output FILE` writes every
 The dLLM here decodes block-causally (`llada2`: the prompt and the committed blocks in an exact KV
 cache, threshold decoding inside a block, a row stops at the block that commits its EOS), so a
 256-token budget costs what the answer costs; a bidirectional sampler (`llada` with Fast-dLLM's
-dual cache) first runs the whole canvas and pays for the budget.
+dual cache) first runs the whole canvas and pays for the budget. The `block_causal` mode
+(docs/strategies.md §2.8) trains the model in the view llada2 decodes.
 
-Last measured 2026-12-04 (issue 38; SmolLM2-135M-Instruct, params/smollm2_mdlm_lora.yaml with
---steps 250 --set dllm.attention_annealing_steps=120, 64 held-out problems, 2 threads, Intel 2-core
-machine shared with other jobs: both arms trained side by side, 250 steps each: 200 of a 400-step cosine,
-then resumed with max_steps 250; dLLM 14.61 s/step, AR 14.73 s/step, 376 tokens/step each, so equal
-steps and equal wall seconds; final loss 0.348 vs 0.153). Ratios to the AR control (EM 0.828, 0.530 s per
-answer at batch 1, 8.93 answers/s at batch 16, 6.0 forwards per answer):
+Last measured 2026-12-04 (issue 38; SmolLM2-135M-Instruct, 250 steps each arm, 64 held-out problems, 2
+threads, Intel 2-core machine, quiet; both arms on the same rows, optimizer, LoRA and batch; the AR control
+1.78 s/step, the dLLMs 1.71-2.27 s/step). Each dLLM decoded by llada2, exact cache, blocks of 8:
 
-    decoder (llada2, exact cache, blocks of 8)   EM     dEM     latency b1   throughput b16   NFE
-    threshold 0.9, 32 new tokens                 0.422  -0.406  0.89x        0.73x            3.3
-    threshold 0.5, 32 new tokens                 0.406  -0.422  0.79x        0.81x            2.8
-    threshold 0.9, 256 new tokens                0.422  -0.406  0.84x        0.75x            3.3
-    threshold 0.5, 256 new tokens                0.406  -0.422  0.75x        0.84x            2.8
+    dLLM recipe (params/..., dllm overrides)             thr   EM     dEM     latency b1  thrpt b16  NFE
+    AR control (`ar` mode, greedy, KV cache)             -     0.844  -       0.438 s     9.20 ans/s 6.0
+    smollm2_block_causal_lora (causal blocks, w 0.25)    0.9   0.828  -0.016  0.90x       0.70x      3.3
+                                                         0.5   0.797  -0.047  0.83x       0.78x      2.8
+    ... block_attention causal, lookahead_weight 1       0.9   0.766  -0.078  0.82x       0.76x      3.0
+                                                         0.5   0.516  -0.328  0.61x       0.86x      2.2
+    ... bidirectional blocks, mask_pattern suffix        0.9   0.438  -0.406  0.90x       0.60x      3.2
+    ... bidirectional blocks, random masks               0.9   0.344  -0.500  0.75x       0.74x      3.2
+    smollm2_mdlm_lora (bidirectional mdlm, earlier run)  0.5   0.406  -0.422  0.79x       0.81x      2.8
 
-Rerun on the quiet machine (load ~1.8) the same day, same EM and forwards: AR 0.458 s/answer, 9.85
-answers/s; latency 0.89x / 0.80x (32 tokens, threshold 0.9 / 0.5), 0.88x / 0.81x (256); throughput
-0.72x / 0.79x (32), 0.74x / 0.82x (256).
-
-No goal met (quality by 40.6 points, latency 0.75x vs 0.5x, throughput 0.84x vs 1.0x). What bounds it:
-the answer is 6 tokens ("#### 085" + EOS), so the AR control spends a prefill and 5 one-token forwards;
-the dLLM at 2.8 forwards spends the same prefill (with the block) and ~1.8 forwards of 9 positions, each
-dearer than a one-token forward on CPU (under load: 1.8x one token; a 45-token prefill 2.8x), so 0.5x
-needs nearly the whole answer committed in the first forward; and the mdlm model, trained bidirectionally, is decoded block-causally (its prompt no
-longer sees the answer), at 250 steps it trails the AR control by 40 points at every threshold. A 256-token
-budget costs what 32 costs for both arms (EOS stop; answers identical at batch 1 and 16).
+At 256 new tokens every decoder gives the same answers at about the same cost (EOS stop): the recipe
+0.90x / 0.72x latency and 0.70x / 0.79x throughput at threshold 0.9 / 0.5; causal blocks at weight 1 reach
+0.56x latency at 0.5, at EM 0.516. No goal met at one setting: quality
+comes within 1.6 points (one problem of 64) at threshold 0.9, where the latency is 0.90x and the
+throughput 0.70x. What bounds it: the quality is the AR model's own (decoded left to right, the causal-
+block models score 0.766, their lookahead loss competing with the next-token loss for the same LoRA at
+250 steps: weight 0.25 halves the cost); the speed is the CPU: the answer is 6 tokens ("#### 076" +
+EOS), so the AR control pays a prefill and 5 one-token forwards, the dLLM the same prefill (with its
+first block) and 1.2-2.3 more forwards of 9 positions, each dearer than a one-token forward here (1.3-1.8x); 0.5x needs almost the whole
+answer in the first forward, and at batch 16 the 9 positions per row are real compute on a CPU (on a GPU,
+decoding is bound by memory and they would come nearly free; not measured: no GPU was lent).
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ GOALS = {"em_gap": -0.01, "latency": 0.5, "throughput": 1.0}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="params/smollm2_mdlm_lora.yaml", help="the dLLM recipe (SmolLM2 A2D)")
+    p.add_argument(
+        "--recipe", default="params/smollm2_block_causal_lora.yaml", help="the dLLM recipe (SmolLM2 A2D)"
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
     p.add_argument("--steps", type=int, help="optimizer steps of BOTH arms (default: the recipe's max_steps)")
     p.add_argument(
@@ -246,9 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
     }
     prepare(s)  # reused when its input fingerprint is unchanged
+    # Each arm trained (and timed) alone: the dLLM's settings without the control it would train after itself.
+    alone = load_settings(args.recipe, **{**over, "eval.ar_control": {"enabled": False}})
     out["train"] = {
         arm: train_arm(st, Path(d), args.skip_train)
-        for arm, st, d in (("dllm", s, run_dir), ("ar", ar_s, ar_s.resolved_run_dir))
+        for arm, st, d in (("dllm", alone, run_dir), ("ar", ar_s, ar_s.resolved_run_dir))
     }
     for arm, t in out["train"].items():
         print(f"{arm}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()})}")
