@@ -49,14 +49,25 @@ def _rows():
     return {"input_ids": x, "loss_mask": loss_mask, "attention_mask": attn}
 
 
+def _draw(rows, seed, block_size, **kw):
+    """The kernel over `_rows()`, each row its own seed."""
+    seeds = [seed, seed + 1000, seed + 2000]
+    return per_sample(
+        corrupt_one_block,
+        seeds,
+        rows["input_ids"],
+        rows["loss_mask"],
+        mask_token_id=M,
+        block_size=block_size,
+        **kw,
+    )
+
+
 def test_the_kernel_masks_one_aligned_block_of_the_response_per_row():
     b, rows = 4, _rows()
     seen = set()
     for seed in range(120):
-        z, noise, p, block, prefix = per_sample(
-            corrupt_one_block, [seed, seed + 1000, seed + 2000], rows["input_ids"], rows["loss_mask"],
-            draw_length=24, mask_token_id=M, block_size=b, eps=1e-3,
-        )  # fmt: skip
+        z, noise, p, block, prefix = _draw(rows, seed, b, draw_length=24, eps=1e-3)
         assert prefix[:2].tolist() == [5, 3] and prefix[2] >= 18  # nothing supervised: all prompt
         assert not block[2].any() and not noise[2].any()
         for r, (start, last) in enumerate(((5, 15), (3, 6))):
@@ -77,10 +88,7 @@ def test_the_suffix_pattern_masks_a_clean_prefix_of_the_block_and_every_supervis
     b, rows = 4, _rows()
     starts = set()
     for seed in range(60):
-        z, noise, p, block, prefix = per_sample(
-            corrupt_one_block, [seed, seed + 1000, seed + 2000], rows["input_ids"], rows["loss_mask"],
-            mask_token_id=M, block_size=b, suffix=True,
-        )  # fmt: skip
+        z, noise, p, block, prefix = _draw(rows, seed, b, suffix=True)
         assert torch.equal(p, torch.ones_like(p))  # weighted 1: no ELBO time
         for r in range(2):
             sup_in_block = (block[r] & (rows["loss_mask"][r] != 0)).nonzero().squeeze(1).tolist()
