@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from dllmflow.diffusion.corruption import corrupt_one_block, per_sample
-from dllmflow.diffusion.losses import loss_columns, mdlm_loss_sum, per_token_ce
+from dllmflow.diffusion.losses import loss_columns, mdlm_loss_sum, per_token_ce, shifted_supervision
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.errors import UserError
 from dllmflow.models.attention import NATIVELY_BIDIRECTIONAL, mask_dtype, model_logits
@@ -98,11 +98,8 @@ class BlockCausalStrategy(Strategy):
 
 
 def next_token_targets(batch: Batch) -> Tensor:
-    """[B, L] bool: supervised, valid positions i >= 1 (the `ar` mode's targets, docs/strategies.md §2.7)."""
-    valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
-    targets = (batch["loss_mask"] != 0) & valid
-    targets[:, 0] = False
-    return targets
+    """[B, L] bool: the `ar` mode's targets (docs/strategies.md §2.7) at the target's own position."""
+    return F.pad(shifted_supervision(batch["loss_mask"], batch.get("attention_mask")), (1, 0))
 
 
 def lookahead_loss(model: nn.Module, batch: Batch, mask_token_id: int) -> LossOutput:
