@@ -31,6 +31,8 @@ threads, Intel 2-core machine, quiet; both arms on the same rows, optimizer, LoR
     AR control (`ar` mode, greedy, KV cache)             -     0.844  -       0.438 s     9.20 ans/s 6.0
     smollm2_block_causal_lora (causal blocks, w 0.25)    0.9   0.828  -0.016  0.90x       0.70x      3.3
                                                          0.5   0.797  -0.047  0.83x       0.78x      2.8
+    ... lookahead_weight 0.1                             0.9   0.812  -0.031  0.90x       0.78x      3.2
+                                                         0.5   0.656  -0.188  0.81x       0.90x      2.8
     ... block_attention causal, lookahead_weight 1       0.9   0.766  -0.078  0.82x       0.76x      3.0
                                                          0.5   0.516  -0.328  0.61x       0.86x      2.2
     ... bidirectional blocks, mask_pattern suffix        0.9   0.438  -0.406  0.90x       0.60x      3.2
@@ -43,7 +45,7 @@ At 256 new tokens every decoder gives the same answers at about the same cost (E
 comes within 1.6 points (one problem of 64) at threshold 0.9, where the latency is 0.90x and the
 throughput 0.70x. What bounds it: the quality is the AR model's own (decoded left to right, the causal-
 block models score 0.766, their lookahead loss competing with the next-token loss for the same LoRA at
-250 steps: weight 0.25 halves the cost); the speed is the CPU: the answer is 6 tokens ("#### 076" +
+250 steps: weight 0.25 halves the cost, 0.1 gains nothing more: 0.812, within one problem of it); the speed is the CPU: the answer is 6 tokens ("#### 076" +
 EOS), so the AR control pays a prefill and 5 one-token forwards, the dLLM the same prefill (with its
 first block) and 1.2-2.3 more forwards of 9 positions, each dearer than a one-token forward here (1.3-1.8x); 0.5x needs almost the whole
 answer in the first forward, and at batch 16 the 9 positions per row are real compute on a CPU (on a GPU,
