@@ -43,9 +43,9 @@ At 256 new tokens every decoder gives the same answers at about the same cost (E
 0.90x / 0.72x latency and 0.70x / 0.79x throughput at threshold 0.9 / 0.5; causal blocks at weight 1 reach
 0.56x latency at 0.5, at EM 0.516. No goal met at one setting: quality comes within 1.6 points (one
 problem of 64) at threshold 0.9, where the latency is 0.90x and the throughput 0.70x. What bounds it:
-the quality is the AR model's own (decoded left to right, the causal- block models score 0.766, their
-lookahead loss competing with the next-token loss for the same LoRA at 250 steps: weight 0.25 halves the
-cost, 0.1 gains nothing more: 0.812, within one problem of it); the speed is the CPU: the answer is 6
+for quality, the lookahead loss competes with the next-token loss for the same LoRA at 250 steps
+(decoded strictly left to right, the weight-1 model scores 0.766, the AR arm 0.844; weight 0.25 recovers
+most of it, 0.1 gains nothing more: 0.812, within one problem); the speed is the CPU: the answer is 6
 tokens ("#### 076" + EOS), so the AR control pays a prefill and 5 one-token forwards, the dLLM the same
 prefill (with its first block) and 1.2-2.3 more forwards of 9 positions, each dearer than a one-token
 forward here (1.3-1.8x); 0.5x needs almost the whole answer in the first forward, and at batch 16 the 9
