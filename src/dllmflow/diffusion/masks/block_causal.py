@@ -62,7 +62,28 @@ def block_causal_mask(
     k = torch.arange(num_keys, device=dev)[None, :]  # [1, K]
     prefix = torch.as_tensor(prefix_len, device=dev).reshape(-1, 1, 1)  # [1 or B, 1, 1]
     keep = block_causal_keep(q[None], k[None], prefix, block_size, causal_prefix)  # [1 or B, Q, K]
-    keep = (keep & valid.bool()[:, None, :]) | (q == k)[None]  # [B, Q, K]
-    zero = torch.zeros((), dtype=dtype, device=dev)
-    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=dev)
-    return torch.where(keep, zero, low)[:, None]  # [B, 1, Q, K]
+    return _additive((keep & valid.bool()[:, None, :]) | (q == k)[None], dtype)  # [B, 1, Q, K]
+
+
+def lookahead_mask(valid: Tensor, first_masked: Tensor, clean_len: int, dtype: torch.dtype) -> Tensor:
+    """The causal-blocks training canvas (docs/strategies.md §2.8): a clean row of `clean_len` tokens, then
+    W appended mask slots standing for positions k.. of that row (k = `first_masked` [B]). Additive
+    [B, 1, T, T], T = clean_len + W, `valid` [B, T] (padding and unused slots 0):
+
+        clean query q   -> clean keys <= q               (the row read causally)
+        slot query      -> clean keys < k, slots <= it   (what llada2 shows a block's masks)
+        keep = rule and valid[key], or q == key
+    """
+    T, dev = valid.shape[1], valid.device
+    q, key = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None]  # [T, 1], [1, T]
+    clean_q, clean_k = q < clean_len, key < clean_len
+    before_k = clean_k & (key < first_masked[:, None, None])  # [B, 1, T]
+    keep = (clean_q & clean_k & (key <= q))[None] | (~clean_q & (before_k | (~clean_k & (key <= q))))
+    return _additive((keep & valid.bool()[:, None, :]) | (q == key)[None], dtype)  # [B, 1, T, T]
+
+
+def _additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool [B, Q, K] -> float [B, 1, Q, K]: 0 keep, finfo(dtype).min drop."""
+    zero = torch.zeros((), dtype=dtype, device=keep.device)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=keep.device)
+    return torch.where(keep, zero, low)[:, None]

@@ -37,7 +37,7 @@ from torch.nn import functional as F
 
 from dllmflow.diffusion.corruption import corrupt_one_block, per_sample
 from dllmflow.diffusion.losses import loss_columns, mdlm_loss_sum, per_token_ce, shifted_supervision
-from dllmflow.diffusion.masks.block_causal import block_causal_mask
+from dllmflow.diffusion.masks.block_causal import block_causal_mask, lookahead_mask
 from dllmflow.errors import UserError
 from dllmflow.models.attention import NATIVELY_BIDIRECTIONAL, mask_dtype, model_logits
 from dllmflow.models.wrappers import unwrap
@@ -119,17 +119,7 @@ def lookahead_loss(model: nn.Module, batch: Batch, mask_token_id: int) -> LossOu
     ids = torch.cat([x, torch.full((B, W), mask_token_id, dtype=x.dtype, device=dev)], 1)  # [B, L+W]
     positions = torch.cat([torch.arange(L, device=dev).expand(B, L), k[:, None] + slot[None]], 1)  # [B, L+W]
     valid = torch.cat([batch.get("attention_mask", torch.ones_like(x)).bool(), slot_valid], 1)  # [B, L+W]
-    q, key = (
-        torch.arange(L + W, device=dev)[:, None],
-        torch.arange(L + W, device=dev)[None],
-    )  # [L+W, 1], [1, L+W]
-    clean_q, clean_k = q < L, key < L
-    keep = (clean_q & clean_k & (key <= q))[None] | (
-        ~clean_q & ((clean_k & (key < k[:, None, None])) | (~clean_k & (key <= q)))
-    )  # [B, L+W, L+W]
-    keep = (keep & valid[:, None, :]) | (q == key)[None]
-    dtype = mask_dtype(model, dev)
-    mask = torch.where(keep, torch.zeros((), dtype=dtype, device=dev), torch.finfo(dtype).min)[:, None]
+    mask = lookahead_mask(valid, k, L, mask_dtype(model, dev))  # [B, 1, L+W, L+W]
     ar = next_token_targets(batch)  # [B, L]
     ahead = slot_valid & (slot[None] >= 1)  # [B, W]: slot t's target x[k + t], read off slot t-1
     cols = loss_columns(torch.cat([ar, ahead], 1))  # [n], canvas columns (the shift reads col - 1)
