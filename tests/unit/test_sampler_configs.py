@@ -31,12 +31,13 @@ PRESETS = {
     "idlm": dict(steps=256, max_new_tokens=256, block_size=4, threshold=0.9, eos_token_id="tokenizer",
                  cache="exact"),
     "ar": dict(max_new_tokens=128, seed=42, cache="exact"),
+    "selfspec": dict(max_new_tokens=128, block_size=8, cache="exact"),
 }  # fmt: skip
 
 # One option each sampler does not take (another sampler's knob).
 FOREIGN = {"llada": "editing_threshold", "scdd": "threshold", "llada2": "remasking",
            "nemotron": "uniform_ratio", "gemma": "temperature", "idlm": "editing_threshold",
-           "ar": "threshold"}  # fmt: skip
+           "ar": "threshold", "selfspec": "threshold"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))

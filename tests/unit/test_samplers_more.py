@@ -570,6 +570,7 @@ CAPABILITIES = {  # docs/strategies.md §3.1-3.6
     "gemma": dict(infill=False, batching=False, cache=("none",)),
     "idlm": dict(infill=False, batching=True, cache=("exact", "none")),
     "ar": dict(infill=False, batching=True, cache=("exact", "none")),  # §3.9
+    "selfspec": dict(infill=False, batching=True, cache=("exact",)),  # §3.10: drafts checked on the cache
 }
 
 

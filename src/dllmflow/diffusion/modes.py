@@ -236,7 +236,7 @@ for _spec in (
         "block_causal",
         BlockCausalConfig,
         f"{_S}.block_causal:BlockCausalStrategy",
-        samplers=("llada2",),
+        samplers=("llada2", "selfspec"),
         model_builder="dllmflow.models.causal_prompt:build_block_causal_model",
     ),
     # The AR control: the base causal LM fine-tuned next-token, decoded greedily with its KV cache.

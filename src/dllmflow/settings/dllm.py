@@ -63,6 +63,11 @@ class DLLMBaseConfig(_Section):
         """Refuse an `eval:` section that cannot decode what this mode trains (raise ValueError naming
         the field); the default accepts every one."""
 
+    def unfit_samplers(self) -> dict[str, str]:
+        """Samplers of the mode that cannot decode this configuration of it -> why (left out of the
+        flow's default evaluations; refused in `eval.samplers`); the default: none."""
+        return {}
+
 
 # mode name -> its `dllm:` config class, in registration order (the order error messages list them).
 MODE_CONFIGS: dict[str, type[DLLMBaseConfig]] = {}
@@ -264,6 +269,12 @@ class BlockCausalConfig(DLLMBaseConfig):
                 "one position early; set mask_pattern: suffix and logit_shift: true"
             )
         return self
+
+    def unfit_samplers(self) -> dict[str, str]:
+        if self.block_attention == "causal":
+            return {}
+        return {"selfspec": "it checks [MASK]-slot drafts with causal predictions: set "
+                            "dllm.block_attention: causal"}  # fmt: skip
 
     def check_eval(self, eval_section: Any) -> None:
         """llada2 must decode the blocks the model was trained on: `eval.block_size` unset means llada2's

@@ -160,7 +160,8 @@ def eval_samplers(settings: SettingsLike) -> list[str]:
         if unknown:
             raise UserError(f"eval.samplers: unknown sampler(s) {unknown}; choose from {sorted(SAMPLERS)}")
         return list(s.eval.samplers) + ar
-    return [n for n in spec.samplers if _sampler_available(SAMPLERS, n)] + extra + ar
+    unfit = s.dllm.unfit_samplers()  # e.g. selfspec for a block_causal model with bidirectional blocks
+    return [n for n in spec.samplers if n not in unfit and _sampler_available(SAMPLERS, n)] + extra + ar
 
 
 def _sampler_available(registry, name: str) -> bool:

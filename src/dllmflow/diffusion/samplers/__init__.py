@@ -22,6 +22,7 @@ SAMPLERS = LazyRegistry(
         "gemma": f"{_P}.gemma:GemmaSampler",
         "idlm": f"{_P}.idlm:IDLMSampler",
         "ar": f"{_P}.ar:ARSampler",
+        "selfspec": f"{_P}.selfspec:SelfSpecSampler",
     },
 )
 
@@ -34,6 +35,7 @@ SAMPLER_CONFIGS = LazyRegistry("sampler", {name: f"{_C}:{cls}" for name, cls in 
     "gemma": "GemmaConfig",
     "idlm": "IDLMConfig",
     "ar": "ARConfig",
+    "selfspec": "SelfSpecConfig",
 }.items()})  # fmt: skip
 
 __all__ = ["SAMPLERS", "SAMPLER_CONFIGS"]

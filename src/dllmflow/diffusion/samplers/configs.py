@@ -218,6 +218,21 @@ class ARConfig(SamplerConfig):
     cache: CacheMode = Field("exact", description="Exact cache of the prompt and the tokens so far, or none.")
 
 
+class SelfSpecConfig(SamplerConfig):
+    """Lossless self-speculative decoding of a causal-blocks `block_causal` model (docs/strategies.md
+    §3.10): a forward commits the model's next greedy token and the leading drafts it confirms, and
+    drafts `block_size - 1` more from [MASK] slots. Preset: blocks of 8, 128 new tokens; `steps` is not
+    read. The answer is the `ar` sampler's on the same model."""
+
+    block_size: PositiveInt = Field(
+        8, description="Most tokens a forward commits (1 + drafts); at most the model's dllm.block_size."
+    )
+    max_new_tokens: PositiveInt = 128
+    cache_modes: ClassVar[tuple[str, ...]] = ("exact",)
+    cache_why: ClassVar[str] = "its drafts are checked against the exact cache of the committed tokens"
+    cache: CacheMode = Field("exact", description="Exact cache of the prompt and the committed tokens.")
+
+
 class GemmaConfig(SamplerConfig):
     """Preset (docs/strategies.md §3.5): 48 denoising steps, 256 new tokens; every other knob is upstream's."""
 
@@ -261,7 +276,8 @@ def build_sampler_config(
     if unknown:
         raise SamplerSettingError(_unknown_options_message(name, unknown), unknown[0])
     values = {k: v for k, v in (defaults or {}).items() if v is not None and k in fields}
-    if values.get("cache", "none") not in config_cls.cache_modes:  # a shared setting it cannot use
+    # a shared setting it cannot use (a sampler with no "none" mode gets its own first mode when unset)
+    if values.get("cache", config_cls.cache_modes[0]) not in config_cls.cache_modes:
         del values["cache"]
     values.update(explicit)
     if no_kv_cache:

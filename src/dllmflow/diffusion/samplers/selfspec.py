@@ -1,0 +1,169 @@
+"""`selfspec`: lossless self-speculative decoding of a causal-blocks `block_causal` model
+(docs/strategies.md §3.10).
+
+A `block_causal` model trained with `dllm.block_attention: causal` (§2.8) is a causal LM that also
+guesses ahead from [MASK] slots appended after a clean prefix: slot t's logit guesses the token t + 1
+places past the first slot (the lookahead loss). So one causal forward both checks the last drafts
+and drafts the next ones:
+
+    input  = [last committed token | drafts d_1..d_D | D [MASK] slots]     positions n, n+1, ...
+    e_i    = argmax of the logit after the committed token and d_1..d_i     (the model's own greedy choice)
+    accept = the longest prefix with d_i == e_i; commit e_0..e_j            (j drafts + one more token)
+    drafts = the slots' guesses, kept only when every draft fed was accepted (the slots then saw exact
+             tokens before them, the view they were trained on); otherwise the next forward feeds none
+
+Every committed token is the model's greedy choice after exact tokens, so the answer is the one the `ar`
+sampler gives on the same model (a unit test compares them), in fewer forwards: a forward commits one
+token plus the drafts it accepts. `block_size` (preset 8, at most the model's `dllm.block_size`, the
+lookahead it was trained for) is the most a forward can commit: D = block_size - 1 drafts.
+
+KV cache only (exact: causal attention keeps every cached key final). The prompt and every committed
+token stay cached; a rejected draft's keys stay behind as a hole its row's key mask blocks, and the
+[MASK] slots are cropped after each forward. A row stops at its first stop id (or max_new_tokens) and
+leaves the batch; when every live row's drafts hold a stop id the forward feeds no [MASK] slots, and
+when no row has drafts it feeds no draft slots.
+
+    cfg = build_sampler_config("selfspec", {"max_new_tokens": 64})
+    out = SAMPLERS["selfspec"](model, tokenizer, cfg).generate([ids_a, ids_b])   # GenerationResult
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from dllmflow.diffusion.masks.block_causal import block_causal_mask
+from dllmflow.errors import UserError
+from dllmflow.models.causal_prompt import has_causal_blocks
+
+from .base import Sampler
+from .configs import SelfSpecConfig
+from .kv import ModelCache, check_cache_fits
+from .loop import build_left_padded_canvas
+
+
+@dataclass
+class SpecRows:
+    """Per live row: the cache's valid keys, the committed token not yet fed (and its position), the
+    drafts for the positions after it, and the row's original index."""
+
+    keys: Tensor  # [b, K] bool
+    pending: Tensor  # [b]
+    position: Tensor  # [b]
+    drafts: Tensor  # [b, D]
+    index: Tensor  # [b]
+
+    def select(self, keep: Tensor) -> None:
+        for name in ("keys", "pending", "position", "drafts", "index"):
+            setattr(self, name, getattr(self, name)[keep])
+
+
+def accepted_drafts(drafts: Tensor, greedy: Tensor) -> Tensor:
+    """How many leading drafts equal the model's greedy choices: drafts, greedy [b, D] -> [b] in 0..D."""
+    return (drafts == greedy).long().cumprod(dim=1).sum(dim=1)
+
+
+class SelfSpecSampler(Sampler):
+    name = "selfspec"
+    config_cls: ClassVar[type[SelfSpecConfig]] = SelfSpecConfig
+    supports_infill = False
+
+    def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int], list[int]]:
+        if self.model is None or not has_causal_blocks(self.model):
+            raise UserError(
+                "sampler selfspec checks [MASK]-slot drafts with the model's causal predictions: it needs a "
+                "block_causal model trained with dllm.block_attention: causal (dllm_causal_blocks in its "
+                "config.json); decode this one with llada2"
+            )
+        G, D = self.config.max_new_tokens, self.config.block_size - 1
+        c = build_left_padded_canvas(
+            prompt_ids, 0, self.mask_id, self.fill_id, self.device, sampler=self.name
+        )
+        check_cache_fits(self.model, c.x.shape[1] + G + D, self.name, "its drafts")
+        B, S, dev = len(prompt_ids), c.prefix_len, c.x.device
+        kv = ModelCache(self.model, dev)
+        out: list[list[int]] = [[] for _ in range(B)]
+        row_nfe, positions = [0] * B, [0] * B
+        stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)  # [n_stop]
+        ahead = torch.arange(D, device=dev)  # [D]
+
+        # The prompts, then D [MASK] slots at the positions after each prompt: the first token and drafts.
+        n = c.valid.sum(dim=1)  # [B] each prompt's length = the position of its first new token
+        ids = torch.cat([c.x, torch.full((B, D), self.mask_id, dtype=c.x.dtype, device=dev)], dim=1)
+        valid = torch.cat([c.valid.bool(), torch.ones(B, D, dtype=torch.bool, device=dev)], dim=1)
+        pos = torch.cat([c.position_ids, n[:, None] + ahead[None]], dim=1)  # [B, S + D]
+        logits = self._forward_new(kv, valid, ids, pos, S - 1)  # [B, 1 + D, V]
+        kv.truncate(S)
+        guess = logits.argmax(-1)  # [B, 1 + D]: the first token, then the slots' drafts
+        rows = SpecRows(c.valid.bool(), guess[:, 0], n, guess[:, 1:], torch.arange(B, device=dev))
+        done = self._commit(out, rows, [[t] for t in guess[:, 0].tolist()], row_nfe, positions, valid.sum(1))
+
+        while True:
+            keep = (~done).nonzero().squeeze(1)  # [b]
+            if not len(keep):
+                break
+            if len(keep) < len(done):
+                rows.select(keep)
+                kv.select_rows(keep)
+            # [MASK] slots unless every row's drafts end its answer (then none would be needed if accepted).
+            M = 0 if bool(torch.isin(rows.drafts, stop).any(dim=1).all()) else D
+            b, K, Q = len(keep), kv.length, 1 + 2 * D if M else 1 + D
+            masks = torch.full((b, M), self.mask_id, dtype=rows.drafts.dtype, device=dev)
+            ids = torch.cat([rows.pending[:, None], rows.drafts, masks], dim=1)  # [b, Q]
+            pos = rows.position[:, None] + torch.arange(Q, device=dev)[None]  # [b, Q]
+            new = torch.ones(b, Q, dtype=torch.bool, device=dev)
+            logits = self._forward_new(kv, torch.cat([rows.keys, new], 1), ids, pos, K)  # [b, Q, V]
+            greedy = logits[:, : 1 + D].argmax(-1)  # [b, 1 + D]: e_i follows draft i (e_0: the fed token)
+            j = accepted_drafts(rows.drafts, greedy[:, :D])  # [b]
+            # Keep the fed token's and the accepted drafts' keys; a rejected draft's become a hole.
+            kv.truncate(K + 1 + D)
+            rows.keys = torch.cat([rows.keys, torch.arange(1 + D, device=dev)[None] <= j[:, None]], dim=1)
+            committed = [g[: int(a) + 1].tolist() for g, a in zip(greedy, j)]  # e_0..e_j of each row
+            rows.pending = greedy.gather(1, j[:, None]).squeeze(1)
+            rows.position = rows.position + j + 1
+            # The next drafts: the model's choices after the drafts it rejected (they followed a wrong
+            # token, but often still hold: Jacobi's guesses), then the slots' guesses (exact views when
+            # every draft was accepted); filler where neither reaches. Every draft is checked anyway.
+            slots = logits[:, 1 + D :].argmax(-1) if M else torch.full_like(rows.drafts, self.fill_id)
+            after = torch.cat([greedy[:, 1:], slots], dim=1)  # [b, 2D]
+            rows.drafts = after.gather(1, j[:, None] + ahead[None])  # [b, D]
+            done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
+        return out, kv.calls, row_nfe, positions
+
+    def _forward_new(self, kv: ModelCache, keys: Tensor, ids: Tensor, pos: Tensor, first: int) -> Tensor:
+        """Append `ids` [b, Q] at positions `pos` to the cache, causally over the valid keys `keys`
+        [b, K + Q] (the cached ones, then the new ones: a hole is never attended); the logits of the new
+        positions from `first` (relative to the cache's start) on [b, K + Q - first, V]."""
+        K, Q = kv.length, ids.shape[1]
+        # block_causal_mask with everything "prompt" and causal: key <= query, valid keys, the diagonal kept
+        mask = block_causal_mask(keys, K + Q, 1, True, kv.dtype, K, Q)  # [b, 1, Q, K + Q]
+        return kv.forward(ids, mask, pos, first - K, Q)
+
+    def _commit(
+        self,
+        out: list[list[int]],
+        rows: SpecRows,
+        committed: list[list[int]],
+        row_nfe: list[int],
+        positions: list[int],
+        fed: Tensor,
+    ) -> Tensor:
+        """Append each live row's committed tokens (up to and with its first stop id, at most
+        max_new_tokens) and count the forward and its `fed` [b] positions -> [b] bool: the row is done."""
+        done = []
+        for r, tokens, n in zip(rows.index.tolist(), committed, fed.tolist()):
+            row_nfe[r] += 1
+            positions[r] += n
+            for t in tokens:
+                if len(out[r]) >= self.config.max_new_tokens:
+                    break
+                out[r].append(t)
+                if t in self.stop_ids:
+                    break
+            done.append(
+                len(out[r]) >= self.config.max_new_tokens or bool(out[r]) and out[r][-1] in self.stop_ids
+            )
+        return torch.tensor(done, dtype=torch.bool, device=rows.index.device)
