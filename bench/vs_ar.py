@@ -6,7 +6,7 @@ new tokens. Opt-in (tens of minutes on 2 CPU cores; pytest does not collect benc
 
     OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_block_causal_lora.yaml --steps 250
     python bench/vs_ar.py --recipe params/smollm2_block_causal_lora.yaml --skip-train --run-dir /tmp/bench-vs-ar-XXXX
-    python bench/vs_ar.py ... --setting llada2:block_size=8,threshold=0.9 --setting llada:cache=dual,threshold=0.9
+    python bench/vs_ar.py ... --setting selfspec:block_size=4 --setting llada2:block_size=8,threshold=0.9
 
 Per generation length and per decoder (the AR control's `ar` sampler, each `--setting` of the dLLM):
 held-out exact match (flexible, strict), median seconds per answer at batch 1, answers per second at
@@ -17,40 +17,42 @@ EM >= AR EM - 0.01, latency <= 0.5x AR, throughput >= 1.0x AR, ideally at one se
 figures of both arms beside them: steps, s/step (median over logged steps), training wall seconds
 and tokens (bench/real_model.py's `train_figures`). `--output FILE` writes everything as JSON.
 
-The dLLM here decodes block-causally (`llada2`: the prompt and the committed blocks in an exact KV
-cache, threshold decoding inside a block, a row stops at the block that commits its EOS), so a
-256-token budget costs what the answer costs; a bidirectional sampler (`llada` with Fast-dLLM's
-dual cache) first runs the whole canvas and pays for the budget. The `block_causal` mode
-(docs/strategies.md §2.8) trains the model in the view llada2 decodes.
+The dLLM here is the `block_causal` recipe with causal blocks (docs/strategies.md §2.8): a causal LM
+that also guesses ahead from [MASK] slots. `selfspec` (§3.10) decodes it losslessly: each forward checks
+the last drafts against the model's own greedy choices and drafts the next ones, so its answers are the
+model's greedy answers in fewer forwards. `llada2` decodes it block by block, committing every token at
+confidence >= threshold (lossy). Both keep an exact KV cache and stop a row at its EOS, so a 256-token
+budget costs what the answer costs.
 
-Last measured 2026-12-04 (issue 38; SmolLM2-135M-Instruct, 250 steps each arm, 64 held-out problems, 2
-threads, Intel 2-core machine, quiet; both arms on the same rows, optimizer, LoRA and batch; the AR control
-1.78 s/step, the dLLMs 1.71-2.27 s/step). Each dLLM decoded by llada2, exact cache, blocks of 8:
+Last measured 2026-12-04 (issue 38; SmolLM2-135M-Instruct, 250 steps each arm on the same rows, optimizer,
+LoRA and batch, AR 1.78 s/step, dLLM 2.07 s/step; 2 threads, Intel 2-core machine, quiet):
 
-    dLLM recipe (params/..., dllm overrides)             thr   EM     dEM     latency b1  thrpt b16  NFE
-    AR control (`ar` mode, greedy, KV cache)             -     0.844  -       0.438 s     9.20 ans/s 6.0
-    smollm2_block_causal_lora (causal blocks, w 0.25)    0.9   0.828  -0.016  0.90x       0.70x      3.3
-                                                         0.5   0.797  -0.047  0.83x       0.78x      2.8
-    ... lookahead_weight 0.1                             0.9   0.812  -0.031  0.90x       0.78x      3.2
-                                                         0.5   0.656  -0.188  0.81x       0.90x      2.8
-    ... block_attention causal, lookahead_weight 1       0.9   0.766  -0.078  0.82x       0.76x      3.0
-                                                         0.5   0.516  -0.328  0.61x       0.86x      2.2
-    ... bidirectional blocks, mask_pattern suffix        0.9   0.438  -0.406  0.90x       0.60x      3.2
-    ... bidirectional blocks, random masks               0.9   0.344  -0.500  0.75x       0.74x      3.2
-    smollm2_mdlm_lora (bidirectional mdlm, earlier run)  0.5   0.406  -0.422  0.79x       0.81x      2.8
+    64 held-out problems, 32 new tokens     EM     dEM     latency b1  thrpt b16  NFE  tok/fwd
+    AR control (`ar` mode, greedy, KV cache) 0.844  -       0.455 s     9.46 ans/s 6.0  0.83
+    selfspec block_size 8                    0.859  +0.016  0.85x       0.80x      3.1  1.60
+    selfspec block_size 4                    0.859  +0.016  0.88x       0.95x      3.2  1.56
+    selfspec block_size 3                    0.859  +0.016  1.10x       0.95x      3.8  1.31
+    llada2 blocks of 8, threshold 0.9        0.828  -0.016  0.91x       0.77x      3.3  1.52
+    at 256 new tokens (same answers)         selfspec 8: 0.78x / 0.79x; selfspec 4: 0.83x / 0.93x
+    256 held-out problems, 32 new tokens
+    AR control                               0.758  -       0.434 s     10.72 ans/s 6.0
+    selfspec block_size 8 / 4                0.766  +0.008  0.80x / 0.86x  0.76x / 0.88x  3.2 / 3.3
+    llada2 blocks of 8, threshold 0.9        0.758  +0.000  0.88x       0.72x      3.3
 
-At 256 new tokens every decoder gives the same answers at about the same cost (EOS stop): the recipe
-0.90x / 0.72x latency and 0.70x / 0.79x throughput at threshold 0.9 / 0.5; causal blocks at weight 1 reach
-0.56x latency at 0.5, at EM 0.516. No goal met at one setting: quality comes within 1.6 points (one
-problem of 64) at threshold 0.9, where the latency is 0.90x and the throughput 0.70x. What bounds it:
-for quality, the lookahead loss competes with the next-token loss for the same LoRA at 250 steps
-(decoded strictly left to right, the weight-1 model scores 0.766, the AR arm 0.844; weight 0.25 recovers
-most of it, 0.1 gains nothing more: 0.812, within one problem); the speed is the CPU: the answer is 6
-tokens ("#### 076" + EOS), so the AR control pays a prefill and 5 one-token forwards, the dLLM the same
-prefill (with its first block) and 1.2-2.3 more forwards of 9 positions, each dearer than a one-token
-forward here (1.3-1.8x); 0.5x needs almost the whole answer in the first forward, and at batch 16 the 9
-positions per row are real compute on a CPU (on a GPU, decoding is bound by memory and they would come
-nearly free; not measured: no GPU was lent).
+Quality is met at every selfspec setting (its answers are the model's greedy ones: 0.859 vs the AR
+control's 0.844 on 64 problems, 0.766 vs 0.758 on 256). Speed is not: the best latency is 0.78-0.85x
+(goal 0.5x), the best throughput 0.88-0.95x (goal 1.0x). What bounds it on this CPU: a forward costs
+nearly the same for 1 and for 15 positions at batch 1 (57 vs ~95 ms: reading the weights), and the
+prompt's forward (39 tokens + the drafts' slots, ~150 ms) is a third of the AR control's whole answer
+(~430 ms: the prompt and 5 one-token forwards). A lossless decoder needs at least one more forward to
+check its first drafts, so its floor is ~0.53x even if every draft were right (2 forwards per answer);
+here the digits' drafts are often wrong (3.1-3.3 forwards per answer). At batch 16 every position is
+compute: the drafts and slots add ~20% positions to the AR control's (3,446 vs 2,818 for 64 answers at
+block 4) while saving 40% of the forwards. On a GPU, where a forward of 15 positions costs what one of 1
+does, the forwards ratio (3.2 / 6 = 0.53) would be the speed ratio; not measured: no GPU was lent.
+Tried before selfspec, on the same rows and steps (llada2 at threshold 0.9): bidirectional blocks with
+random masks 0.344, with suffix masks 0.438; causal blocks at lookahead_weight 1: 0.766, at 0.1: 0.812;
+the bidirectional mdlm recipe 0.406 (threshold 0.5).
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from real_model import _children_cpu_s, train_figures, write_output  # noqa: E402  (bench/ is not a package)
 
-DEFAULT_SETTINGS = ("llada2:block_size=8,steps=8,threshold=0.9", "llada2:block_size=8,steps=8,threshold=0.5")
+DEFAULT_SETTINGS = (
+    "selfspec:block_size=8",
+    "selfspec:block_size=4",
+    "llada2:block_size=8,steps=8,threshold=0.9",
+)
 LONG = 256  # the issue's long budget (new tokens)
 GOALS = {"em_gap": -0.01, "latency": 0.5, "throughput": 1.0}
 

@@ -122,9 +122,14 @@ def test_what_it_refuses():
         load_settings(dllm=dllm, eval={"block_size": 4, "samplers": ["selfspec"]})
 
 
-def test_the_flow_evaluates_it_only_for_causal_blocks():
-    from dllmflow.workflow.finetune import eval_samplers
+def test_the_flow_evaluates_it_only_for_causal_blocks_and_gates_the_recipes_first_sampler():
+    from dllmflow.workflow.finetune import _gated_sampler, eval_samplers
 
     bidirectional = {**CAUSAL, "block_attention": "bidirectional", "mask_pattern": "random"}
-    assert eval_samplers(load_settings(dllm=CAUSAL, eval={"block_size": 4})) == ["llada2", "selfspec"]
+    causal = load_settings(dllm=CAUSAL, eval={"block_size": 4})
+    assert eval_samplers(causal) == ["llada2", "selfspec"]
     assert eval_samplers(load_settings(dllm=bidirectional, eval={"block_size": 4})) == ["llada2"]
+    evals = {"llada2": {}, "selfspec": {}, "ar_control": {}}
+    assert _gated_sampler(causal, evals) == "llada2"  # the mode's default
+    first = load_settings(dllm=CAUSAL, eval={"block_size": 4, "samplers": ["selfspec", "llada2"]})
+    assert _gated_sampler(first, evals) == "selfspec"  # the recipe's order

@@ -332,9 +332,11 @@ def register(
 
 
 def _gated_sampler(s: Settings, evals: dict[str, dict[str, Any]]) -> str:
+    """The sampler the version is registered and gated with: the first evaluated of the recipe's
+    `eval.samplers` (in its order), else of the mode's samplers (its default first)."""
     from dllmflow.diffusion.modes import MODES
 
-    for name in MODES[s.dllm.mode].samplers:
+    for name in s.eval.samplers or MODES[s.dllm.mode].samplers:
         if name in evals:
             return name
     if not evals:
