@@ -97,6 +97,27 @@ def test_a_row_stops_at_its_stop_id_and_leaves_the_batch(drafter):
         assert spec.row_positions[i] < 100  # it left the forwards (a dozen per forward at most)
 
 
+def test_stepping_gives_generates_tokens_and_dropped_rows_leave_the_others_as_alone(drafter):
+    config = build_sampler_config("selfspec", {"max_new_tokens": 12, "block_size": 4})
+    sampler = SAMPLERS["selfspec"](drafter, _StopAt25(), config, mask_id=M)
+    whole = sampler.generate(PROMPTS)
+    stepper, seen = sampler.stepper(PROMPTS), []
+    while (progress := stepper.step()) is not None:
+        if seen:  # what a row committed is final: later steps only extend it
+            assert all(now[: len(before)] == before for now, before in zip(progress.tokens, seen[-1].tokens))
+        seen.append(progress)
+    assert len(seen) == max(whole.row_nfe) - 1  # a pause before every forward but the first
+    assert stepper.result.sequences == whole.sequences and stepper.result.row_nfe == whole.row_nfe
+    assert any(seen[-1].done) and not all(seen[-1].done)  # a row stopped at 25 while others decode on
+    stepper = sampler.stepper(PROMPTS)
+    stepper.step()
+    stepper.keep([3, 1])
+    while stepper.step() is not None:
+        pass
+    assert stepper.result.sequences == [whole.sequences[i] for i in (3, 1)]
+    assert stepper.result.row_nfe == [whole.row_nfe[i] for i in (3, 1)]
+
+
 def test_accepted_drafts_counts_the_leading_matches():
     drafts = torch.tensor([[1, 2, 3], [1, 9, 3], [7, 2, 3], [1, 2, 4]])
     greedy = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])

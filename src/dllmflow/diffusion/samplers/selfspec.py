@@ -9,8 +9,8 @@ and drafts the next ones:
     input  = [last committed token | drafts d_1..d_D | D [MASK] slots]     positions n, n+1, ...
     e_i    = argmax of the logit after the committed token and d_1..d_i     (the model's own greedy choice)
     accept = the longest prefix with d_i == e_i; commit e_0..e_j            (j drafts + one more token)
-    drafts = the slots' guesses, kept only when every draft fed was accepted (the slots then saw exact
-             tokens before them, the view they were trained on); otherwise the next forward feeds none
+    drafts = e_{j+1}..e_D (the choices after a rejected draft: Jacobi's guesses), then the slots'
+             guesses (the view they were trained on when every draft was accepted)
 
 Every committed token is the model's greedy choice after exact tokens, so the answer is the one the `ar`
 sampler gives on the same model (a unit test compares them), in fewer forwards: a forward commits one
@@ -20,8 +20,9 @@ lookahead it was trained for) is the most a forward can commit: D = block_size -
 KV cache only (exact: causal attention keeps every cached key final). The prompt and every committed
 token stay cached; a rejected draft's keys stay behind as a hole its row's key mask blocks, and the
 [MASK] slots are cropped after each forward. A row stops at its first stop id (or max_new_tokens) and
-leaves the batch; when every live row's drafts hold a stop id the forward feeds no [MASK] slots, and
-when no row has drafts it feeds no draft slots.
+leaves the batch; when every live row's drafts hold a stop id the forward feeds no [MASK] slots. What
+a row committed is final: the loop pauses before each forward but the first (`Sampler.stepper`), where
+a server streams it and may drop rows.
 
     cfg = build_sampler_config("selfspec", {"max_new_tokens": 64})
     out = SAMPLERS["selfspec"](model, tokenizer, cfg).generate([ids_a, ids_b])   # GenerationResult
@@ -42,7 +43,7 @@ from dllmflow.models.causal_prompt import has_causal_blocks
 from .base import Sampler
 from .configs import SelfSpecConfig
 from .kv import ModelCache, check_cache_fits
-from .loop import build_left_padded_canvas
+from .loop import BlockLoop, BlockProgress, build_left_padded_canvas, drain
 
 
 @dataclass
@@ -72,6 +73,11 @@ class SelfSpecSampler(Sampler):
     supports_infill = False
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int], list[int]]:
+        return drain(self._iter_generate(prompt_ids))
+
+    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
+        """The decoding, paused before each forward after the first (a `loop.BlockLoop`: what a row has
+        committed is final, so a server streams it and may drop rows there)."""
         if self.model is None or not has_causal_blocks(self.model):
             raise UserError(
                 "sampler selfspec checks [MASK]-slot drafts with the model's causal predictions: it needs a "
@@ -100,9 +106,18 @@ class SelfSpecSampler(Sampler):
         guess = logits.argmax(-1)  # [B, 1 + D]: the first token, then the slots' drafts
         rows = SpecRows(c.valid.bool(), guess[:, 0], n, guess[:, 1:], torch.arange(B, device=dev))
         done = self._commit(out, rows, [[t] for t in guess[:, 0].tolist()], row_nfe, positions, valid.sum(1))
+        batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
 
         while True:
-            keep = (~done).nonzero().squeeze(1)  # [b]
+            computing = ~done  # [b] rows still decoding
+            if bool(computing.any()):
+                stopped = set(range(B)) - set(rows.index[computing].tolist())
+                kept = yield BlockProgress([out[r] for r in batch], [r in stopped for r in batch],
+                                           [row_nfe[r] for r in batch], [positions[r] for r in batch])  # fmt: skip
+                if kept is not None:
+                    batch = [batch[i] for i in kept]
+                    computing &= torch.isin(rows.index, torch.tensor(batch, device=dev))
+            keep = computing.nonzero().squeeze(1)  # [b]
             if not len(keep):
                 break
             if len(keep) < len(done):
@@ -131,7 +146,7 @@ class SelfSpecSampler(Sampler):
             after = torch.cat([greedy[:, 1:], slots], dim=1)  # [b, 2D]
             rows.drafts = after.gather(1, j[:, None] + ahead[None])  # [b, D]
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
-        return out, kv.calls, row_nfe, positions
+        return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
 
     def _forward_new(self, kv: ModelCache, keys: Tensor, ids: Tensor, pos: Tensor, first: int) -> Tensor:
         """Append `ids` [b, Q] at positions `pos` to the cache, causally over the valid keys `keys`
