@@ -109,3 +109,28 @@ def test_a_row_stops_at_its_stop_id_and_leaves_the_batch(model):
     stopped = [next((i for i, t in enumerate(s) if t == eos), None) for s in free]
     assert out.row_nfe == [10 if i is None else i + 1 for i in stopped]
     assert out.nfe == max(out.row_nfe) and out.sequences == [s[:i] for s, i in zip(free, stopped)]
+
+
+def test_stepping_streams_final_tokens_and_dropped_rows_leave_the_others_as_alone(model):
+    """The server's turns (`Sampler.stepper`): a pause before every forward after the prompt's, each row's
+    tokens so far final, the stepped result `generate`'s; rows dropped at a pause cost nothing after."""
+    eos = _sampler(model, 10, eos=1).generate(PROMPTS).sequences[1][2]  # row 1 stops after two tokens
+    sampler = _sampler(model, 10, eos=eos)
+    whole = sampler.generate(PROMPTS)
+    ids = [s + [eos] if len(s) < 10 else s for s in whole.sequences]  # untrimmed: the stop id too
+    stepper, seen = sampler.stepper(PROMPTS), []
+    while (progress := stepper.step()) is not None:
+        seen.append(progress)
+    assert len(seen) == 9  # 10 forwards, the first the prompts'
+    for t, progress in enumerate(seen, start=1):  # t tokens committed before pause t
+        assert progress.tokens == [i[:t] for i in ids]
+        assert progress.done == [len(i) < 10 and len(i) <= t for i in ids]
+    assert seen[-1].done[1] and not all(seen[-1].done)
+    assert stepper.result.sequences == whole.sequences and stepper.result.row_nfe == whole.row_nfe
+    stepper = sampler.stepper(PROMPTS)
+    stepper.step()
+    stepper.keep([3, 0])
+    while stepper.step() is not None:
+        pass
+    assert stepper.result.sequences == [whole.sequences[i] for i in (3, 0)]
+    assert stepper.result.row_nfe == [whole.row_nfe[i] for i in (3, 0)]

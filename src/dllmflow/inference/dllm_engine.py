@@ -18,7 +18,8 @@ the samplers decode a row in a batch as alone (tests/unit/test_sampler_caches.py
 does not depend on who else was served with it. A sampled request (temperature > 0 or random
 remasking) draws from a generator shared by its batch, so it decodes alone. A turn decodes ONE block of
 a batch (`Sampler.stepper`): a long request delays a short one by a block per turn, and a new request
-waits at most one block before its first block decodes. Within a turn, a streamed row whose block is
+waits at most one block before its first block decodes (a token-by-token sampler, `ar` or `selfspec`,
+pauses before each forward: its turn is one forward). Within a turn, a streamed row whose block is
 final before the batch's (with a threshold rows need different numbers of forwards for a block) is
 sent at once (`publish`, `loop.SettledRows`), not after the batch's slowest row. Rows leave a batch
 between blocks: once their answer is final (a stop token in a committed block, which never changes

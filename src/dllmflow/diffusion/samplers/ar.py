@@ -9,7 +9,8 @@ The prompts are left-padded to a common length S (`loop.build_left_padded_canvas
 restart at each row's first real token and padded keys are blocked, so a row decodes as it would
 alone (batch invariance). One forward reads the prompts, then one forward per new token reads only
 that token against the cache (`cache: none`: the whole sequence again, same tokens). A row that emits a stop id leaves the batch (its cached keys dropped):
-no forward is spent on a finished answer, and a row's forwards are its own answer length.
+no forward is spent on a finished answer, and a row's forwards are its own answer length. The loop pauses
+before each forward after the prompts' (`Sampler.stepper`), where a server streams and drops rows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from .base import Sampler
 from .configs import ARConfig
 from .kv import ModelCache
-from .loop import build_left_padded_canvas
+from .loop import BlockLoop, build_left_padded_canvas, drain, pause_rows
 
 
 class ARSampler(Sampler):
@@ -33,6 +34,11 @@ class ARSampler(Sampler):
     uses_mask = False
 
     def _generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], int, list[int], list[int]]:
+        return drain(self._iter_generate(prompt_ids))
+
+    def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
+        """The decoding, paused before each forward after the prompt's (a `loop.BlockLoop`: a row's
+        tokens so far are final, so a server streams them and may drop rows there)."""
         G = self.config.max_new_tokens
         c = build_left_padded_canvas(
             prompt_ids, G, self.fill_id, self.fill_id, self.device, sampler=self.name
@@ -43,7 +49,17 @@ class ARSampler(Sampler):
         out: list[list[int]] = [[] for _ in range(B)]
         row_nfe, positions = [0] * B, [0] * B  # forwards and positions computed per row
         stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=c.x.device)  # [n_stop]
+        batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
         for t in range(G):
+            if t:  # 0) the pause: the caller sees every row's tokens and may drop rows
+                batch = yield from pause_rows(batch, out, set(live.tolist()), row_nfe, positions)
+                keep = torch.isin(live, torch.tensor(batch, device=live.device)).nonzero().squeeze(1)  # [b']
+                if not len(keep):
+                    break
+                if len(keep) < len(live):
+                    live = live[keep]
+                    c.select_rows(keep)
+                    kv.select_rows(keep)
             # 1) the next token of every live row: forward what the cache lacks (the prompt, then the
             #    last token; everything again without a cache), read the last position
             lo = kv.length
@@ -66,7 +82,7 @@ class ARSampler(Sampler):
                 live = live[keep]
                 c.select_rows(keep)
                 kv.select_rows(keep)
-        return out, kv.calls, row_nfe, positions
+        return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
 
     def _step(self, kv: ModelCache, c, lo: int, hi: int) -> Tensor:
         """Forward canvas positions [lo, hi) against the cache; the logits of position hi-1 [b, V]."""

@@ -43,7 +43,7 @@ from dllmflow.models.causal_prompt import has_causal_blocks
 from .base import Sampler
 from .configs import SelfSpecConfig
 from .kv import ModelCache, check_cache_fits
-from .loop import BlockLoop, BlockProgress, build_left_padded_canvas, drain
+from .loop import BlockLoop, build_left_padded_canvas, drain, pause_rows
 
 
 @dataclass
@@ -111,12 +111,9 @@ class SelfSpecSampler(Sampler):
         while True:
             computing = ~done  # [b] rows still decoding
             if bool(computing.any()):
-                stopped = set(range(B)) - set(rows.index[computing].tolist())
-                kept = yield BlockProgress([out[r] for r in batch], [r in stopped for r in batch],
-                                           [row_nfe[r] for r in batch], [positions[r] for r in batch])  # fmt: skip
-                if kept is not None:
-                    batch = [batch[i] for i in kept]
-                    computing &= torch.isin(rows.index, torch.tensor(batch, device=dev))
+                live = set(rows.index[computing].tolist())
+                batch = yield from pause_rows(batch, out, live, row_nfe, positions)
+                computing &= torch.isin(rows.index, torch.tensor(batch, device=dev))
             keep = computing.nonzero().squeeze(1)  # [b]
             if not len(keep):
                 break
