@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_sampler_stepper import stepped
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from dllmflow.diffusion.modes import MODES, SamplerMisfitError, check_sampler
@@ -127,10 +128,6 @@ def test_stepping_streams_final_tokens_and_dropped_rows_leave_the_others_as_alon
         assert progress.done == [len(i) < 10 and len(i) <= t for i in ids]
     assert seen[-1].done[1] and not all(seen[-1].done)
     assert stepper.result.sequences == whole.sequences and stepper.result.row_nfe == whole.row_nfe
-    stepper = sampler.stepper(PROMPTS)
-    stepper.step()
-    stepper.keep([3, 0])
-    while stepper.step() is not None:
-        pass
-    assert stepper.result.sequences == [whole.sequences[i] for i in (3, 0)]
-    assert stepper.result.row_nfe == [whole.row_nfe[i] for i in (3, 0)]
+    _, kept = stepped(sampler, PROMPTS, drop_after_first=[3, 0])
+    assert kept.sequences == [whole.sequences[i] for i in (3, 0)]
+    assert kept.row_nfe == [whole.row_nfe[i] for i in (3, 0)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_block_causal import M, _Tok
+from test_sampler_stepper import stepped
 
 from dllmflow.diffusion.modes import build_mode_model
 from dllmflow.diffusion.samplers import SAMPLERS
@@ -109,13 +110,9 @@ def test_stepping_gives_generates_tokens_and_dropped_rows_leave_the_others_as_al
     assert len(seen) == max(whole.row_nfe) - 1  # a pause before every forward but the first
     assert stepper.result.sequences == whole.sequences and stepper.result.row_nfe == whole.row_nfe
     assert any(seen[-1].done) and not all(seen[-1].done)  # a row stopped at 25 while others decode on
-    stepper = sampler.stepper(PROMPTS)
-    stepper.step()
-    stepper.keep([3, 1])
-    while stepper.step() is not None:
-        pass
-    assert stepper.result.sequences == [whole.sequences[i] for i in (3, 1)]
-    assert stepper.result.row_nfe == [whole.row_nfe[i] for i in (3, 1)]
+    _, kept = stepped(sampler, PROMPTS, drop_after_first=[3, 1])
+    assert kept.sequences == [whole.sequences[i] for i in (3, 1)]
+    assert kept.row_nfe == [whole.row_nfe[i] for i in (3, 1)]
 
 
 def test_accepted_drafts_counts_the_leading_matches():
