@@ -25,7 +25,8 @@ from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from .base import Sampler
 from .configs import ARConfig
 from .kv import ModelCache
-from .loop import BlockLoop, build_left_padded_canvas, drain, pause_rows
+from .loop import BlockLoop, build_left_padded_canvas, drain
+from .token_steps import pause_rows
 
 
 class ARSampler(Sampler):

@@ -251,17 +251,6 @@ def window_ids(x: Tensor, start: Tensor, length: int) -> list[list[int]]:
     return [x[b, s : s + length].tolist() for b, s in enumerate(start.tolist())]
 
 
-def pause_rows(
-    batch: list[int], out: list[list[int]], computing: set[int], row_nfe: list[int], positions: list[int]
-) -> Generator[BlockProgress, Any, list[int]]:
-    """The pause of a token-by-token loop (ar, selfspec) before its next forward: yield the progress of
-    the caller's rows `batch` (original indices; `out` their committed ids, final; a row not in
-    `computing` has stopped), -> the rows the caller keeps (it sends indices into `batch`, or None)."""
-    kept = yield BlockProgress([list(out[r]) for r in batch], [r not in computing for r in batch],
-                               [row_nfe[r] for r in batch], [positions[r] for r in batch])  # fmt: skip
-    return batch if kept is None else [batch[i] for i in kept]
-
-
 def between_blocks(rows: LoopRows, canvas, upto: int, source=None) -> Generator[BlockProgress, Any, None]:
     """The pause of a block loop after a block: yield each row's first `upto` generated ids (final
     now), then keep the rows the caller sends back (None: all) in `rows`, the canvas and the `source`'s

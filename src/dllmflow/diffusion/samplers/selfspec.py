@@ -43,7 +43,8 @@ from dllmflow.models.causal_prompt import has_causal_blocks
 from .base import Sampler
 from .configs import SelfSpecConfig
 from .kv import ModelCache, check_cache_fits
-from .loop import BlockLoop, build_left_padded_canvas, drain, pause_rows
+from .loop import BlockLoop, build_left_padded_canvas, drain
+from .token_steps import pause_rows
 
 
 @dataclass
