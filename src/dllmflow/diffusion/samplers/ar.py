@@ -51,10 +51,14 @@ class ARSampler(Sampler):
         row_nfe, positions = [0] * B, [0] * B  # forwards and positions computed per row
         stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=c.x.device)  # [n_stop]
         batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
+        going = torch.ones(B, dtype=torch.bool, device=c.x.device)  # [b] live rows that emitted no stop id
         for t in range(G):
-            if t:  # 0) the pause: the caller sees every row's tokens and may drop rows
-                batch = yield from pause_rows(batch, out, set(live.tolist()), row_nfe, positions)
-                keep = torch.isin(live, torch.tensor(batch, device=live.device)).nonzero().squeeze(1)  # [b']
+            if t:  # 0) the pause: the caller sees every row's tokens and may drop rows; a row that emitted
+                #    a stop id, or that the caller dropped, leaves the batch before the next forward
+                batch = yield from pause_rows(batch, out, set(live[going].tolist()), row_nfe, positions)
+                keep = (
+                    (going & torch.isin(live, torch.tensor(batch, device=live.device))).nonzero().squeeze(1)
+                )
                 if not len(keep):
                     break
                 if len(keep) < len(live):
@@ -74,15 +78,9 @@ class ARSampler(Sampler):
                 out[r].append(tok)
                 row_nfe[r] += 1
                 positions[r] += n
-            # 2) a row that emitted a stop id leaves the batch before the next forward
             going = ~torch.isin(token, stop)  # [b]
             if not bool(going.any()):
                 break
-            if not bool(going.all()):
-                keep = going.nonzero().squeeze(1)  # [b']
-                live = live[keep]
-                c.select_rows(keep)
-                kv.select_rows(keep)
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
 
     def _step(self, kv: ModelCache, c, lo: int, hi: int) -> Tensor:
