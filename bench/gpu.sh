@@ -4,7 +4,8 @@
 # torchrun with one process) and full activation checkpointing, then the fine-tuned model's llada sampler.
 # Prints, to stdout and to $OUT/gpu_bench.txt when $OUT is set: median tokens/s and MFU over the steps
 # after the warm-up, peak memory beside the memory planner's prediction, and sampler tok/s at generation
-# length 256 (no cache, one token per step; dual cache + threshold 0.9). Budget: under 8 minutes on one
+# length 256 (no cache, one token per step; dual cache + threshold 0.9), and (issue 38) a forward's cost for
+# 1 and for 15 positions with the selfspec/AR ratio it projects. Budget: under 8 minutes on one
 # H200 (prepare ~10 s, each training variant ~1-2 min including start-up, sampling ~1 min).
 #
 #   bash bench/gpu.sh                      # one GPU; GPU_BENCH_PEAK_TFLOPS=989 (H200 bf16 dense)
@@ -133,6 +134,42 @@ for label, over in (
         torch.cuda.synchronize()
     s = time.perf_counter() - t0
     rows.append(f"  {label:<28} {len(batch) * gen / s:>9,.0f} tok/s  NFE {res.nfe}")
+
+# issue 38: what a forward costs here for 1 position and for selfspec's 1 + 2 x 7, at batch 1 and 16, and
+# the speed ratio to the AR control that the forward schedules measured on CPU (bench/vs_ar.py: the AR
+# control a prefill + 5 one-token forwards per answer; selfspec at block 8 a prefill with 7 slots + 2.1
+# forwards of 15) would give on this device (the CPU's forward costs gave 0.79x latency, 0.80x thrpt).
+from transformers import DynamicCache  # noqa: E402
+
+P, D, NFE = 39, 7, 3.1
+
+
+def timed(batch_size: int, prompt: int, query: int) -> float:
+    """Seconds of a cached forward of `query` new positions after `prompt` cached ones (0: a prefill)."""
+    ids = torch.randint(100, 1000, (batch_size, prompt + query), device=device)
+    runs = []
+    with torch.inference_mode():
+        for _ in range(3):  # the best of 3 (the first also warms up)
+            cache = DynamicCache(config=model.config)
+            if prompt:
+                model(input_ids=ids[:, :prompt], cache=cache, use_cache=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, prompt:], cache=cache, use_cache=True, logits_to_keep=query)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+    return min(runs)
+
+
+rows.append(f"issue 38 forward costs ({device}, ms; prompt {P}, selfspec block {D + 1}) and the projected ratio")
+for b in (1, 16):
+    one, wide = timed(b, P, 1), timed(b, P, 1 + 2 * D)
+    ar = timed(b, 0, P) + 5 * one
+    spec = timed(b, 0, P + D) + (NFE - 1) * wide
+    rows.append(f"  batch {b:>2}: 1 position {one * 1e3:7.2f}, {1 + 2 * D} positions {wide * 1e3:7.2f}; "
+                f"selfspec / AR per answer {spec / ar:.2f}x")  # fmt: skip
 text = "\n".join(rows)
 print(text)
 if out:
