@@ -31,7 +31,7 @@ PRESETS = {
     "idlm": dict(steps=256, max_new_tokens=256, block_size=4, threshold=0.9, eos_token_id="tokenizer",
                  cache="exact"),
     "ar": dict(max_new_tokens=128, seed=42, cache="exact"),
-    "selfspec": dict(max_new_tokens=128, block_size=8, cache="exact"),
+    "selfspec": dict(max_new_tokens=128, block_size=8, cache="exact", batch_positions=None),
 }  # fmt: skip
 
 # One option each sampler does not take (another sampler's knob).

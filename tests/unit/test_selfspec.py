@@ -115,6 +115,46 @@ def test_stepping_gives_generates_tokens_and_dropped_rows_leave_the_others_as_al
     assert kept.row_nfe == [whole.row_nfe[i] for i in (3, 1)]
 
 
+@pytest.mark.parametrize("cap", [8, 12, 28])
+def test_a_batch_positions_cap_bounds_each_forward_and_keeps_the_answers(drafter, cap):
+    """b live rows feed at most `cap` positions a forward after the prompt's: 1 + 2 * min(3, (cap // b
+    - 1) // 2) each. 4 rows at cap 8 take plain ar steps (the ar sampler's forwards and positions
+    exactly); at cap 12 one draft and one slot each while 4 rows are live; at cap 28 (7 a row) the
+    uncapped block-4 forwards."""
+    fed = []  # [b, Q] of every forward
+    hook = drafter.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        capped = _decode(drafter, "selfspec", PROMPTS, block_size=4, batch_positions=cap)
+    finally:
+        hook.remove()
+    ar = _decode(drafter, "ar", PROMPTS)
+    full = _decode(drafter, "selfspec", PROMPTS, block_size=4)
+    assert capped.sequences == ar.sequences  # lossless at every cap
+    assert all(b * q <= max(cap, b) for b, q in fed[1:])  # a row always feeds its pending token
+    if cap == 8:
+        assert capped.row_nfe == ar.row_nfe and capped.row_positions == ar.row_positions
+    elif cap == 12:
+        assert (4, 3) in fed[1:]
+        assert sum(ar.row_nfe) > sum(capped.row_nfe) > sum(full.row_nfe)
+    else:
+        assert capped.row_nfe == full.row_nfe and capped.row_positions == full.row_positions
+
+
+def test_the_batch_positions_flag_reaches_the_config_and_is_checked():
+    import argparse
+
+    from dllmflow.inference.generate import add_cli_args, flag_config, sampler_overrides
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    base = ["--checkpoint", "x", "--prompt", "a", "--sampler", "selfspec", "--batch-positions"]
+    assert flag_config("selfspec", sampler_overrides(parser.parse_args(base + ["24"]))).batch_positions == 24
+    with pytest.raises(SamplerSettingError, match="--batch-positions"):
+        flag_config("selfspec", sampler_overrides(parser.parse_args(base + ["0"])))
+    with pytest.raises(SamplerSettingError, match="batch_positions"):  # not another sampler's knob
+        build_sampler_config("llada2", {"batch_positions": 24})
+
+
 def test_accepted_drafts_counts_the_leading_matches():
     drafts = torch.tensor([[1, 2, 3], [1, 9, 3], [7, 2, 3], [1, 2, 4]])
     greedy = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])

@@ -248,6 +248,9 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     add_flag(g, "--editing-threshold", type=float, help="llada2: LLaDA2.1 token editing, 0 = off")
     add_flag(g, "--max-post-steps", type=int, help="llada2: editing-only steps after a block is full")
     add_flag(
+        g, "--batch-positions", type=int, help="selfspec: most positions a forward feeds across the batch"
+    )
+    add_flag(
         g,
         "--cache",
         choices=CACHE_MODES,
@@ -290,7 +293,7 @@ def _eos_id(value: str) -> int | str:
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
                  "uniform_ratio", "schedule_shape", "schedule_peak", "editing_threshold", "max_post_steps",
-                 "cache", "eos_token_id", "eos_truncate", "seed")  # fmt: skip
+                 "batch_positions", "cache", "eos_token_id", "eos_truncate", "seed")  # fmt: skip
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -334,7 +337,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     parser.add_argument(
         "--sampler",
-        help="llada, scdd, llada2, nemotron, gemma, idlm; default: the export's (config.json dllm block), "
+        help="llada, scdd, llada2, nemotron, gemma, idlm, ar, selfspec; default: the export's (config.json dllm block), "
         "else the first that fits its mode",
     )
     parser.add_argument("--infill", action="store_true", help="fill each [MASK] span of the prompt")

@@ -228,6 +228,13 @@ class SelfSpecConfig(SamplerConfig):
         8, description="Most tokens a forward commits (1 + drafts); at most the model's dllm.block_size."
     )
     max_new_tokens: PositiveInt = 128
+    batch_positions: PositiveInt | None = Field(
+        None,
+        description="Most positions a forward after the prompt's feeds across the live rows (None: no cap): "
+        "b rows get min(block_size - 1, (batch_positions // b - 1) // 2) drafts and as many slots each, "
+        "0 being an ar step. Drafts pay where a forward costs about the same for more positions (a GPU, "
+        "a small batch); on a CPU at batch 16 each position is compute.",
+    )
     cache_modes: ClassVar[tuple[str, ...]] = ("exact",)
     cache_why: ClassVar[str] = "its drafts are checked against the exact cache of the committed tokens"
     cache: CacheMode = Field("exact", description="Exact cache of the prompt and the committed tokens.")

@@ -22,7 +22,9 @@ token stay cached; a rejected draft's keys stay behind as a hole its row's key m
 [MASK] slots are cropped after each forward. A row stops at its first stop id (or max_new_tokens) and
 leaves the batch; when every live row's drafts hold a stop id the forward feeds no [MASK] slots. What
 a row committed is final: the loop pauses before each forward but the first (`Sampler.stepper`), where
-a server streams it and may drop rows.
+a server streams it and may drop rows. `batch_positions` caps the positions a forward feeds across the
+live rows (fewer drafts and slots per row, down to plain ar steps, while the batch is large: on a CPU
+each position there is compute); the drafts come back as rows finish.
 
     cfg = build_sampler_config("selfspec", {"max_new_tokens": 64})
     out = SAMPLERS["selfspec"](model, tokenizer, cfg).generate([ids_a, ids_b])   # GenerationResult
@@ -97,15 +99,18 @@ class SelfSpecSampler(Sampler):
         stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)  # [n_stop]
         ahead = torch.arange(D, device=dev)  # [D]
 
-        # The prompts, then D [MASK] slots at the positions after each prompt: the first token and drafts.
+        # The prompts, then W [MASK] slots at the positions after each prompt: the first token and drafts.
         n = c.valid.sum(dim=1)  # [B] each prompt's length = the position of its first new token
-        ids = torch.cat([c.x, torch.full((B, D), self.mask_id, dtype=c.x.dtype, device=dev)], dim=1)
-        valid = torch.cat([c.valid.bool(), torch.ones(B, D, dtype=torch.bool, device=dev)], dim=1)
-        pos = torch.cat([c.position_ids, n[:, None] + ahead[None]], dim=1)  # [B, S + D]
-        logits = self._forward_new(kv, valid, ids, pos, S - 1)  # [B, 1 + D, V]
+        W = self._width(B, D)
+        ids = torch.cat([c.x, torch.full((B, W), self.mask_id, dtype=c.x.dtype, device=dev)], dim=1)
+        valid = torch.cat([c.valid.bool(), torch.ones(B, W, dtype=torch.bool, device=dev)], dim=1)
+        pos = torch.cat([c.position_ids, n[:, None] + ahead[None, :W]], dim=1)  # [B, S + W]
+        logits = self._forward_new(kv, valid, ids, pos, S - 1)  # [B, 1 + W, V]
         kv.truncate(S)
-        guess = logits.argmax(-1)  # [B, 1 + D]: the first token, then the slots' drafts
-        rows = SpecRows(c.valid.bool(), guess[:, 0], n, guess[:, 1:], torch.arange(B, device=dev))
+        guess = logits.argmax(-1)  # [B, 1 + W]: the first token, then the slots' drafts
+        drafts = torch.cat([guess[:, 1:], torch.full((B, D - W), self.fill_id, device=dev)], dim=1)  # [B, D]
+        rows = SpecRows(c.valid.bool(), guess[:, 0], n, drafts, torch.arange(B, device=dev))
+        real = W  # the drafts every row holds that a forward made (the rest is filler, not worth feeding)
         done = self._commit(out, rows, [[t] for t in guess[:, 0].tolist()], row_nfe, positions, valid.sum(1))
         batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
 
@@ -121,30 +126,42 @@ class SelfSpecSampler(Sampler):
             if len(keep) < len(done):
                 rows.select(keep)
                 kv.select_rows(keep)
-            # [MASK] slots unless every row's drafts end its answer (then none would be needed if accepted).
-            M = 0 if bool(torch.isin(rows.drafts, stop).any(dim=1).all()) else D
-            b, K, Q = len(keep), kv.length, 1 + 2 * D if M else 1 + D
-            masks = torch.full((b, M), self.mask_id, dtype=rows.drafts.dtype, device=dev)
-            ids = torch.cat([rows.pending[:, None], rows.drafts, masks], dim=1)  # [b, Q]
+            # F drafts and W [MASK] slots (W = F = D without a batch_positions cap); no slots when every
+            # row's drafts end its answer (none would be needed if accepted).
+            b, K = len(keep), kv.length
+            W = self._width(b, D)
+            F = min(W, real)
+            fed = rows.drafts[:, :F]  # [b, F]
+            W = 0 if F and bool(torch.isin(fed, stop).any(dim=1).all()) else W
+            Q = 1 + F + W
+            masks = torch.full((b, W), self.mask_id, dtype=rows.drafts.dtype, device=dev)
+            ids = torch.cat([rows.pending[:, None], fed, masks], dim=1)  # [b, Q]
             pos = rows.position[:, None] + torch.arange(Q, device=dev)[None]  # [b, Q]
             new = torch.ones(b, Q, dtype=torch.bool, device=dev)
             logits = self._forward_new(kv, torch.cat([rows.keys, new], 1), ids, pos, K)  # [b, Q, V]
-            greedy = logits[:, : 1 + D].argmax(-1)  # [b, 1 + D]: e_i follows draft i (e_0: the fed token)
-            j = accepted_drafts(rows.drafts, greedy[:, :D])  # [b]
+            greedy = logits[:, : 1 + F].argmax(-1)  # [b, 1 + F]: e_i follows draft i (e_0: the fed token)
+            j = accepted_drafts(fed, greedy[:, :F])  # [b]
             # Keep the fed token's and the accepted drafts' keys; a rejected draft's become a hole.
-            kv.truncate(K + 1 + D)
-            rows.keys = torch.cat([rows.keys, torch.arange(1 + D, device=dev)[None] <= j[:, None]], dim=1)
+            kv.truncate(K + 1 + F)
+            rows.keys = torch.cat([rows.keys, torch.arange(1 + F, device=dev)[None] <= j[:, None]], dim=1)
             committed = [g[: int(a) + 1].tolist() for g, a in zip(greedy, j)]  # e_0..e_j of each row
             rows.pending = greedy.gather(1, j[:, None]).squeeze(1)
             rows.position = rows.position + j + 1
             # The next drafts: the model's choices after the drafts it rejected (they followed a wrong
             # token, but often still hold: Jacobi's guesses), then the slots' guesses (exact views when
             # every draft was accepted); filler where neither reaches. Every draft is checked anyway.
-            slots = logits[:, 1 + D :].argmax(-1) if M else torch.full_like(rows.drafts, self.fill_id)
-            after = torch.cat([greedy[:, 1:], slots], dim=1)  # [b, 2D]
+            filler = torch.full_like(rows.drafts, self.fill_id)  # [b, D]
+            after = torch.cat([greedy[:, 1:], logits[:, 1 + F :].argmax(-1), filler], dim=1)  # [b, F + W + D]
             rows.drafts = after.gather(1, j[:, None] + ahead[None])  # [b, D]
+            real = W + int((F - j).min())  # made by this forward in every row: F - j choices, W slots
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
+
+    def _width(self, rows: int, most: int) -> int:
+        """Drafts (and slots) per row of a forward over `rows` live rows: `most` unless
+        `batch_positions` caps the forward's 1 + 2 * width positions per row."""
+        cap = self.config.batch_positions
+        return most if cap is None else max(0, min(most, (cap // rows - 1) // 2))
 
     def _forward_new(self, kv: ModelCache, keys: Tensor, ids: Tensor, pos: Tensor, first: int) -> Tensor:
         """Append `ids` [b, Q] at positions `pos` to the cache, causally over the valid keys `keys`
