@@ -122,7 +122,9 @@ def test_a_batch_positions_cap_bounds_each_forward_and_keeps_the_answers(drafter
     exactly); at cap 12 one draft and one slot each while 4 rows are live; at cap 28 (7 a row) the
     uncapped block-4 forwards."""
     fed = []  # [b, Q] of every forward
-    hook = drafter.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape), with_kwargs=True)
+    hook = drafter.register_forward_pre_hook(
+        lambda m, a, kw: fed.append(kw["input_ids"].shape), with_kwargs=True
+    )
     try:
         capped = _decode(drafter, "selfspec", PROMPTS, block_size=4, batch_positions=cap)
     finally:

@@ -53,6 +53,7 @@ from .prepared_dir import (
 from .shards import ShardWriter
 from .stream import SourcePlan, iter_unit, plan_source
 from .tokenizer import build_tokenizer, encode_chats, load_tokenizer
+from .word_encode import build_word_encoder
 
 CHUNK_ROWS = 512  # rows tokenised per batched call: memory is bounded by this and dataset.shard_size
 UNITS_DIR = ".units"
@@ -198,12 +199,14 @@ def encode_rows(tok, rows: list[dict], dcfg) -> list[tuple[list[int], list[int]]
     chats = [i for i, r in enumerate(rows) if "text" not in r]
     for i, enc in zip(chats, encode_chats(tok, [rows[i]["messages"] for i in chats], dcfg.mask_history)):
         out[i] = enc
+    words = build_word_encoder(tok)  # ASCII text word by word: the tokenizer's ids, faster
     texts = [i for i, r in enumerate(rows) if "text" in r]
-    if texts:
-        batch = tok([rows[i]["text"] for i in texts], add_special_tokens=False)["input_ids"]
-        for i, ids in zip(texts, batch):
-            ids = list(ids) + [tok.eos_token_id]
-            out[i] = (ids, [1] * len(ids))
+    fast = {i: words.encode(rows[i]["text"]) for i in texts} if words else {}
+    rest = [i for i in texts if fast.get(i) is None]
+    batch = tok([rows[i]["text"] for i in rest], add_special_tokens=False)["input_ids"] if rest else []
+    for i, ids in [*((i, ids) for i, ids in fast.items() if ids is not None), *zip(rest, batch)]:
+        ids = list(ids) + [tok.eos_token_id]
+        out[i] = (ids, [1] * len(ids))
     return out
 
 

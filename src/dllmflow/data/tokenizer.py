@@ -21,6 +21,8 @@ from pathlib import Path
 
 from dllmflow.errors import UserError
 
+from .word_encode import build_word_encoder
+
 TEMPLATE_PATH = Path(__file__).with_name("templates") / "chat.jinja"
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")  # used by templates/chat.jinja
@@ -240,8 +242,17 @@ def encode_chats(
         return_assistant_tokens_mask=True,
         **tok.special_tokens_map,
     )
-    encodings = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-    return [_span_mask(enc, gen, mask_history) for enc, gen in zip(encodings, spans)]
+    # ASCII chats of a byte-level BPE word by word (word_encode.py: the same ids, faster), the rest
+    # (and a span edge inside a word) through the Rust tokenizer's offsets
+    words = build_word_encoder(tok)
+    out: list = [words.encode_spans(t, gen) if words else None for t, gen in zip(texts, spans)]
+    if mask_history:
+        out = [(o[0], keep_last_run(o[1])) if o is not None else None for o in out]
+    rest = [i for i, o in enumerate(out) if o is None]
+    encodings = tok.backend_tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=False)
+    for i, enc in zip(rest, encodings):
+        out[i] = _span_mask(enc, spans[i], mask_history)
+    return out
 
 
 def _span_mask(enc, spans: list[tuple[int, int]], mask_history: bool) -> tuple[list[int], list[int]]:

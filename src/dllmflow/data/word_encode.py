@@ -1,0 +1,175 @@
+"""Exact, faster encoding of ASCII text for byte-level BPE tokenizers (GPT-2 style: SmolLM2's, the BPE
+recipes'): the text is split into words the way the tokenizer's pre-tokenizer splits it, and each
+distinct word is encoded once by the tokenizer's own BPE model and cached, so a chat costs a regex pass
+and a dict lookup per word instead of the whole Rust pipeline per token (~2.3x the rows per CPU-second
+of `encode_batch` on bench/data_scale.py's chats). Used by `tokenizer.encode_chats` and by prepare's text
+rows; the ids are the tokenizer's (tests/unit/test_word_encode.py compares them on random text).
+
+Only where the split is certain: a tokenizer with no normalizer, a `ByteLevel` pre-tokenizer with its
+regex (optionally after `Digits(individual_digits=True)`), a BPE model without dropout, and added tokens
+matched as written (no lstrip/rstrip/single_word); and only ASCII text, where the regex's classes
+(letters, digits, whitespace) mean the same in Python's `re` as in the tokenizer's Oniguruma. Any other
+tokenizer gets None from `build_word_encoder`, any other text None from `encode`: the caller uses the
+tokenizer itself.
+
+    words = build_word_encoder(tok)                   # None: not a pipeline it mirrors
+    ids = words.encode(text)                          # None: not ASCII
+    ids, mask = words.encode_spans(text, spans)       # None also when a span edge falls inside a word
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from bisect import bisect_left
+from itertools import accumulate
+
+# The ByteLevel pre-tokenizer's regex (GPT-2's) with its classes spelled out for ASCII: \p{L} = letters,
+# \p{N} = digits, \s = Oniguruma's ASCII whitespace (Python's \s would also take \x1c-\x1f).
+_WS = r"\t\n\x0b\x0c\r "
+_BYTE_LEVEL = re.compile(
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
+)
+_DIGITS = re.compile(r"[0-9]|[^0-9]+")  # Digits(individual_digits=True): each digit its own piece
+_MAX_WORDS = 1 << 17  # cached words before the cache starts over (~25 MB): memory stays bounded
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable char map (what ByteLevel feeds the BPE model)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+_BYTE_CHARS = _byte_chars()
+
+
+class WordEncoder:
+    """A tokenizer's ids for ASCII text, word by word (see the module docstring)."""
+
+    def __init__(self, model, added: dict[str, int], normalized: set[str], digits: bool):
+        self._model, self._digits = model, digits
+        self._added = {k: [v] for k, v in added.items()}
+        # The tokenizer splits the added tokens it matches as written first, then, in what is left, the
+        # ones it matches after normalizing (none here); each pass leftmost-longest.
+        self._passes = [
+            _alternation([t for t in added if t not in normalized]),
+            _alternation(sorted(normalized)),
+        ]
+        self._cache: dict[str, list[int]] = dict(self._added)
+
+    def words(self, text: str) -> list[str]:
+        """The text's words in order, added tokens included; they concatenate to `text`."""
+        out: list[str] = []
+        self._words(text, 0, out)
+        return out
+
+    def _words(self, text: str, depth: int, out: list[str]) -> None:
+        if depth < len(self._passes) and self._passes[depth] is not None:
+            for i, part in enumerate(self._passes[depth].split(text)):
+                if i % 2:  # an added token (the split's capture group)
+                    out.append(part)
+                elif part:
+                    self._words(part, depth + 1, out)
+        elif depth < len(self._passes):
+            self._words(text, depth + 1, out)
+        elif self._digits:
+            for piece in _DIGITS.findall(text):
+                out += _BYTE_LEVEL.findall(piece)
+        else:
+            out += _BYTE_LEVEL.findall(text)
+
+    def _ids(self, word: str) -> list[int]:
+        ids = self._cache.get(word)
+        if ids is None:
+            if len(self._cache) >= _MAX_WORDS:
+                self._cache = dict(self._added)
+            mapped = "".join(_BYTE_CHARS[b] for b in word.encode())
+            ids = self._cache[word] = [t.id for t in self._model.tokenize(mapped)]
+        return ids
+
+    def encode(self, text: str) -> list[int] | None:
+        """The tokenizer's ids of `text` (no special tokens added), or None for non-ASCII text."""
+        if not text.isascii():
+            return None
+        out: list[int] = []
+        for word in self.words(text):
+            out += self._ids(word)
+        return out
+
+    def encode_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]] | None:
+        """(ids, mask): mask 1 on the tokens of the words inside a (start, end) char span, what the
+        tokenizer's offsets give (`tokenizer._span_mask`) when every edge falls between words. None for
+        non-ASCII text, an edge inside a word, or a span whose first word starts or last word ends with
+        a space (where trimmed token offsets decide)."""
+        if not text.isascii():
+            return None
+        words = self.words(text)
+        per_word = [self._ids(w) for w in words]
+        ends = list(accumulate(map(len, words)))  # each word's end char
+        tokens = [0, *accumulate(map(len, per_word))]  # tokens before each word
+        mask = [0] * tokens[-1]
+        for start, end in spans:
+            if end <= start:
+                continue
+            first, last = bisect_left(ends, start + 1), bisect_left(ends, end)  # words holding start, end-1
+            if last == len(ends) or (ends[first - 1] if first else 0) != start or ends[last] != end:
+                return None
+            if words[first].startswith(" ") or words[last].endswith(" "):
+                return None  # a token of spaces at a span's edge: a ByteLevel post-processor trims its
+                # offsets to an empty range at the edge, which the tokenizer's rule leaves unmasked
+            mask[tokens[first] : tokens[last + 1]] = [1] * (tokens[last + 1] - tokens[first])
+        return [i for ids in per_word for i in ids], mask
+
+
+def _alternation(tokens: list[str]) -> re.Pattern | None:
+    """One capture group of `tokens`, longest first (leftmost-longest, as the tokenizer's trie)."""
+    if not tokens:
+        return None
+    return re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
+
+
+def build_word_encoder(tok) -> WordEncoder | None:
+    """The tokenizer's WordEncoder (built once per tokenizer), or None when its pipeline is not one
+    the word split mirrors exactly."""
+    if tok in _ENCODERS:
+        return _ENCODERS[tok]
+    _ENCODERS[tok] = encoder = _build(tok)
+    return encoder
+
+
+def _build(tok) -> WordEncoder | None:
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or getattr(backend, "encode_special_tokens", False):
+        return None
+    spec = json.loads(backend.to_str())
+    pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    digits = len(steps) == 2 and steps[0] == {"type": "Digits", "individual_digits": True}
+    byte_level = steps[-1] if steps else {}
+    mirrored = (
+        spec.get("normalizer") is None
+        and len(steps) == 1 + digits
+        and byte_level.get("type") == "ByteLevel"
+        and byte_level.get("use_regex", True)
+        and not byte_level.get("add_prefix_space", False)
+        and model.get("type") == "BPE"
+        and model.get("dropout") is None
+        and not model.get("continuing_subword_prefix")
+        and not model.get("end_of_word_suffix")
+    )
+    added = spec.get("added_tokens") or []
+    if not mirrored or any(a["lstrip"] or a["rstrip"] or a["single_word"] for a in added):
+        return None
+    # ASCII text only: a non-ASCII added token never occurs in it
+    ascii_added = [a for a in added if a["content"] and a["content"].isascii()]
+    normalized = {a["content"] for a in ascii_added if a["normalized"]}
+    return WordEncoder(backend.model, {a["content"]: a["id"] for a in ascii_added}, normalized, digits)
