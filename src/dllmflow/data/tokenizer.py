@@ -245,9 +245,7 @@ def encode_chats(
     # ASCII chats of a byte-level BPE word by word (word_encode.py: the same ids, faster), the rest
     # (and a span edge inside a word) through the Rust tokenizer's offsets
     words = build_word_encoder(tok)
-    out: list = [words.encode_spans(t, gen) if words else None for t, gen in zip(texts, spans)]
-    if mask_history:
-        out = [(o[0], keep_last_run(o[1])) if o is not None else None for o in out]
+    out: list = [words.encode_spans(t, gen, mask_history) if words else None for t, gen in zip(texts, spans)]
     rest = [i for i, o in enumerate(out) if o is None]
     encodings = tok.backend_tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=False)
     for i, enc in zip(rest, encodings):

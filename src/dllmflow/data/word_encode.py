@@ -23,7 +23,7 @@ import json
 import re
 import weakref
 from bisect import bisect_left
-from itertools import accumulate
+from itertools import accumulate, chain
 
 # The ByteLevel pre-tokenizer's regex (GPT-2's) with its classes spelled out for ASCII: \p{L} = letters,
 # \p{N} = digits, \s = Oniguruma's ASCII whitespace (Python's \s would also take \x1c-\x1f).
@@ -31,7 +31,11 @@ _WS = r"\t\n\x0b\x0c\r "
 _BYTE_LEVEL = re.compile(
     rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
 )
-_DIGITS = re.compile(r"[0-9]|[^0-9]+")  # Digits(individual_digits=True): each digit its own piece
+# Digits(individual_digits=True) first, then ByteLevel on each piece between digits, in one pass: a digit
+# is a word of its own (no space before it), and a whitespace run ends its piece at a digit as at the end.
+_DIGITS_BYTE_LEVEL = re.compile(
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+|[0-9]| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}0-9])|[{_WS}]+"
+)
 _MAX_WORDS = 1 << 17  # cached words before the cache starts over (~25 MB): memory stays bounded
 _ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -56,7 +60,7 @@ class WordEncoder:
     """A tokenizer's ids for ASCII text, word by word (see the module docstring)."""
 
     def __init__(self, model, added: dict[str, int], normalized: set[str], digits: bool):
-        self._model, self._digits = model, digits
+        self._model, self._regex = model, _DIGITS_BYTE_LEVEL if digits else _BYTE_LEVEL
         self._added = {k: [v] for k, v in added.items()}
         # The tokenizer splits the added tokens it matches as written first, then, in what is left, the
         # ones it matches after normalizing (none here); each pass leftmost-longest.
@@ -73,50 +77,51 @@ class WordEncoder:
         return out
 
     def _words(self, text: str, depth: int, out: list[str]) -> None:
-        if depth < len(self._passes) and self._passes[depth] is not None:
-            for i, part in enumerate(self._passes[depth].split(text)):
+        split = self._passes[depth] if depth < len(self._passes) else None
+        if split is not None:
+            for i, part in enumerate(split.split(text)):
                 if i % 2:  # an added token (the split's capture group)
                     out.append(part)
                 elif part:
                     self._words(part, depth + 1, out)
         elif depth < len(self._passes):
             self._words(text, depth + 1, out)
-        elif self._digits:
-            for piece in _DIGITS.findall(text):
-                out += _BYTE_LEVEL.findall(piece)
         else:
-            out += _BYTE_LEVEL.findall(text)
+            out += self._regex.findall(text)
 
     def _ids(self, word: str) -> list[int]:
-        ids = self._cache.get(word)
-        if ids is None:
-            if len(self._cache) >= _MAX_WORDS:
-                self._cache = dict(self._added)
-            mapped = "".join(_BYTE_CHARS[b] for b in word.encode())
-            ids = self._cache[word] = [t.id for t in self._model.tokenize(mapped)]
+        """A word the cache lacks: the BPE model's ids of its bytes (as ByteLevel maps them)."""
+        if len(self._cache) >= _MAX_WORDS:
+            self._cache = dict(self._added)
+        mapped = "".join(_BYTE_CHARS[b] for b in word.encode())
+        ids = self._cache[word] = [t.id for t in self._model.tokenize(mapped)]
         return ids
+
+    def _per_word(self, words: list[str]) -> list[list[int]]:
+        get = self._cache.get
+        return [get(w) or self._ids(w) for w in words]  # a word has at least one token
 
     def encode(self, text: str) -> list[int] | None:
         """The tokenizer's ids of `text` (no special tokens added), or None for non-ASCII text."""
         if not text.isascii():
             return None
-        out: list[int] = []
-        for word in self.words(text):
-            out += self._ids(word)
-        return out
+        return list(chain.from_iterable(self._per_word(self.words(text))))
 
-    def encode_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]] | None:
+    def encode_spans(
+        self, text: str, spans: list[tuple[int, int]], last_only: bool = False
+    ) -> tuple[list[int], list[int]] | None:
         """(ids, mask): mask 1 on the tokens of the words inside a (start, end) char span, what the
-        tokenizer's offsets give (`tokenizer._span_mask`) when every edge falls between words. None for
-        non-ASCII text, an edge inside a word, or a span whose first word starts or last word ends with
-        a space (where trimmed token offsets decide)."""
+        tokenizer's offsets give (`tokenizer._span_mask`) when every edge falls between words; with
+        `last_only` only the last run of such tokens (`keep_last_run`). None for non-ASCII text, an edge
+        inside a word, or a span whose first word starts or last word ends with a space (where trimmed
+        token offsets decide)."""
         if not text.isascii():
             return None
         words = self.words(text)
-        per_word = [self._ids(w) for w in words]
+        per_word = self._per_word(words)
         ends = list(accumulate(map(len, words)))  # each word's end char
         tokens = [0, *accumulate(map(len, per_word))]  # tokens before each word
-        mask = [0] * tokens[-1]
+        runs: list[list[int]] = []  # [first token, end token) of the masked runs, touching ones joined
         for start, end in spans:
             if end <= start:
                 continue
@@ -126,8 +131,15 @@ class WordEncoder:
             if words[first].startswith(" ") or words[last].endswith(" "):
                 return None  # a token of spaces at a span's edge: a ByteLevel post-processor trims its
                 # offsets to an empty range at the edge, which the tokenizer's rule leaves unmasked
-            mask[tokens[first] : tokens[last + 1]] = [1] * (tokens[last + 1] - tokens[first])
-        return [i for ids in per_word for i in ids], mask
+            lo, hi = tokens[first], tokens[last + 1]
+            if runs and lo <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], hi)
+            else:
+                runs.append([lo, hi])
+        mask = [0] * tokens[-1]
+        for lo, hi in runs[-1:] if last_only else runs:
+            mask[lo:hi] = [1] * (hi - lo)
+        return list(chain.from_iterable(per_word)), mask
 
 
 def _alternation(tokens: list[str]) -> re.Pattern | None:
