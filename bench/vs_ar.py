@@ -6,7 +6,7 @@ new tokens. Opt-in (tens of minutes on 2 CPU cores; pytest does not collect benc
 
     OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_block_causal_lora.yaml --steps 250
     python bench/vs_ar.py --recipe params/smollm2_block_causal_lora.yaml --skip-train --run-dir /tmp/bench-vs-ar-XXXX
-    python bench/vs_ar.py ... --setting selfspec:block_size=4 --setting llada2:block_size=8,threshold=0.9
+    python bench/vs_ar.py ... --setting selfspec:block_size=4,batch_positions=24 --setting llada2:block_size=8,threshold=0.9
 
 Per generation length and per decoder (the AR control's `ar` sampler, each `--setting` of the dLLM):
 held-out exact match (flexible, strict), median seconds per answer at batch 1, answers per second at
@@ -24,34 +24,39 @@ model's greedy answers in fewer forwards. `llada2` decodes it block by block, co
 confidence >= threshold (lossy). Both keep an exact KV cache and stop a row at its EOS, so a 256-token
 budget costs what the answer costs.
 
-Last measured 2026-12-04 (issue 38; SmolLM2-135M-Instruct, 250 steps each arm on the same rows, optimizer,
-LoRA and batch, AR 1.78 s/step, dLLM 2.07 s/step; 2 threads, Intel 2-core machine, quiet):
+Last measured 2026-12-05 (issue 38; SmolLM2-135M-Instruct, 250 steps each arm on the same rows, optimizer,
+LoRA and batch, AR 1.78 s/step, dLLM 2.07 s/step; 2 threads, Intel 2-core machine, quiet; `--skip-train`
+on the 2026-12-04 arms). NFE and tok/fwd are the batch-16 run's; at batch 1 selfspec takes 3.1-3.3
+forwards per answer at every setting below:
 
-    64 held-out problems, 32 new tokens     EM     dEM     latency b1  thrpt b16  NFE  tok/fwd
-    AR control (`ar` mode, greedy, KV cache) 0.844  -       0.455 s     9.46 ans/s 6.0  0.83
-    selfspec block_size 8                    0.859  +0.016  0.85x       0.80x      3.1  1.60
-    selfspec block_size 4                    0.859  +0.016  0.88x       0.95x      3.2  1.56
-    selfspec block_size 3                    0.859  +0.016  1.10x       0.95x      3.8  1.31
-    llada2 blocks of 8, threshold 0.9        0.828  -0.016  0.91x       0.77x      3.3  1.52
-    at 256 new tokens (same answers)         selfspec 8: 0.78x / 0.79x; selfspec 4: 0.83x / 0.93x
+    64 held-out problems, 32 new tokens      EM     dEM     latency b1  thrpt b16   NFE b16
+    AR control (`ar` mode, greedy, KV cache)  0.844  -       0.441 s     11.84 ans/s 6.0
+    selfspec block 8, batch_positions 24      0.859  +0.016  0.88x       1.00x       6.0
+    selfspec block 4, batch_positions 24      0.859  +0.016  0.90x       1.01x       6.0
+    selfspec block 4 (no cap)                 0.859  +0.016  0.90x       0.91x       3.3
+    at 256 new tokens (same answers)          block 8 cap 24: 0.73x / 1.01x; block 4 cap 24: 0.79x / 1.02x;
+                                              block 4: 0.83x / 0.92x
     256 held-out problems, 32 new tokens
-    AR control                               0.758  -       0.434 s     10.72 ans/s 6.0
-    selfspec block_size 8 / 4                0.766  +0.008  0.80x / 0.86x  0.76x / 0.88x  3.2 / 3.3
-    llada2 blocks of 8, threshold 0.9        0.758  +0.000  0.88x       0.72x      3.3
+    AR control                                0.758  -       0.406 s     10.53 ans/s 6.0
+    selfspec block 8 / 4, batch_positions 24  0.766  +0.008  0.83x / 0.89x  1.00x / 1.01x
+    2026-12-04, same arms: llada2 blocks of 8 at threshold 0.9: 0.828 (64), 0.758 (256); 0.91x, 0.77x
 
 Quality is met at every selfspec setting (its answers are the model's greedy ones: 0.859 vs the AR
-control's 0.844 on 64 problems, 0.766 vs 0.758 on 256). Speed is not: the best latency is 0.78-0.85x
-(goal 0.5x), the best throughput 0.88-0.95x (goal 1.0x). What bounds it on this CPU: a forward costs
-nearly the same for 1 and for 15 positions at batch 1 (57 vs ~95 ms: reading the weights), and the
-prompt's forward (39 tokens + the drafts' slots, ~150 ms) is a third of the AR control's whole answer
-(~430 ms: the prompt and 5 one-token forwards). A lossless decoder needs at least one more forward to
-check its first drafts, so its floor is ~0.53x even if every draft were right (2 forwards per answer).
-Here the answer's last digits are rarely guessed from the prompt alone: drafted in the prompt's forward
-against the greedy answer (64 problems), " " and EOS are right 100%, the leading "0" 94%, the tens digit
-44% (top-2 58%), the ones digit 11% (top-3 31%), so most answers take 3 forwards (3.1-3.3). At batch 16 every position is
-compute: the drafts and slots add ~20% positions to the AR control's (3,446 vs 2,818 for 64 answers at
-block 4) while saving 40% of the forwards. On a GPU, where a forward of 15 positions costs what one of 1
-does, the forwards ratio (3.2 / 6 = 0.53) would be the speed ratio; not measured: no GPU was lent.
+control's 0.844 on 64 problems, 0.766 vs 0.758 on 256). Throughput at batch 16 is met at parity only:
+with `batch_positions: 24` a full batch of 16 takes plain ar steps (a row would get (24 // 16 - 1) // 2 = 0
+drafts) and drafts come back as rows finish, 1.00-1.02x; uncapped, the drafts cost 8-9% (0.91-0.92x).
+Latency is not met: the best is 0.73-0.90x (goal 0.5x). What bounds it on this CPU: a forward costs nearly
+the same for 1 and for 15 positions at batch 1 (57 vs ~101 ms: reading the weights), and the prompt's
+forward (39 tokens + the drafts' slots, ~150 ms) is a third of the AR control's whole answer (~430 ms: the
+prompt and 5 one-token forwards). A lossless decoder needs at least one more forward to check its first
+drafts, so its floor is ~0.53x even if every draft were right (2 forwards per answer). Here the answer's
+last digits are rarely guessed from the prompt alone: drafted in the prompt's forward against the greedy
+answer (64 problems), " " and EOS are right 100%, the leading "0" 94%, the tens digit 44% (top-2 58%), the
+ones digit 11% (top-3 31%), so most answers take 3 forwards (3.1-3.3). At batch 16 every position is
+compute (a forward of 16 rows: 97 ms for 1 position each, 163 ms for 3, 380 ms for 9): a draft pays only
+if accepted more often than ~2 times in 3, which these are not, hence the cap. On a GPU, where a forward
+of 15 positions costs what one of 1 does, the forwards ratio (3.2 / 6 = 0.53) would be the speed ratio;
+not measured: no GPU was lent.
 Tried before selfspec, on the same rows and steps (llada2 at threshold 0.9): bidirectional blocks with
 random masks 0.344, with suffix masks 0.438; causal blocks at lookahead_weight 1: 0.766, at 0.1: 0.812;
 the bidirectional mdlm recipe 0.406 (threshold 0.5).
@@ -74,7 +79,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from real_model import _children_cpu_s, train_figures, write_output  # noqa: E402  (bench/ is not a package)
 
 DEFAULT_SETTINGS = (
-    "selfspec:block_size=8",
+    "selfspec:block_size=8,batch_positions=24",
     "selfspec:block_size=4",
     "llada2:block_size=8,steps=8,threshold=0.9",
 )
