@@ -150,3 +150,17 @@ def test_pipelines_it_does_not_mirror_get_none(plain_tok):
 
     assert build_word_encoder(variant(lambda c: c.add_tokens([AddedToken("<x>", lstrip=True)]))) is None
     assert build_word_encoder(variant(lambda c: None)) is not None  # the unchanged copy is mirrored
+
+
+def test_prepares_text_rows_get_the_tokenizers_ids(digits_tok):
+    from types import SimpleNamespace
+
+    from dllmflow.data.prepare_units import encode_rows
+
+    rng = random.Random(6)
+    rows = [{"text": _text(rng, 25)} for _ in range(100)] + [{"text": "naïve 7"}]  # the last: not ASCII
+    want = digits_tok([r["text"] for r in rows], add_special_tokens=False)["input_ids"]
+    want = [[*ids, digits_tok.eos_token_id] for ids in want]
+    assert encode_rows(digits_tok, rows, SimpleNamespace(mask_history=True)) == [
+        (w, [1] * len(w)) for w in want
+    ]

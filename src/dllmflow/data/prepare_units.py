@@ -201,10 +201,11 @@ def encode_rows(tok, rows: list[dict], dcfg) -> list[tuple[list[int], list[int]]
         out[i] = enc
     words = build_word_encoder(tok)  # ASCII text word by word: the tokenizer's ids, faster
     texts = [i for i, r in enumerate(rows) if "text" in r]
-    fast = {i: words.encode(rows[i]["text"]) for i in texts} if words else {}
-    rest = [i for i in texts if fast.get(i) is None]
-    batch = tok([rows[i]["text"] for i in rest], add_special_tokens=False)["input_ids"] if rest else []
-    for i, ids in [*((i, ids) for i, ids in fast.items() if ids is not None), *zip(rest, batch)]:
+    ids_of = {i: words.encode(rows[i]["text"]) if words else None for i in texts}
+    rest = [i for i, ids in ids_of.items() if ids is None]
+    if rest:
+        ids_of.update(zip(rest, tok([rows[i]["text"] for i in rest], add_special_tokens=False)["input_ids"]))
+    for i, ids in ids_of.items():
         ids = list(ids) + [tok.eos_token_id]
         out[i] = (ids, [1] * len(ids))
     return out
