@@ -22,13 +22,23 @@ Goals (issue 40): prepare peak RSS of any process <= 1.5 GB at 1M rows; per-core
 old path's; 2 workers >= 1.6x one; dataset RSS added <= 100 MB, flat from 60k to 1M; loader >= 20x a
 step's consumption.
 
-Measured on the 2 quiet cores (load average ~1, 2026-12-04, `--rows 60000 --baseline-rows 60000
---baseline-src <bbb0de1's src> --workers 1`, then `--rows 60000 --baseline-rows 0`):
-  per core    old path 778 rows/CPU-s, new 1,366, both at 60k rows in one run: 1.76x (goal 3x: not met;
-              bound below: the BPE encode itself).
-  workers     60k rows: 1 worker 1,526 rows/s (39 s), 2 workers 2,487 rows/s (24 s): 1.63x (goal 1.6x).
-  memory      peak RSS of any process 0.44 GB new vs 1.36 GB old at 60k; dataset +28.2 MB; loader
-              7,167 samples/s.
+Measured on the 2 quiet cores (load average ~1, 2026-12-05, `--rows 60000 --baseline-rows 60000
+--baseline-src <bbb0de1's src> --workers 1,2 --skip-step`, then `--rows 1000000 --baseline-rows 0
+--workers 1,2 --skip-step`), with ASCII chats encoded word by word (data/word_encode.py):
+  per core    60k rows in one run: old path 1,102 rows/CPU-s, new 4,100: 3.72x (goal 3x). 1M rows: 4,700
+              rows/CPU-s (the old path cannot run there: ~17 GB).
+  workers     1M rows: 1 worker 4,690 rows/s (213 s), 2 workers 8,298 rows/s (121 s): 1.77x (goal 1.6x).
+              60k rows: 4,043 vs 5,120 rows/s, 1.27x: each spawned worker first imports transformers and
+              torch (~2.8 s), a fifth of a 60k prepare's 15 s.
+  memory      peak RSS of any process 0.42 GB at 60k, 0.44 GB at 1M (goal <= 1.5; old path 1.36 GB at
+              60k); dataset +28.2 MB at 60k, +29.5 MB at 1M (goal <= 100; old path +678 MB at 60k).
+  loader      8,392 (60k) - 3,429 (1M) samples/s vs one tiny_mdlm step's 8 samples in 319 ms = 25/s:
+              137-335x.
+  disk        1M rows: parquet 1.78 GB + token files 1.55 GB (source 1.40 GB).
+
+Measured 2026-12-04, before the word encoder (the Rust pipeline per chat): per core 778 vs 1,366 rows/CPU-s
+= 1.76x, bounded by the Rust encode itself (encode_batch alone ~1,700-2,100 rows/CPU-s on these chats,
+most of it its pre-tokenizer); 2 workers 1.63x at 60k.
 
 Measured earlier (2 Intel cores shared with ~6 other jobs, load average 14-15 throughout: wall rows/s
 are a fraction of a core; rows per CPU-second are the per-core figure):
