@@ -149,6 +149,8 @@ def test_pipelines_it_does_not_mirror_get_none(plain_tok):
     from tokenizers import AddedToken
 
     assert build_word_encoder(variant(lambda c: c.add_tokens([AddedToken("<x>", lstrip=True)]))) is None
+    assert build_word_encoder(variant(lambda c: c.enable_truncation(8))) is None
+    assert build_word_encoder(variant(lambda c: c.enable_padding(length=64))) is None
     assert build_word_encoder(variant(lambda c: None)) is not None  # the unchanged copy is mirrored
 
 

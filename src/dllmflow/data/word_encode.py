@@ -169,6 +169,8 @@ def _build(tok) -> WordEncoder | None:
     byte_level = steps[-1] if steps else {}
     mirrored = (
         spec.get("normalizer") is None
+        and spec.get("truncation") is None  # the tokenizer would cut or pad what it returns
+        and spec.get("padding") is None
         and len(steps) == 1 + digits
         and byte_level.get("type") == "ByteLevel"
         and byte_level.get("use_regex", True)
