@@ -52,8 +52,7 @@ from .prepared_dir import (
 )
 from .shards import ShardWriter
 from .stream import SourcePlan, iter_unit, plan_source
-from .tokenizer import build_tokenizer, encode_chats, load_tokenizer
-from .word_encode import build_word_encoder
+from .tokenizer import build_tokenizer, encode_chats, encode_texts, load_tokenizer
 
 CHUNK_ROWS = 512  # rows tokenised per batched call: memory is bounded by this and dataset.shard_size
 UNITS_DIR = ".units"
@@ -199,14 +198,9 @@ def encode_rows(tok, rows: list[dict], dcfg) -> list[tuple[list[int], list[int]]
     chats = [i for i, r in enumerate(rows) if "text" not in r]
     for i, enc in zip(chats, encode_chats(tok, [rows[i]["messages"] for i in chats], dcfg.mask_history)):
         out[i] = enc
-    words = build_word_encoder(tok)  # ASCII text word by word: the tokenizer's ids, faster
     texts = [i for i, r in enumerate(rows) if "text" in r]
-    ids_of = {i: words.encode(rows[i]["text"]) if words else None for i in texts}
-    rest = [i for i, ids in ids_of.items() if ids is None]
-    if rest:
-        ids_of.update(zip(rest, tok([rows[i]["text"] for i in rest], add_special_tokens=False)["input_ids"]))
-    for i, ids in ids_of.items():
-        ids = list(ids) + [tok.eos_token_id]
+    for i, ids in zip(texts, encode_texts(tok, [rows[i]["text"] for i in texts])):
+        ids = ids + [tok.eos_token_id]
         out[i] = (ids, [1] * len(ids))
     return out
 

@@ -6,6 +6,7 @@
     tok = load_tokenizer("data/prepared/tiny")     # the one saved with the prepared data
     ids, loss_mask = encode_chat(tok, messages, mask_history=True)
     pairs = encode_chats(tok, [messages, ...], mask_history=True)   # batched, same results
+    id_lists = encode_texts(tok, ["plain text", ...])                # no special tokens added
 
 A directory without tokenizer files loads in transformers as an empty tokenizer (every text encodes
 to nothing): `check_tokenizer_files` refuses it where a tokenizer enters (here and at generation),
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from dllmflow.errors import UserError
 
-from .word_encode import build_word_encoder
+from .word_encode import add_run, build_word_encoder, runs_mask
 
 TEMPLATE_PATH = Path(__file__).with_name("templates") / "chat.jinja"
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -253,6 +254,18 @@ def encode_chats(
     return out
 
 
+def encode_texts(tok, texts: list[str]) -> list[list[int]]:
+    """The tokenizer's ids of each text (no special tokens added): ASCII text of a byte-level BPE word
+    by word (word_encode.py), the rest in one call of the tokenizer."""
+    words = build_word_encoder(tok)
+    out: list = [words.encode(t) if words else None for t in texts]
+    rest = [i for i, ids in enumerate(out) if ids is None]
+    if rest:
+        for i, ids in zip(rest, tok([texts[i] for i in rest], add_special_tokens=False)["input_ids"]):
+            out[i] = list(ids)
+    return out
+
+
 def _span_mask(enc, spans: list[tuple[int, int]], mask_history: bool) -> tuple[list[int], list[int]]:
     """(ids, mask) of one encoding: the tokens overlapping any (start, end) char span (spans in order,
     token offsets ascending, so each span's tokens are one index range)."""
@@ -263,14 +276,8 @@ def _span_mask(enc, spans: list[tuple[int, int]], mask_history: bool) -> tuple[l
         lo, hi = enc.char_to_token(start), enc.char_to_token(end - 1)
         if lo is None or hi is None:  # a char no token covers: apply_chat_template's own rule
             return ids, _overlap_mask(enc.offsets, spans, mask_history)
-        if runs and lo <= runs[-1][1]:  # touching the previous run: one run (keep_last_run's view)
-            runs[-1][1] = max(runs[-1][1], hi + 1)
-        else:
-            runs.append([lo, hi + 1])
-    mask = [0] * len(ids)
-    for lo, hi in runs[-1:] if mask_history else runs:
-        mask[lo:hi] = [1] * (hi - lo)
-    return ids, mask
+        add_run(runs, lo, hi + 1)
+    return ids, runs_mask(len(ids), runs, mask_history)
 
 
 def _overlap_mask(offsets, spans, mask_history: bool) -> list[int]:

@@ -131,15 +131,25 @@ class WordEncoder:
             if words[first].startswith(" ") or words[last].endswith(" "):
                 return None  # a token of spaces at a span's edge: a ByteLevel post-processor trims its
                 # offsets to an empty range at the edge, which the tokenizer's rule leaves unmasked
-            lo, hi = tokens[first], tokens[last + 1]
-            if runs and lo <= runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], hi)
-            else:
-                runs.append([lo, hi])
-        mask = [0] * tokens[-1]
-        for lo, hi in runs[-1:] if last_only else runs:
-            mask[lo:hi] = [1] * (hi - lo)
-        return list(chain.from_iterable(per_word)), mask
+            add_run(runs, tokens[first], tokens[last + 1])
+        return list(chain.from_iterable(per_word)), runs_mask(tokens[-1], runs, last_only)
+
+
+def add_run(runs: list[list[int]], lo: int, hi: int) -> None:
+    """Append the token run [lo, hi) to `runs` (in order), joined to the last one when they touch (so
+    the last run is `keep_last_run`'s last run)."""
+    if runs and lo <= runs[-1][1]:
+        runs[-1][1] = max(runs[-1][1], hi)
+    else:
+        runs.append([lo, hi])
+
+
+def runs_mask(n: int, runs: list[list[int]], last_only: bool) -> list[int]:
+    """A 0/1 mask over n tokens: 1 on `runs` (only the last with `last_only`)."""
+    mask = [0] * n
+    for lo, hi in runs[-1:] if last_only else runs:
+        mask[lo:hi] = [1] * (hi - lo)
+    return mask
 
 
 def _alternation(tokens: list[str]) -> re.Pattern | None:
