@@ -98,6 +98,24 @@ def test_a_row_stops_at_its_stop_id_and_leaves_the_batch(drafter):
         assert spec.row_positions[i] < 100  # it left the forwards (a dozen per forward at most)
 
 
+def test_a_stop_draft_is_never_fed_and_the_answer_still_ends_there(drafter):
+    """The position before a stop draft checks it: feeding the stop id itself would cost a position
+    whose output nothing commits. Alone (one row), no forward after the prompt's feeds 25."""
+    ar = _decode(drafter, "ar", PROMPTS, tok=_StopAt25())
+    assert any(len(s) < 12 for s in ar.sequences)  # some answer ends at the stop id (trimmed off)
+    for p, expected in zip(PROMPTS, ar.sequences):
+        fed = []  # input_ids [1, Q] of every forward
+        hook = drafter.register_forward_pre_hook(
+            lambda m, a, kw, fed=fed: fed.append(kw["input_ids"][0].tolist()), with_kwargs=True
+        )
+        try:
+            alone = _decode(drafter, "selfspec", [p], tok=_StopAt25(), block_size=4)
+        finally:
+            hook.remove()
+        assert alone.sequences == [expected]
+        assert all(25 not in ids for ids in fed[1:]), fed
+
+
 def test_stepping_gives_generates_tokens_and_dropped_rows_leave_the_others_as_alone(drafter):
     config = build_sampler_config("selfspec", {"max_new_tokens": 12, "block_size": 4})
     sampler = SAMPLERS["selfspec"](drafter, _StopAt25(), config, mask_id=M)

@@ -20,11 +20,12 @@ lookahead it was trained for) is the most a forward can commit: D = block_size -
 KV cache only (exact: causal attention keeps every cached key final). The prompt and every committed
 token stay cached; a rejected draft's keys stay behind as a hole its row's key mask blocks, and the
 [MASK] slots are cropped after each forward. A row stops at its first stop id (or max_new_tokens) and
-leaves the batch; when every live row's drafts hold a stop id the forward feeds no [MASK] slots. What
-a row committed is final: the loop pauses before each forward but the first (`Sampler.stepper`), where
-a server streams it and may drop rows. `batch_positions` caps the positions a forward feeds across the
-live rows (fewer drafts and slots per row, down to plain ar steps, while the batch is large: on a CPU
-each position there is compute); the drafts come back as rows finish.
+leaves the batch; a stop id is never fed as a draft (the token before it checks it), and when every live
+row's drafts hold one the forward feeds no [MASK] slots. What a row committed is final: the loop pauses
+before each forward but the first (`Sampler.stepper`), where a server streams it and may drop rows.
+`batch_positions` caps the positions a forward feeds across the live rows (fewer drafts and slots per
+row, down to plain ar steps, while the batch is large: on a CPU each position there is compute); the
+drafts come back as rows finish.
 
     cfg = build_sampler_config("selfspec", {"max_new_tokens": 64})
     out = SAMPLERS["selfspec"](model, tokenizer, cfg).generate([ids_a, ids_b])   # GenerationResult
@@ -127,12 +128,16 @@ class SelfSpecSampler(Sampler):
                 rows.select(keep)
                 kv.select_rows(keep)
             # F drafts and W [MASK] slots (W = F = D without a batch_positions cap); no slots when every
-            # row's drafts end its answer (none would be needed if accepted).
+            # row's drafts end its answer (none would be needed if accepted). A stop draft is never fed:
+            # the position before it checks it, and nothing after it is committed.
             b, K = len(keep), kv.length
             W = self._width(b, D)
             F = min(W, real)
+            is_stop = torch.isin(rows.drafts[:, :F], stop)  # [b, F]
+            ends = is_stop.any(dim=1)  # [b] the row's drafts end its answer
+            W = 0 if F and bool(ends.all()) else W
+            F = int(torch.where(ends, is_stop.long().argmax(dim=1), F).max()) if F else 0
             fed = rows.drafts[:, :F]  # [b, F]
-            W = 0 if F and bool(torch.isin(fed, stop).any(dim=1).all()) else W
             Q = 1 + F + W
             masks = torch.full((b, W), self.mask_id, dtype=rows.drafts.dtype, device=dev)
             ids = torch.cat([rows.pending[:, None], fed, masks], dim=1)  # [b, Q]
