@@ -211,3 +211,21 @@ def test_the_flow_evaluates_it_only_for_causal_blocks_and_gates_the_recipes_firs
     assert _gated_sampler(causal, evals) == "llada2"  # the mode's default
     first = load_settings(dllm=CAUSAL, eval={"block_size": 4, "samplers": ["selfspec", "llada2"]})
     assert _gated_sampler(first, evals) == "selfspec"  # the recipe's order
+
+
+def test_eval_batch_positions_reaches_selfspec_only_and_is_refused_where_no_sampler_takes_it():
+    """The recipe's `eval.batch_positions` is what the flow's evaluation (and so its card and gate)
+    decodes selfspec with; llada2, evaluated beside it, runs without it; a mode with no selfspec refuses it."""
+    from dllmflow.diffusion.samplers.eval_knobs import eval_defaults
+    from dllmflow.inference.generate import flag_config
+    from dllmflow.workflow.finetune import eval_samplers
+
+    s = load_settings(dllm=CAUSAL, eval={"block_size": 4, "batch_positions": 24})
+    assert eval_samplers(s) == ["llada2", "selfspec"]
+    assert flag_config("selfspec", {}, defaults=eval_defaults(s.eval, "selfspec")).batch_positions == 24
+    assert (
+        "batch_positions"
+        not in flag_config("llada2", {}, defaults=eval_defaults(s.eval, "llada2")).model_dump()
+    )
+    with pytest.raises(SettingsError, match=r"eval\.batch_positions: 24 cannot be used.*mdlm"):
+        eval_samplers(load_settings(dllm={"mode": "mdlm"}, eval={"batch_positions": 24}))

@@ -198,9 +198,9 @@ def evaluated_samplers(settings: Any) -> list[str]:
 
 
 def check_eval_settings(settings: Any) -> None:
-    """`eval.cache` and each `eval.sweep` value must be usable by at least one evaluated sampler (the
-    others run without it, as with any eval knob they do not take); else a SettingsError naming the
-    field, the mode and what each sampler takes. Torch-free (the sampler configs, not the samplers): the
+    """`eval.cache`, `eval.batch_positions` and each `eval.sweep` value must be usable by at least one
+    evaluated sampler (the others run without it, as with any eval knob they do not take); else a
+    SettingsError naming the field, the mode and what each sampler takes. Torch-free (the sampler configs, not the samplers): the
     flow's recipe parse runs it, and the train step again."""
     from dllmflow.settings import SettingsError
 
@@ -208,6 +208,7 @@ def check_eval_settings(settings: Any) -> None:
     if not samplers:
         return
     checks = [("eval.cache", "cache", settings.eval.cache)]
+    checks += [("eval.batch_positions", "batch_positions", settings.eval.batch_positions)]
     if settings.eval.sweep is not None:
         checks += [(f"eval.sweep.{k}", k, v) for k, vs in settings.eval.sweep.axes().items() for v in vs]
     for where, key, value in checks:

@@ -178,6 +178,11 @@ class EvalConfig(Section):
         "preset. Refused if no evaluated sampler can use it.",
     )
     temperature: NonNegativeFloat | None = None
+    batch_positions: PositiveInt | None = Field(
+        None,
+        description="selfspec: most positions a forward after the prompt's feeds across the live rows "
+        "(fewer drafts while the batch is large; None = no cap). Refused if no evaluated sampler takes it.",
+    )
     n_shot: NonNegativeInt = 0
     batch_size: BatchRows = 8
     seed: int = 0

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-EVAL_SETTINGS = ("max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "seed")
+EVAL_SETTINGS = (
+    "max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "batch_positions", "seed",
+)  # fmt: skip
 
 
 def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
