@@ -24,39 +24,38 @@ model's greedy answers in fewer forwards. `llada2` decodes it block by block, co
 confidence >= threshold (lossy). Both keep an exact KV cache and stop a row at its EOS, so a 256-token
 budget costs what the answer costs.
 
+`floor` (on unless --no-floor) is the first selfspec setting, uncapped, with every draft right: its
+prompt forward's slots guess the model's own greedy answer (known from an untimed run), so each answer
+takes the two forwards no lossless decoder can do without (the prompt's with its slots, one check),
+through the sampler's own code. Its answers are the setting's; it measures the best any drafter could do.
+
 Last measured 2026-12-05 (issue 38; SmolLM2-135M-Instruct, 250 steps each arm on the same rows, optimizer,
-LoRA and batch, AR 1.78 s/step, dLLM 2.07 s/step; 2 threads, Intel 2-core machine, quiet; `--skip-train`
-on the 2026-12-04 arms). NFE and tok/fwd are the batch-16 run's; at batch 1 selfspec takes 3.1-3.3
-forwards per answer at every setting below:
+LoRA and batch: AR 1.32 s/step, 337 s; dLLM 1.46 s/step, 372 s; 2 threads, 2-core machine, quiet):
 
     64 held-out problems, 32 new tokens      EM     dEM     latency b1  thrpt b16   NFE b16
-    AR control (`ar` mode, greedy, KV cache)  0.844  -       0.441 s     11.84 ans/s 6.0
-    selfspec block 8, batch_positions 24      0.859  +0.016  0.88x       1.00x       6.0
-    selfspec block 4, batch_positions 24      0.859  +0.016  0.90x       1.01x       6.0
-    selfspec block 4 (no cap)                 0.859  +0.016  0.90x       0.91x       3.3
-    at 256 new tokens (same answers)          block 8 cap 24: 0.73x / 1.01x; block 4 cap 24: 0.79x / 1.02x;
-                                              block 4: 0.83x / 0.92x
-    256 held-out problems, 32 new tokens
-    AR control                                0.758  -       0.406 s     10.53 ans/s 6.0
-    selfspec block 8 / 4, batch_positions 24  0.766  +0.008  0.83x / 0.89x  1.00x / 1.01x
-    2026-12-04, same arms: llada2 blocks of 8 at threshold 0.9: 0.828 (64), 0.758 (256); 0.91x, 0.77x
+    AR control (`ar` mode, greedy, KV cache)  0.844  -       0.226 s     20.74 ans/s 6.0
+    selfspec block 6                          0.859  +0.016  0.70x       0.90x       3.6
+    selfspec block 8, batch_positions 24      0.859  +0.016  0.73x       1.02x       6.0
+    llada2 blocks of 8, threshold 0.9         0.828  -0.016  0.90x       0.77x       3.3
+    floor: selfspec block 6, every draft right 0.859 +0.016  0.56x       1.20x       2.0
+    at 256 new tokens (same answers)          0.71x / 0.91x; 0.73x / 1.01x; 0.90x / 0.78x; floor 0.56x / 1.21x
+    256 held-out problems, 32 new tokens      AR control 0.758, 0.231 s; selfspec 0.766 (+0.008): block 6
+                                              0.72x / 0.91x, block 8 cap 24 0.74x / 1.01x; floor 0.56x / 1.21x
+    the lossy frontier (llada2 blocks of 8, same arms, 32 new tokens, EM / latency b1): threshold 0.7:
+    0.812 / 0.85x; 0.5: 0.797 / 0.83x; 0.3: 0.641 / 0.62x; 2 forwards a block: 0.141 / 0.60x; 1 forward a
+    block (the whole answer from the prompt's forward): 0.078 / 0.36x
 
-Quality is met at every selfspec setting (its answers are the model's greedy ones: 0.859 vs the AR
-control's 0.844 on 64 problems, 0.766 vs 0.758 on 256). Throughput at batch 16 is met at parity only:
-with `batch_positions: 24` a full batch of 16 takes plain ar steps (a row would get (24 // 16 - 1) // 2 = 0
-drafts) and drafts come back as rows finish, 1.00-1.02x; uncapped, the drafts cost 8-9% (0.91-0.92x).
-Latency is not met: the best is 0.73-0.90x (goal 0.5x). What bounds it on this CPU: a forward costs nearly
-the same for 1 and for 15 positions at batch 1 (57 vs ~101 ms: reading the weights), and the prompt's
-forward (39 tokens + the drafts' slots, ~150 ms) is a third of the AR control's whole answer (~430 ms: the
-prompt and 5 one-token forwards). A lossless decoder needs at least one more forward to check its first
-drafts, so its floor is ~0.53x even if every draft were right (2 forwards per answer). Here the answer's
-last digits are rarely guessed from the prompt alone: drafted in the prompt's forward against the greedy
-answer (64 problems), " " and EOS are right 100%, the leading "0" 94%, the tens digit 44% (top-2 58%), the
-ones digit 11% (top-3 31%), so most answers take 3 forwards (3.1-3.3). At batch 16 every position is
-compute (a forward of 16 rows: 97 ms for 1 position each, 163 ms for 3, 380 ms for 9): a draft pays only
-if accepted more often than ~2 times in 3, which these are not, hence the cap. On a GPU, where a forward
-of 15 positions costs what one of 1 does, the forwards ratio (3.2 / 6 = 0.53) would be the speed ratio;
-not measured: no GPU was lent.
+Quality is met at every selfspec setting (its answers are the model's greedy ones). Throughput at batch 16
+is met with `batch_positions: 24` (1.01-1.02x): a full batch of 16 takes plain ar steps (a row would get
+(24 // 16 - 1) // 2 = 0 drafts) and drafts come back as rows finish; uncapped, wrong drafts cost positions
+(0.90x), right ones pay (the floor: 1.20x). Latency is not met and cannot be at this budget on this CPU.
+Lossless, the floor itself is 0.56x: measured alone at batch 1, a 40-token prompt's forward costs 73 ms
+(75 with 5 slots) and one of 1 position after it 28 ms, so the AR control's answer (the prompt, then 5
+one-token forwards) is ~215 ms, and the prompt's forward plus a check of the drafts (5-6 positions, ~45 ms)
+already exceeds half of it. Lossy, 0.5x needs most answers whole from the prompt's forward (0.36x), and this
+model gets 7.8% of them right that way: drafted there, the answer's tens and ones digits are rarely right
+(44% and 11% on the 2026-12-04 arms), so selfspec takes 3.4-3.6 forwards per answer, and thresholds low
+enough to go faster lose the quality goal (0.641 at 0.62x).
 Tried before selfspec, on the same rows and steps (llada2 at threshold 0.9): bidirectional blocks with
 random masks 0.344, with suffix masks 0.438; causal blocks at lookahead_weight 1: 0.766, at 0.1: 0.812;
 the bidirectional mdlm recipe 0.406 (threshold 0.5).
@@ -79,8 +78,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from real_model import _children_cpu_s, train_figures, write_output  # noqa: E402  (bench/ is not a package)
 
 DEFAULT_SETTINGS = (
-    "selfspec:block_size=8,batch_positions=24",
-    "selfspec:block_size=4",
+    "selfspec:block_size=6",  # the best lossless latency: 1 + 5 drafts cover "#### 0tu<eos>"
+    "selfspec:block_size=8,batch_positions=24",  # the best throughput: a full batch takes plain AR steps
     "llada2:block_size=8,steps=8,threshold=0.9",
 )
 LONG = 256  # the issue's long budget (new tokens)
@@ -109,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads of every decoder")
     p.add_argument("--batch", type=int, default=16, help="the throughput batch")
+    p.add_argument(
+        "--floor", action=argparse.BooleanOptionalAction, default=True,
+        help="add selfspec's measured floor: the first setting's selfspec with every draft right",
+    )  # fmt: skip
     p.add_argument("--output", help="write the table and training figures as JSON")
     return p.parse_args(argv)
 
@@ -155,6 +158,58 @@ class Decoder:
         from dllmflow.evaluation.accuracy import Decoded
 
         self.decoded, self.b1_outputs, self.b1_s = Decoded(), {}, []  # batch 16; batch 1's answers, seconds
+
+
+class FloorDecoder(Decoder):
+    """Lossless decoding's floor, measured: a `selfspec` setting whose prompt forward drafts the model's
+    own greedy answer (known from an untimed run of the same setting), so every answer takes exactly the
+    two forwards a lossless decoder cannot do without (the prompt's with its slots, one check), through
+    the sampler's own code and cache. Its answers are the setting's; only its drafts are better than
+    any model's."""
+
+    def __init__(self, label: str, loaded, overrides: dict, prompts: list[list[int]], batch: int):
+        super().__init__(label, loaded, overrides)
+        self.prompts, self.batch = prompts, batch
+
+    def at_length(self, max_new_tokens: int) -> None:
+        super().at_length(max_new_tokens)
+        r, greedy = self.runner, {}
+        for start in range(0, len(self.prompts), self.batch):  # untimed: the answers the drafts will be
+            chunk = self.prompts[start : start + self.batch]
+            greedy.update(zip(map(tuple, chunk), r.generate(chunk).sequences))
+        self.runner, self.greedy = oracle_drafts(r, greedy), greedy
+
+    def check(self) -> None:
+        """Refuse a floor whose answers are not the setting's (the drafts would have been misread)."""
+        for i, seq in [*self.b1_outputs.items(), *self.decoded.sequences.items()]:
+            if seq != self.greedy[tuple(self.prompts[i])]:
+                raise SystemExit(f"{self.label}: prompt {i} answered other than the setting does")
+
+
+def oracle_drafts(spec, answers: dict[tuple[int, ...], list[int]]):
+    """`spec` (a SelfSpecSampler) whose prompt forward's slots guess `answers[prompt]` (the greedy
+    answer) instead of the model's guesses: the fed drafts, the check and the commits are its own."""
+    import torch
+
+    from dllmflow.diffusion.samplers.selfspec import SelfSpecSampler
+
+    class OracleDrafts(SelfSpecSampler):
+        def _iter_generate(self, prompt_ids):
+            self._oracle = [answers[tuple(p)] for p in prompt_ids]
+            return (yield from super()._iter_generate(prompt_ids))
+
+        def _forward_new(self, kv, keys, ids, pos, first):
+            logits = super()._forward_new(kv, keys, ids, pos, first)  # [b, Q', V]
+            if self._oracle:  # the prompt's forward: [first token | slot guesses] of each row
+                for r, answer in enumerate(self._oracle):
+                    tail = torch.tensor(answer[1 : logits.shape[1]], dtype=torch.long)  # [<= Q' - 1]
+                    logits[r, 1 + torch.arange(len(tail)), tail] = float("inf")
+                self._oracle = []
+            return logits
+
+    return OracleDrafts(
+        spec.model, spec.tokenizer, spec.config, spec.mask_id, training_settings=spec.training_settings
+    )
 
 
 def run_turns(decoders: list[Decoder], prompts: list[list[int]], order: list[int], batch: int) -> None:
@@ -238,6 +293,16 @@ def build_decoders(args, s, ar_s, run_dir: Path) -> list[Decoder]:
     return decoders
 
 
+def floor_decoders(args, decoders: list[Decoder], prompts: list[list[int]]) -> list[Decoder]:
+    """The first selfspec setting's floor (`FloorDecoder`, uncapped), unless --no-floor or there is none."""
+    spec = [d for d in decoders if d.loaded.sampler == "selfspec"]
+    if not (args.floor and spec):
+        return []
+    over = {k: v for k, v in spec[0].overrides.items() if k != "batch_positions"}  # every row drafts
+    label = f"floor: selfspec {','.join(f'{k}={v}' for k, v in over.items())}, every draft right"
+    return [FloorDecoder(label, spec[0].loaded, over, prompts, args.batch)]
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -252,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     # Everything it writes (the prepared rows too) goes under its own dir: a new temp dir unless --run-dir.
     work = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="bench-vs-ar-"))
     print(f"bench dir {work} (kept: rerun with --skip-train --run-dir {work})", flush=True)
+    # Each --setting names its own selfspec cap (the floor has none): the recipe's eval.batch_positions is not
+    # a default here.
     over = {**parse_overrides(args.set), "eval.limit": args.eval_limit, "eval.ar_control": {"enabled": True},
-            "dataset.prepared_dir": str(work / "prepared")}  # fmt: skip
+            "eval.batch_positions": None, "dataset.prepared_dir": str(work / "prepared")}  # fmt: skip
     if args.steps:
         over["train.max_steps"] = args.steps
     s = load_settings(args.recipe, **over)
@@ -282,12 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         if eval_prompts(d.loaded.tokenizer, Path(s.dataset.prepared_dir), "eval", args.eval_limit,
                         s.eval.n_shot).prompts != asked.prompts:  # fmt: skip
             raise SystemExit(f"{d.label}: its tokenizer renders other prompts than the AR control's")
+    decoders += floor_decoders(args, decoders, asked.prompts)
     lengths = [s.eval.max_new_tokens if x == "recipe" else int(x) for x in args.lengths.split(",")]
     out["tables"] = {}
     for length in lengths:
         for d in decoders:
             d.at_length(length)
         run_turns(decoders, asked.prompts, asked.order, args.batch)
+        for d in decoders:
+            getattr(d, "check", lambda: None)()
         rows = with_ratios([score(d, asked, tok) for d in decoders])
         out["tables"][length] = rows
         print_table(length, rows)

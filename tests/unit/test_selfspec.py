@@ -229,3 +229,21 @@ def test_eval_batch_positions_reaches_selfspec_only_and_is_refused_where_no_samp
     )
     with pytest.raises(SettingsError, match=r"eval\.batch_positions: 24 cannot be used.*mdlm"):
         eval_samplers(load_settings(dllm={"mode": "mdlm"}, eval={"batch_positions": 24}))
+
+
+def test_the_bench_floor_drafts_the_greedy_answer_and_takes_two_forwards(drafter):
+    """bench/vs_ar.py's floor row: selfspec whose prompt forward drafts the greedy answer itself."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "vs_ar.py"
+    spec = importlib.util.spec_from_file_location("bench_vs_ar", path)
+    vs_ar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_ar)
+    config = build_sampler_config("selfspec", {"max_new_tokens": 5, "block_size": 4})  # 1 + 3 drafts + 1
+    plain = SAMPLERS["selfspec"](drafter, _Tok(), config, mask_id=M)
+    ar = _decode(drafter, "ar", PROMPTS, max_new_tokens=5)
+    floor = vs_ar.oracle_drafts(plain, dict(zip(map(tuple, PROMPTS), ar.sequences))).generate(PROMPTS)
+    assert floor.sequences == ar.sequences
+    assert floor.row_nfe == [2] * len(PROMPTS)  # the prompt's forward, one check
+    assert max(plain.generate(PROMPTS).row_nfe) > 2  # the model's own drafts miss somewhere
