@@ -127,16 +127,8 @@ class SelfSpecSampler(Sampler):
             if len(keep) < len(done):
                 rows.select(keep)
                 kv.select_rows(keep)
-            # F drafts and W [MASK] slots (W = F = D without a batch_positions cap); no slots when every
-            # row's drafts end its answer (none would be needed if accepted). A stop draft is never fed:
-            # the position before it checks it, and nothing after it is committed.
             b, K = len(keep), kv.length
-            W = self._width(b, D)
-            F = min(W, real)
-            is_stop = torch.isin(rows.drafts[:, :F], stop)  # [b, F]
-            ends = is_stop.any(dim=1)  # [b] the row's drafts end its answer
-            W = 0 if F and bool(ends.all()) else W
-            F = int(torch.where(ends, is_stop.long().argmax(dim=1), F).max()) if F else 0
+            F, W = self._feed(rows.drafts, real, stop)
             fed = rows.drafts[:, :F]  # [b, F]
             Q = 1 + F + W
             masks = torch.full((b, W), self.mask_id, dtype=rows.drafts.dtype, device=dev)
@@ -161,6 +153,21 @@ class SelfSpecSampler(Sampler):
             real = W + int((F - j).min())  # made by this forward in every row: F - j choices, W slots
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
+
+    def _feed(self, drafts: Tensor, real: int, stop: Tensor) -> tuple[int, int]:
+        """(F, W): how many of the live rows' drafts [b, D] a forward feeds, at most the `real` ones a
+        forward made, and how many [MASK] slots (F = W = D without a batch_positions cap). A stop draft
+        is never fed (the position before it checks it, and nothing after it is committed), and when
+        every row's drafts end its answer no slots are (none would be needed if accepted)."""
+        W = self._width(len(drafts), drafts.shape[1])
+        F = min(W, real)
+        if not F:
+            return 0, W
+        is_stop = torch.isin(drafts[:, :F], stop)  # [b, F]
+        ends = is_stop.any(dim=1)  # [b] the row's drafts end its answer
+        if not bool(ends.all()):
+            return F, W
+        return int(is_stop.long().argmax(dim=1).max()), 0
 
     def _width(self, rows: int, most: int) -> int:
         """Drafts (and slots) per row of a forward over `rows` live rows: `most` unless
