@@ -200,8 +200,8 @@ def evaluated_samplers(settings: Any) -> list[str]:
 def check_eval_settings(settings: Any) -> None:
     """`eval.cache`, `eval.batch_positions` and each `eval.sweep` value must be usable by at least one
     evaluated sampler (the others run without it, as with any eval knob they do not take); else a
-    SettingsError naming the field, the mode and what each sampler takes. Torch-free (the sampler configs, not the samplers): the
-    flow's recipe parse runs it, and the train step again."""
+    SettingsError naming the field, the mode and what each sampler takes. Torch-free (the sampler
+    configs, not the samplers): the flow's recipe parse runs it, and the train step again."""
     from dllmflow.settings import SettingsError
 
     samplers = evaluated_samplers(settings)
