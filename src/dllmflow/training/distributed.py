@@ -14,6 +14,7 @@ env (RANK/WORLD_SIZE) the trainer runs in-process as a single rank and no proces
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import uuid
 from collections.abc import Iterator
@@ -106,7 +107,13 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
+    """Destroy the process group, after freeing what still holds it. A DDP model lives in a reference
+    cycle, so only the garbage collector frees it; run after the group is destroyed (at exit, say), its
+    Reducer drops the group's last reference and the group's destructor joins gloo's worker threads while
+    holding the GIL, which a worker may need to free a finished collective's tensors: a rank then hangs
+    at exit. Collected first, the Reducer only drops a reference the group registry still shares."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
