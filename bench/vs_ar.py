@@ -161,6 +161,9 @@ class Decoder:
 
         self.decoded, self.b1_outputs, self.b1_s = Decoded(), {}, []  # batch 16; batch 1's answers, seconds
 
+    def check(self) -> None:
+        """After a length's turns: refuse figures that do not measure what the row says (none here)."""
+
 
 class FloorDecoder(Decoder):
     """Lossless decoding's floor, measured: a `selfspec` setting whose prompt forward drafts the model's
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             d.at_length(length)
         run_turns(decoders, asked.prompts, asked.order, args.batch)
         for d in decoders:
-            getattr(d, "check", lambda: None)()
+            d.check()
         rows = with_ratios([score(d, asked, tok) for d in decoders])
         out["tables"][length] = rows
         print_table(length, rows)
