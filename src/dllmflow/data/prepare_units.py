@@ -249,7 +249,7 @@ def _join(settings, plan: dict) -> dict:
     records = [_read_record(staging, k, seg) for k, seg in enumerate(source.units)]
     files = _check_files(staging, records)
     manifest = _merge(settings, plan, source, records, files)
-    manifest["content_hash"] = content_hash(staging)
+    manifest["content_hash"] = content_hash(staging, manifest)
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _swap_into_place(staging, out_dir)
     return manifest

@@ -23,8 +23,9 @@ from dllmflow.errors import UserError
 
 from .chat import ChatSource, load_chat_rows
 from .formats import RowSpec
+from .gsm8k import sha256_file
 from .mixture import mix_rows
-from .shards import TOKENS_SUFFIX
+from .shards import TOKENS_SUFFIX, tokens_path
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
@@ -74,9 +75,14 @@ def read_manifest(prepared_dir: str | os.PathLike) -> dict | None:
 def _reusable(manifest: dict | None, fingerprint: str, out_dir: Path) -> bool:
     if not manifest or manifest.get("fingerprint") != fingerprint:
         return False
-    # a dir prepared before token files (no `files` checksums) is rebuilt once
+    # a dir prepared before token files (no `files` checksums) or before their id ranges is rebuilt once
     files = manifest.get("files")
-    return bool(files) and all((out_dir / f).is_file() for f in files) and (out_dir / "tokenizer").is_dir()
+    return (
+        bool(files)
+        and all("ids" in m for f, m in files.items() if f.endswith(TOKENS_SUFFIX))
+        and all((out_dir / f).is_file() for f in files)
+        and (out_dir / "tokenizer").is_dir()
+    )
 
 
 def fit_row(row: dict, ids: list[int], mask: list[int], seq_length: int, drop_truncated: bool) -> dict | None:
@@ -100,21 +106,88 @@ def fit_row(row: dict, ids: list[int], mask: list[int], seq_length: int, drop_tr
     }  # fmt: skip
 
 
-def content_hash(out_dir: Path) -> str:
-    """sha256 over the parquet shards and tokenizer files (relative path + bytes), in a fixed order: the
-    data's identity. The token files are derived from the shards (the manifest's `files` checksums
-    cover them), so the same rows and tokenizer keep the hash they had before there were token files."""
-    h = hashlib.sha256()
-    files = sorted(
-        p
-        for sub in (*SPLITS, "tokenizer")
-        for p in (out_dir / sub).rglob("*")
-        if p.is_file() and not p.name.endswith(TOKENS_SUFFIX)
-    )
-    for p in files:
-        h.update(str(p.relative_to(out_dir)).encode() + b"\0")
-        h.update(p.read_bytes())
+def content_hash(out_dir: Path, manifest: dict) -> str:
+    """The data's identity: sha256 over the relative path and sha256 of every file the manifest lists
+    (parquet shards and token files), every tokenizer file, and the tokenizer facts the ids are checked
+    against, in a fixed order. Computed from the per-file checksums, so checking it reads only the
+    tokenizer; a file whose bytes match its checksum then matches the hash."""
+    entries = {rel: meta["sha256"] for rel, meta in manifest["files"].items()}
+    entries.update(tokenizer_hashes(out_dir))
+    h = hashlib.sha256(json.dumps(manifest["tokenizer"], sort_keys=True).encode() + b"\n")
+    for rel in sorted(entries):
+        h.update(f"{rel}\0{entries[rel]}\n".encode())
     return h.hexdigest()
+
+
+def tokenizer_hashes(out_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(out_dir)): _sha256_once(p) for p in sorted((out_dir / "tokenizer").rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+# ---- what a consumer checks before it reads (docs/contracts.md: prepared data verifies itself) -------
+
+
+class PreparedDataError(UserError):
+    """A prepared file that is not what its manifest records: changed, swapped, cut short, ids outside
+    the vocabulary, or a dir prepared before files were verified."""
+
+
+_HASHED: dict[
+    tuple, str
+] = {}  # (path, inode, size, mtime) -> sha256: each file version hashed once per process
+
+
+def _sha256_once(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = sha256_file(path)  # streamed in 1 MiB chunks: memory does not grow with the file
+    return _HASHED[key]
+
+
+def verify_file(out_dir: Path, rel: str, meta: dict) -> None:
+    """`out_dir/rel` against its manifest entry (bytes, then sha256), hashed once per process: a file
+    changed, cut short or swapped with another split's (the checksum is per path) is refused by name."""
+    path = out_dir / rel
+    fix = "run `dllmflow prepare --force --params <recipe.yaml>` to rebuild it"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise PreparedDataError(f"{path}: missing (the manifest lists it); {fix}") from None
+    if size != meta["bytes"]:
+        raise PreparedDataError(f"{path}: {size} bytes, the manifest records {meta['bytes']}; {fix}")
+    actual = _sha256_once(path)
+    if actual != meta["sha256"]:
+        raise PreparedDataError(
+            f"{path}: sha256 {actual} does not match the manifest's {meta['sha256']} (changed or swapped "
+            f"since prepare wrote it); {fix}"
+        )
+
+
+def check_manifest(out_dir: Path, manifest: dict, split: str, vocab_size: int | None = None) -> None:
+    """What opening `split` checks before any row is read (cheap: the tokenizer files are hashed, the
+    shards are not): the dir was prepared with verification, its `content_hash` is its files' and
+    tokenizer's, and every token file's recorded id range lies in [0, vocab_size) (default: the
+    prepared tokenizer's size; training passes the model's)."""
+    fix = "run `dllmflow prepare --force --params <recipe.yaml>` to rebuild it"
+    shards = manifest["splits"][split]["shards"]
+    tokens = [tokens_path(s) for s in shards]
+    if any("ids" not in manifest["files"].get(t, {}) for t in tokens):
+        raise PreparedDataError(f"{out_dir}: prepared before token files were verified (no id ranges); {fix}")
+    actual = content_hash(out_dir, manifest)
+    if actual != manifest["content_hash"]:
+        raise PreparedDataError(
+            f"{out_dir / MANIFEST}: content_hash {manifest['content_hash']} does not match its files and "
+            f"tokenizer ({actual}): the manifest or tokenizer/ changed since prepare; {fix}"
+        )
+    vocab = manifest["tokenizer"]["vocab_size"] if vocab_size is None else vocab_size
+    for t in tokens:
+        ids = manifest["files"][t]["ids"]
+        if ids is not None and not (0 <= ids[0] and ids[1] < vocab):
+            raise PreparedDataError(
+                f"{out_dir / t}: token ids span [{ids[0]}, {ids[1]}], outside the vocabulary [0, {vocab}): "
+                f"the data was prepared with another tokenizer; prepare it with the model's tokenizer"
+            )
 
 
 def _check_usable(

@@ -7,7 +7,9 @@
 
 Each shard is two files of the same rows: `shard-N.parquet` (every column: the chat, its answer and
 its tokens; compressed, what evaluation and users read) and `shard-N.tokens.arrow`, an uncompressed
-Arrow IPC file of the columns training reads (id, input_ids, loss_mask, prompt_length). Training reads
+Arrow IPC file of the columns training reads (id, input_ids, loss_mask, prompt_length), one record
+batch per file (the reader refuses any other count), its id range recorded beside its checksum (the
+vocabulary check of data/prepared_dir.py). Training reads
 a row's bytes where they lie: opening a split reads no shard; a shard's buffer positions come from its
 Arrow metadata on first access; a row is a few positioned reads of its own bytes, so each rank touches
 only the rows its sampler gives it and its memory does not grow with the rows. A shard is written
@@ -21,10 +23,16 @@ import os
 from bisect import bisect_right
 from pathlib import Path
 
+from dllmflow.errors import UserError
+
 from .gsm8k import sha256_file
 
 TOKENS_SUFFIX = ".tokens.arrow"
 TOKEN_COLUMNS = ("id", "input_ids", "loss_mask", "prompt_length")
+
+
+class TokenFileError(UserError):
+    """A token file that does not read as its manifest describes it."""
 
 
 def shard_schema():
@@ -84,14 +92,26 @@ class ShardWriter:
                 "rows": len(self.rows),
                 "bytes": path.stat().st_size,
             }
+        self.files[tokens_path(name)]["ids"] = id_range(tokens)
         self.next, self.written, self.rows = self.next + 1, self.written + 1, []
+
+
+def id_range(tokens) -> list[int] | None:
+    """[min, max] of a token table's ids (None without ids): what the vocabulary check compares."""
+    import pyarrow.compute as pc
+
+    lo_hi = pc.min_max(pc.list_flatten(tokens.column("input_ids")))
+    return None if lo_hi["min"].as_py() is None else [lo_hi["min"].as_py(), lo_hi["max"].as_py()]
 
 
 def _write_ipc(table, path: str) -> None:
     import pyarrow as pa
 
+    # The reader locates a row's bytes in batch 0 only: one batch per file (an empty split included).
+    batches = table.combine_chunks().to_batches() or [pa.RecordBatch.from_pylist([], schema=table.schema)]
+    assert len(batches) == 1, f"{path}: {len(batches)} record batches; a token file holds one"
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+        writer.write_batch(batches[0])
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -128,14 +148,23 @@ class TokenStore:
             os.close(fd)
 
     def _layout(self, k: int) -> dict[str, int]:
-        """File offsets of shard k's buffers: {column: offsets/data position}."""
+        """File offsets of shard k's buffers: {column: offsets/data position}, and the file's size."""
         if k not in self._layouts:
             import pyarrow as pa
 
-            source = pa.memory_map(str(self.root / self.paths[k]))
+            path = self.root / self.paths[k]
+            source = pa.memory_map(str(path))
             try:
                 base = source.read_buffer(1).address  # file offset 0
-                batch = pa.ipc.open_file(source).get_batch(0)
+                reader = pa.ipc.open_file(source)
+                rows = self.starts[k + 1] - self.starts[k]
+                if reader.num_record_batches != 1 or reader.get_batch(0).num_rows != rows:
+                    raise TokenFileError(
+                        f"{path}: {reader.num_record_batches} record batch(es) of "
+                        f"{sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))} "
+                        f"rows, the manifest records one of {rows}; run `dllmflow prepare --force` again"
+                    )
+                batch = reader.get_batch(0)
                 key, ids, mask, plen = (batch.column(n) for n in TOKEN_COLUMNS)
                 self._layouts[k] = {
                     "ids_offsets": ids.buffers()[1].address - base,
@@ -145,7 +174,12 @@ class TokenStore:
                     "id_offsets": key.buffers()[1].address - base,
                     "id": key.buffers()[2].address - base,
                     "prompt_length": plen.buffers()[1].address - base,
+                    "size": source.size(),
                 }
+            except (pa.ArrowInvalid, OSError) as e:
+                raise TokenFileError(
+                    f"{path}: not a readable token file ({e}); run `dllmflow prepare --force` again"
+                ) from None
             finally:
                 source.close()
         return self._layouts[k]
@@ -164,8 +198,13 @@ class TokenStore:
         j, at, fd = i - self.starts[k], self._layout(k), self._fd(k)
 
         def span(offsets: int, values: int, width: int, dtype) -> np.ndarray:
-            a, b = np.frombuffer(os.pread(fd, 8, offsets + 4 * j), np.int32)
-            return np.frombuffer(os.pread(fd, width * int(b - a), values + width * int(a)), dtype)
+            a, b = (int(x) for x in np.frombuffer(os.pread(fd, 8, offsets + 4 * j), np.int32))
+            if not 0 <= a <= b or values + width * b > at["size"]:  # an offset no writer made
+                raise TokenFileError(
+                    f"{self.root / self.paths[k]}: row {j} spans values [{a}, {b}), past the file's "
+                    f"{at['size']} bytes; the file is damaged: run `dllmflow prepare --force` again"
+                )
+            return np.frombuffer(os.pread(fd, width * (b - a), values + width * a), dtype)
 
         return {
             "id": span(at["id_offsets"], at["id"], 1, np.uint8).tobytes().decode("utf-8"),
