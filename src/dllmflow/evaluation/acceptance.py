@@ -248,7 +248,7 @@ def evaluate_dflash(
     target. -> {"metrics", "protocol", "predictions"} (metrics as `acceptance_metrics`)."""
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.data.task import prompt_messages
-    from dllmflow.evaluation.protocol import split_sha256
+    from dllmflow.evaluation.protocol import checkpoint_record, split_sha256
 
     trust = bool(settings and settings.model.trust_remote_code)  # the caller's settings only
     draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target, trust_remote_code=trust)
@@ -298,7 +298,7 @@ def evaluate_dflash(
         "limit": limit,
         "split": split,
         "split_sha256": split_sha256(prepared_dir, split),
-        "checkpoint": str(checkpoint),
+        **checkpoint_record(checkpoint),
         "target": target or cfg.target_model_id,
     }
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions}

@@ -36,6 +36,7 @@ from dllmflow.evaluation.protocol import (
     EvalPrompts,
     EvalRunner,
     build_eval_runner,
+    checkpoint_record,
     default_eval_sampler,
     eval_prompts,
     resolve_prepared_dir,
@@ -129,7 +130,7 @@ def evaluate_loaded(
         "seed": config.seed,
         "batch_size": batch_size,
         "mask_id": runner.mask_id,
-        "checkpoint": str(checkpoint),
+        **checkpoint_record(checkpoint),
         "prepared_dir": str(prepared_dir),
         **asked.protocol(),
     }

@@ -29,7 +29,7 @@ from torch import Tensor
 from dllmflow.data.task import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict, task_chats
 from dllmflow.errors import UserError
 
-from .protocol import build_eval_runner, resolve_prepared_dir, template_hash
+from .protocol import build_eval_runner, checkpoint_record, resolve_prepared_dir, template_hash
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 INVALID = "[invalid]"  # a filtered answer no gold equals (lm-eval's convention for "nothing extracted")
@@ -351,7 +351,7 @@ def run_harness(
         "sampler_settings": config.model_dump(mode="json"), "max_new_tokens": config.max_new_tokens,
         "n_shot": getattr(lm.loaded.eval_cfg, "n_shot", 0), "chat_template_sha256": template_hash(lm.tokenizer),
         "limit": limit, "split": split, "seed": config.seed, "batch_size": lm.batch_size, "mask_id": lm.mask_id,
-        "checkpoint": str(checkpoint), "prepared_dir": str(prepared_dir),
+        **checkpoint_record(checkpoint), "prepared_dir": str(prepared_dir),
     }  # fmt: skip
     lm_eval_results = json.loads(json.dumps(res["results"], default=str))  # numpy floats -> float
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions, "lm_eval": lm_eval_results}

@@ -11,6 +11,7 @@ Both evaluators import from here, never from each other.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, replace
@@ -60,6 +61,48 @@ def protocol_differences(candidate: dict[str, Any], champion: dict[str, Any]) ->
         else:
             out.append(f"{key}: {b[key]!r} -> {a[key]!r}")
     return out
+
+
+# ---- the weights an evaluation ran ----------------------------------------------------------------
+
+
+def checkpoint_record(checkpoint: str | Path) -> dict[str, str | None]:
+    """What an evaluation's protocol records of the weights it ran, so `dllmflow register` can bind it
+    to a run's export: `checkpoint` as given, `checkpoint_dir` (the export it resolved to) and
+    `checkpoint_sha256` (`weights_sha256` of that export)."""
+    from dllmflow.runs import resolve_checkpoint
+
+    try:
+        export = resolve_checkpoint(checkpoint).resolve()
+    except UserError:  # not a local dir (a registered model's URI): recorded as given
+        return {"checkpoint": str(checkpoint)}
+    return {
+        "checkpoint": str(checkpoint),
+        "checkpoint_dir": str(export),
+        "checkpoint_sha256": weights_sha256(export),
+    }
+
+
+def weights_sha256(export: str | Path) -> str | None:
+    """sha256 over each weight file's name and sha256 (streamed; each file version hashed once per
+    process: a sweep evaluates one checkpoint many times); None for a dir without safetensors."""
+    from dllmflow.models.integrity import weight_files
+
+    files = weight_files(export)
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}\0{_file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)}\n".encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    from dllmflow.data.gsm8k import sha256_file
+
+    return sha256_file(path)
 
 
 # ---- prompts ------------------------------------------------------------------------------------
