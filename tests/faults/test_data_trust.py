@@ -6,6 +6,7 @@ manifest's `content_hash` covers the token files; each file is hashed once per p
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -230,3 +231,109 @@ def test_each_file_is_hashed_once_per_process(copy, monkeypatch):
     assert sorted(calls).count("tokenizer.json") == 1
     assert len([c for c in calls if c.endswith(".tokens.arrow")]) == len(tokens)
     assert len([c for c in calls if c.endswith(".parquet")]) == 1  # rows(2): the first shard only
+
+
+# ---- the source cannot change under prepare (data/stream.py) -------------------------------------------
+
+
+def _no_dataset(out: Path) -> bool:
+    return not (out / "manifest.json").exists()
+
+
+def test_a_source_cut_short_while_a_unit_reads_it_is_refused_and_nothing_is_published(tmp_path):
+    from dllmflow.data.prepare_units import join_prepare, plan_prepare, run_unit
+    from dllmflow.data.stream import SourceChangedError
+
+    src = _source(tmp_path / "chat.jsonl")
+    s = _settings(tmp_path)
+    full, st = src.read_bytes(), src.stat()
+    plan = plan_prepare(s)
+    src.write_bytes(full[: len(full) // 3])  # cut short after the plan read it ...
+    with pytest.raises(SourceChangedError) as err:
+        run_unit(s, plan, 0)
+    assert f"{src}: bytes [0, {len(full)}) held 80 records when prepare planned, " in _one_line(err)
+    src.write_bytes(full)  # ... and restored byte for byte, mtime too: the join alone would not see it
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(Exception, match="unit 0 .* has no record"):
+        join_prepare(s, plan)
+    assert _no_dataset(tmp_path / "prep")
+    assert prepare(s)["source"]["rows_read"] == 80
+
+
+def test_a_source_changed_before_the_join_is_refused_and_nothing_is_published(tmp_path, monkeypatch):
+    from dllmflow.data import prepare_units
+    from dllmflow.data.stream import SourceChangedError
+
+    src = _source(tmp_path / "chat.jsonl")
+    size = src.stat().st_size
+    real = prepare_units.run_units
+
+    def run_then_append(settings, plan, workers=1):
+        real(settings, plan, workers)
+        with open(src, "a") as f:  # a writer still appending when the units finished
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": "late"}, {"role": "assistant", "content": "x"}]}
+                )
+                + "\n"
+            )
+
+    monkeypatch.setattr(prepare_units, "run_units", run_then_append)
+    monkeypatch.setattr("dllmflow.data.prepare.run_units", run_then_append)
+    with pytest.raises(SourceChangedError) as err:
+        prepare(_settings(tmp_path))
+    msg = _one_line(err)
+    assert (
+        f"{src}: changed since prepare planned it (bytes {size} -> " in msg and "nothing was published" in msg
+    )
+    assert _no_dataset(tmp_path / "prep") and not list(tmp_path.glob(".prep.tmp-*"))
+
+
+def test_reuse_needs_the_recorded_fingerprint_to_be_the_source_now_by_content(tmp_path):
+    src = _source(tmp_path / "chat.jsonl")
+    full = src.read_bytes()
+    cut = full[: full.index(b"\n", len(full) // 2) + 1]
+    src.write_bytes(cut)  # prepared from a truncated file ...
+    s = _settings(tmp_path)
+    first = prepare(s)
+    rec = first["source"]["files"][str(src)]
+    assert (
+        rec["bytes"] == len(cut)
+        and rec["sha256"] == sha256_file(src)
+        and rec["mtime_ns"] == src.stat().st_mtime_ns
+    )
+    src.write_bytes(full)  # ... restored: prepared afresh
+    again = prepare(s)
+    assert again["source"]["rows_read"] == 80 > first["source"]["rows_read"]
+    manifest = tmp_path / "prep" / "manifest.json"
+    before = manifest.stat().st_ino
+    os.utime(src, ns=(1, 1))  # same bytes, another mtime (a checkout, a copy): reused
+    assert prepare(s)["content_hash"] == again["content_hash"] and manifest.stat().st_ino == before
+
+
+def _die_in_worker(settings: dict, plan: dict, k: int) -> None:  # runs in a spawned prepare worker
+    if k == 1:
+        os._exit(9)  # as the OOM killer or kill -9 would: no exception, no cleanup
+
+
+def test_a_killed_prepare_worker_is_one_line_and_its_staging_dir_goes_next_run(tmp_path, monkeypatch):
+    from dllmflow.data import prepare_units
+    from dllmflow.data.prepare_units import PrepareWorkerError
+
+    _source(tmp_path / "chat.jsonl")
+    s = _settings(tmp_path, task_rows=20)
+    monkeypatch.setattr(prepare_units, "_run_unit_dict", _die_in_worker)
+    with pytest.raises(PrepareWorkerError) as err:
+        prepare(s, workers=2)
+    assert "a prepare worker died while tokenising unit" in _one_line(err) and "--workers 2" in str(err.value)
+    assert _no_dataset(tmp_path / "prep")
+    # a prepare killed outright (no cleanup at all) leaves its staging dir and a swap's old copy: the
+    # next run of that prepared dir removes them
+    (tmp_path / ".prep.tmp-killed" / "train").mkdir(parents=True)
+    (tmp_path / ".prep.old-killed").mkdir()
+    monkeypatch.undo()
+    prepare(s)
+    assert not list(tmp_path.glob(".prep.*")) and not _no_dataset(tmp_path / "prep")
+    (tmp_path / ".prep.tmp-killed2").mkdir()
+    prepare(s)  # reused: still cleaned
+    assert not list(tmp_path.glob(".prep.*"))

@@ -51,7 +51,7 @@ from .prepared_dir import (
     source_name,
 )
 from .shards import ShardWriter
-from .stream import SourcePlan, iter_unit, plan_source
+from .stream import SourcePlan, check_source_unchanged, iter_unit, plan_source, same_content
 from .tokenizer import build_tokenizer, encode_chats, encode_texts, load_tokenizer
 
 CHUNK_ROWS = 512  # rows tokenised per batched call: memory is bounded by this and dataset.shard_size
@@ -60,6 +60,10 @@ UNITS_DIR = ".units"
 
 class PrepareJoinError(UserError):
     """A unit's record or shard is missing or does not match its checksum."""
+
+
+class PrepareWorkerError(UserError):
+    """A `--workers N` process died (killed, out of memory) before its unit was written."""
 
 
 # ---- plan ------------------------------------------------------------------------------------------
@@ -75,12 +79,15 @@ def plan_prepare(settings, force: bool = False) -> dict:
 
 
 def make_plan(settings, out_dir: Path, force: bool) -> dict:
+    """The plan, under `out_dir`'s lock (see `plan_prepare`)."""
     dcfg = settings.dataset
+    remove_stale_staging(out_dir)
     source = plan_source(dcfg)
     used = _settings_used(settings)
     fingerprint = _fingerprint(used, source.sha256)
     existing = read_manifest(out_dir)
-    if not force and _reusable(existing, fingerprint, out_dir):
+    recorded = ((existing or {}).get("source") or {}).get("files")
+    if not force and _reusable(existing, fingerprint, out_dir) and same_content(recorded, source.fingerprint):
         return {"reused": existing, "source": {"units": [[]]}}
     tok = build_tokenizer(settings, _training_texts(settings, source))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +112,20 @@ def make_plan(settings, out_dir: Path, force: bool) -> dict:
             "settings": used,
         },
     }
+
+
+def remove_stale_staging(out_dir: Path) -> list[Path]:
+    """Remove what an earlier prepare of `out_dir` left beside it when it was killed: its staging dir
+    (`.<name>.tmp-*`) and a swap's old copy (`.<name>.old-*`). Called holding the dir's lock, so no
+    one-process prepare is writing them; a fan-out whose plan is superseded by this one fails its join
+    naming its staging dir (one writer per prepared dir)."""
+    removed = []
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
+        for p in out_dir.parent.glob(pattern) if out_dir.parent.is_dir() else ():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
 
 
 def _training_texts(settings, source: SourcePlan):
@@ -178,12 +199,21 @@ def run_units(settings, plan: dict, workers: int = 1) -> None:
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     data = settings.to_dict()
     ctx = multiprocessing.get_context("spawn")  # no fork after the tokenizer's threads started
     with ProcessPoolExecutor(min(workers, n), mp_context=ctx) as pool:
-        for f in [pool.submit(_run_unit_dict, data, plan, k) for k in range(n)]:
-            f.result()
+        futures = [pool.submit(_run_unit_dict, data, plan, k) for k in range(n)]
+        for k, f in enumerate(futures):
+            try:
+                f.result()
+            except BrokenProcessPool:  # a worker killed (OOM killer, kill -9): its traceback says nothing
+                raise PrepareWorkerError(
+                    f"a prepare worker died while tokenising unit {k} of {n} (killed, or out of memory: "
+                    f"--workers {workers}); nothing was published to {plan['out_dir']}: prepare again, "
+                    "with fewer --workers if memory is short"
+                ) from None
 
 
 def _run_unit_dict(settings: dict, plan: dict, k: int) -> None:
@@ -246,6 +276,7 @@ def join_prepare(settings, plan: dict, *, locked: bool = False) -> dict:
 def _join(settings, plan: dict) -> dict:
     staging, out_dir = Path(plan["staging"]), Path(plan["out_dir"])
     source = SourcePlan.from_dict(plan["source"])
+    check_source_unchanged(source)  # what the units read is what the plan fingerprinted
     records = [_read_record(staging, k, seg) for k, seg in enumerate(source.units)]
     files = _check_files(staging, records)
     manifest = _merge(settings, plan, source, records, files)
@@ -313,7 +344,7 @@ def _merge(settings, plan: dict, source: SourcePlan, records: list[dict], files:
     return {
         **plan["manifest"],
         "source": {"path_or_dataset_id": source_name(dcfg), "sha256": source.sha256,
-                   "rows_read": sum(r["num_read"] for r in records)},
+                   "rows_read": sum(r["num_read"] for r in records), "files": source.fingerprint},
         "dropped": dict(dropped),
         "dropped_reasons": dict(sorted(reasons.items())),
         "dropped_examples": examples,

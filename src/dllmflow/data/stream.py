@@ -13,6 +13,12 @@ process reading every unit in turn and one task per unit read the same records; 
 (its sha256 and, for JSONL, the byte offset of each cut); a unit reads only its segments, a chunk
 of lines or a parquet batch at a time. Embedded sets and mixtures are built in memory (a mixture
 samples from whole sources) and cut by index.
+
+The source cannot change under prepare: the plan records each file's fingerprint (`bytes`, `mtime_ns`
+and `sha256`; an object store's `etag` / `version_id` too) around its own read, a JSONL unit checks it
+read every record the plan counted in its byte range, and `check_source_unchanged` (the join, before
+anything is published) fingerprints the files again. Any difference is a `SourceChangedError` naming
+the file and what changed.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class SourcePlan:
     dropped: dict[str, int] = field(default_factory=dict)  # found while planning (an empty file)
     examples: list[str] = field(default_factory=list)
     columns: dict[str, list[str]] = field(default_factory=dict)  # parquet file -> its columns
+    fingerprint: dict[str, dict] = field(default_factory=dict)  # file -> bytes, mtime_ns, sha256 (etag)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "units": [[asdict(s) for s in u] for u in self.units]}
@@ -121,7 +128,11 @@ def _plan_rows(dcfg, every: int | None) -> SourcePlan:
     from .prepared_dir import load_source
 
     src = load_source(dcfg)  # in memory: a mixture samples across whole sources
-    return SourcePlan(src.sha256, src.files, _index_units("rows", "", len(src.rows), every))
+    plan = SourcePlan(src.sha256, src.files, _index_units("rows", "", len(src.rows), every))
+    for f in src.files:  # each unit loads them again: the join checks they stayed what was hashed here
+        if "://" in f or Path(f).is_file():
+            plan.fingerprint[f] = {**file_stat(f), "sha256": _sha256_of(f)}
+    return plan
 
 
 def _plan_hf(dcfg, every: int | None) -> SourcePlan:
@@ -159,20 +170,82 @@ def _plan_files(files: list[tuple[str, str]], dcfg, every: int | None) -> Source
     for f, rel in files:
         plan.files.append(f)
         try:
+            before = file_stat(f)
             if f.endswith(".parquet"):
                 file_hash, records = _sha256_of(f), _cut_parquet(f, cutter, plan)
                 if records:
                     spec_of(dcfg).check_columns(plan.columns[f], f)
             else:
                 file_hash, records = _cut_jsonl(f, cutter, dcfg.max_row_bytes)
+            _check_same(f, before, file_stat(f))
         except OSError as e:
             raise SourceReadError(f"{f}: cannot read ({e.__class__.__name__}: {e})") from None
+        plan.fingerprint[f] = {**before, "sha256": file_hash}
         digest.update(f"{rel}\0{file_hash}\n".encode())
         if not records:
             plan.dropped[EMPTY_FILE] = plan.dropped.get(EMPTY_FILE, 0) + 1
             plan.examples.append(f"{f}: {EMPTY_FILE}")
     plan.sha256, plan.units = digest.hexdigest(), cutter.result()
     return plan
+
+
+# ---- the source's fingerprint ---------------------------------------------------------------------
+
+
+class SourceChangedError(UserError):
+    """A source file changed between the plan's read and the publish: nothing was published."""
+
+
+def file_stat(f: str) -> dict:
+    """What says a file changed without reading it: size and mtime; for an object store, its ETag and
+    version (when the bucket keeps versions) too."""
+    if "://" not in f:
+        st = Path(f).stat()
+        return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(f)
+    fs.invalidate_cache(path)
+    info = fs.info(path)
+    out = {"bytes": info.get("size"), "etag": info.get("ETag"), "version_id": info.get("VersionId")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _check_same(f: str, before: dict, after: dict, what: str = "while prepare read it") -> None:
+    changed = [
+        f"{k} {before.get(k)} -> {after.get(k)}"
+        for k in sorted({*before, *after})
+        if before.get(k) != after.get(k)
+    ]
+    if changed:
+        raise SourceChangedError(
+            f"{f}: changed {what} ({'; '.join(changed)}); nothing was published to dataset.prepared_dir: "
+            "prepare again once the source is complete and no longer written"
+        )
+
+
+def check_source_unchanged(plan: SourcePlan) -> None:
+    """SourceChangedError unless every file the plan read is as it was: size, mtime and (local files)
+    a fresh sha256, streamed; an object's ETag / version. Called before anything is published."""
+    for f, was in plan.fingerprint.items():
+        try:
+            now = file_stat(f)
+            if "://" not in f:
+                now["sha256"] = _sha256_of(f)
+        except OSError as e:
+            raise SourceChangedError(
+                f"{f}: gone since prepare read it ({e.__class__.__name__}); nothing was published to "
+                "dataset.prepared_dir: prepare again once the source is complete"
+            ) from None
+        _check_same(f, {k: v for k, v in was.items() if k in now}, now, "since prepare planned it")
+
+
+def same_content(recorded: dict | None, now: dict) -> bool:
+    """Reuse rule: the recorded fingerprint equals the source's now by content (sha256, size, ETag,
+    version); not by mtime, which a checkout or copy changes without changing the data."""
+    keys = ("bytes", "sha256", "etag", "version_id")
+    strip = lambda fp: {f: {k: v for k, v in m.items() if k in keys} for f, m in fp.items()}  # noqa: E731
+    return recorded is not None and strip(recorded) == strip(now)
 
 
 def _sha256_of(f: str) -> str:
@@ -194,8 +267,11 @@ def _cut_jsonl(f: str, cutter: _Cutter, max_row_bytes: int) -> tuple[str, int]:
         while raw := fh.readline(max_row_bytes + 1):
             start, pos, lines = pos, pos + len(raw), lines + 1
             h.update(raw)
-            record = len(raw) > max_row_bytes or bool(raw.strip())
-            while len(raw) > max_row_bytes and not raw.endswith(b"\n"):
+            long = len(raw) > max_row_bytes
+            record = long or bool(raw.strip())
+            while (
+                long and raw and not raw.endswith(b"\n")
+            ):  # the rest of an over-long line, as the reader skips it
                 raw = fh.readline(1 << 20)
                 pos += len(raw)
                 h.update(raw)
@@ -276,12 +352,20 @@ def _read_jsonl(dcfg, seg: Segment, spec: RowSpec, out: ChatSource) -> Iterator[
     f, stem = seg.path, _stem(seg.path)
     columns = out.columns.setdefault(seg.path, set())
     records = _jsonl_records(f, dcfg.max_row_bytes, seg.start, seg.stop, seg.line)
+    read = 0
     for i, (n, rec) in enumerate(records, start=seg.first):
+        read += 1
         if isinstance(rec, dict):
             columns.update(rec)
         row = convert_record(out, rec, f"{stem}-{i:06d}", spec, f"{f}:line {n}")
         if row is not None:
             yield row
+    if read != seg.count:  # cut short (or rewritten) after the plan counted its records
+        raise SourceChangedError(
+            f"{f}: bytes [{seg.start}, {seg.stop}) held {seg.count} records when prepare planned, {read} "
+            "when it read them: the file changed while prepare read it; nothing was published to "
+            "dataset.prepared_dir: prepare again once the source is complete and no longer written"
+        )
 
 
 def _read_parquet(dcfg, seg: Segment, spec: RowSpec, out: ChatSource) -> Iterator[dict]:
