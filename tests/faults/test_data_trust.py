@@ -337,3 +337,20 @@ def test_a_killed_prepare_worker_is_one_line_and_its_staging_dir_goes_next_run(t
     (tmp_path / ".prep.tmp-killed2").mkdir()
     prepare(s)  # reused: still cleaned
     assert not list(tmp_path.glob(".prep.*"))
+
+
+def test_loose_ends_no_dead_encoders_and_prepare_units_imports_only_public_helpers():
+    import ast
+
+    from dllmflow.data import prepare as prepare_mod
+    from dllmflow.data import prepare_units
+
+    assert not hasattr(prepare_mod, "encode_row") and not hasattr(prepare_mod, "tokenize_row")
+    tree = ast.parse(Path(prepare_units.__file__).read_text())
+    names = [
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "prepared_dir"
+        for a in n.names
+    ]
+    assert names and not [n for n in names if n.startswith("_")]

@@ -211,11 +211,11 @@ def test_mixture_of_formats_prepares(tmp_path):
 
 
 def test_single_source_fingerprint_unchanged_by_new_keys(tmp_path):
-    from dllmflow.data.prepared_dir import _settings_used
+    from dllmflow.data.prepared_dir import settings_used
 
     s = settings_for(tmp_path, path_or_dataset_id="x.jsonl")
-    assert not {"format", "fields", "mixture", "mixture_rows", "seed"} & set(_settings_used(s)["dataset"])
-    assert _settings_used(settings_for(tmp_path, format="text"))["dataset"]["format"] == "text"
+    assert not {"format", "fields", "mixture", "mixture_rows", "seed"} & set(settings_used(s)["dataset"])
+    assert settings_used(settings_for(tmp_path, format="text"))["dataset"]["format"] == "text"
 
 
 # ---- the synthetic addition task ----------------------------------------------------------------

@@ -237,8 +237,8 @@ def test_modes_that_cannot_pack_are_refused_naming_the_field(dllm):
 
 
 def test_packable_modes_load_and_packing_stays_out_of_the_prepare_fingerprint():
-    from dllmflow.data.prepared_dir import _settings_used
+    from dllmflow.data.prepared_dir import settings_used
 
     for mode in ("mdlm", "scdd"):
         assert _settings(mode, True).dataset.packing
-    assert _settings_used(_settings("mdlm", True)) == _settings_used(_settings("mdlm", False))
+    assert settings_used(_settings("mdlm", True)) == settings_used(_settings("mdlm", False))

@@ -23,10 +23,9 @@ from dllmflow.common.outputs import LOCK_FILE, hold_dir_lock
 from .formats import split_key
 from .gsm8k import split_of
 from .prepare_units import join_prepare, make_plan, run_units
-from .prepared_dir import SPLITS, check_prepared_dir, fit_row
-from .tokenizer import encode_chat
+from .prepared_dir import SPLITS, check_prepared_dir
 
-# ---- tokenisation -------------------------------------------------------------------------------
+# ---- splitting ----------------------------------------------------------------------------------
 
 
 def split_rows(rows: list[dict], eval_fraction: float, limit: int | None) -> dict[str, list[dict]]:
@@ -37,20 +36,6 @@ def split_rows(rows: list[dict], eval_fraction: float, limit: int | None) -> dic
     if limit is not None:
         out["train"] = out["train"][:limit]
     return out
-
-
-def encode_row(tok, row: dict, mask_history: bool) -> tuple[list[int], list[int]]:
-    """(ids, loss mask): a chat through its template; a text row as its tokens + eos, all supervised."""
-    if "text" in row:
-        ids = tok(row["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        return ids, [1] * len(ids)
-    return encode_chat(tok, row["messages"], mask_history=mask_history)
-
-
-def tokenize_row(tok, row: dict, seq_length: int, mask_history: bool, drop_truncated: bool) -> dict | None:
-    """One output row, or None when the supervised response does not fit `seq_length`."""
-    ids, mask = encode_row(tok, row, mask_history)
-    return fit_row(row, ids, mask, seq_length, drop_truncated)
 
 
 # ---- the stage ----------------------------------------------------------------------------------

@@ -37,18 +37,18 @@ from .prepared_dir import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
-    _check_splits,
-    _check_usable,
-    _fingerprint,
-    _reusable,
-    _settings_used,
-    _swap_into_place,
-    _tokenizer_facts,
     check_prepared_dir,
+    check_splits,
+    check_usable,
     content_hash,
     fit_row,
+    input_fingerprint,
     read_manifest,
+    reusable,
+    settings_used,
     source_name,
+    swap_into_place,
+    tokenizer_facts,
 )
 from .shards import ShardWriter
 from .stream import SourcePlan, check_source_unchanged, iter_unit, plan_source, same_content
@@ -83,11 +83,11 @@ def make_plan(settings, out_dir: Path, force: bool) -> dict:
     dcfg = settings.dataset
     remove_stale_staging(out_dir)
     source = plan_source(dcfg)
-    used = _settings_used(settings)
-    fingerprint = _fingerprint(used, source.sha256)
+    used = settings_used(settings)
+    fingerprint = input_fingerprint(used, source.sha256)
     existing = read_manifest(out_dir)
     recorded = ((existing or {}).get("source") or {}).get("files")
-    if not force and _reusable(existing, fingerprint, out_dir) and same_content(recorded, source.fingerprint):
+    if not force and reusable(existing, fingerprint, out_dir) and same_content(recorded, source.fingerprint):
         return {"reused": existing, "source": {"units": [[]]}}
     tok = build_tokenizer(settings, _training_texts(settings, source))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +108,7 @@ def make_plan(settings, out_dir: Path, force: bool) -> dict:
             "format": FORMAT_VERSION,
             "fingerprint": fingerprint,
             "seq_length": dcfg.seq_length,
-            "tokenizer": _tokenizer_facts(settings, tok),
+            "tokenizer": tokenizer_facts(settings, tok),
             "settings": used,
         },
     }
@@ -146,7 +146,7 @@ def _training_texts(settings, source: SourcePlan):
     if not train:
         _check_columns(dcfg, seen.columns)  # a mapping to a missing column says so, not "no rows"
         dropped = Counter(seen.dropped) + Counter(source.dropped)
-        _check_usable(settings, source_name(dcfg), [], 0, dropped, source.examples + seen.examples)
+        check_usable(settings, source_name(dcfg), [], 0, dropped, source.examples + seen.examples)
 
 
 # ---- one unit ----------------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def _join(settings, plan: dict) -> dict:
     manifest = _merge(settings, plan, source, records, files)
     manifest["content_hash"] = content_hash(staging, manifest)
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _swap_into_place(staging, out_dir)
+    swap_into_place(staging, out_dir)
     return manifest
 
 
@@ -336,9 +336,9 @@ def _merge(settings, plan: dict, source: SourcePlan, records: list[dict], files:
     for reason, n in reasons.items():
         dropped[reason.split(":")[0]] += n
     if not split_rows["train"]:
-        _check_usable(settings, source_name(dcfg), [], 0, Counter(reasons), examples)
+        check_usable(settings, source_name(dcfg), [], 0, Counter(reasons), examples)
     mins = [r["prompt_min"] for r in records if r["prompt_min"] is not None]
-    _check_splits(settings, examples, split_rows, kept, [min(mins)] if mins else [], dropped)
+    check_splits(settings, examples, split_rows, kept, [min(mins)] if mins else [], dropped)
     shards = {s: [f for f in files if f.startswith(f"{s}/") and f.endswith(".parquet")] for s in SPLITS}
     total = sum(r["train_sum"] for r in records)
     return {

@@ -39,7 +39,7 @@ _NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed", "max
 _BATCH_TIME_KEYS = ("packing", "packing_overflow")
 
 
-def _settings_used(settings) -> dict:
+def settings_used(settings) -> dict:
     dataset = settings.dataset
     unset = {k for k in _NEW_DATASET_KEYS if getattr(dataset, k) == type(dataset).model_fields[k].get_default(
         call_default_factory=True)}  # fmt: skip
@@ -57,7 +57,7 @@ def _settings_used(settings) -> dict:
     return used
 
 
-def _fingerprint(used: dict, source_sha256: str) -> str:
+def input_fingerprint(used: dict, source_sha256: str) -> str:
     blob = json.dumps({"format": FORMAT_VERSION, "settings": used, "source": source_sha256}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -72,7 +72,7 @@ def read_manifest(prepared_dir: str | os.PathLike) -> dict | None:
         return None
 
 
-def _reusable(manifest: dict | None, fingerprint: str, out_dir: Path) -> bool:
+def reusable(manifest: dict | None, fingerprint: str, out_dir: Path) -> bool:
     if not manifest or manifest.get("fingerprint") != fingerprint:
         return False
     # a dir prepared before token files (no `files` checksums) or before their id ranges is rebuilt once
@@ -190,7 +190,7 @@ def check_manifest(out_dir: Path, manifest: dict, split: str, vocab_size: int | 
             )
 
 
-def _check_usable(
+def check_usable(
     settings, source: str, prompt_lengths: list[int], kept: int, dropped: Counter, examples: list[str] = ()
 ) -> None:
     if kept:
@@ -259,9 +259,9 @@ def check_prepared_dir(out_dir: Path) -> bool:
     return ours
 
 
-def _check_splits(settings, examples, split_rows: dict, kept: dict, prompt_lengths, dropped: Counter) -> None:
+def check_splits(settings, examples, split_rows: dict, kept: dict, prompt_lengths, dropped: Counter) -> None:
     dcfg, source = settings.dataset, source_name(settings.dataset)
-    _check_usable(settings, source, prompt_lengths, kept["train"], dropped, examples)
+    check_usable(settings, source, prompt_lengths, kept["train"], dropped, examples)
     if dcfg.eval_fraction > 0 and not kept["eval"]:
         raise UserError(
             f"{source}: dataset.eval_fraction={dcfg.eval_fraction} left no held-out row ({split_rows['eval']} "
@@ -270,7 +270,7 @@ def _check_splits(settings, examples, split_rows: dict, kept: dict, prompt_lengt
         )
 
 
-def _tokenizer_facts(settings, tok) -> dict:
+def tokenizer_facts(settings, tok) -> dict:
     return {
         "name": settings.tokenizer.name_or_path
         or settings.model.pretrained_model_name_or_path
@@ -283,7 +283,7 @@ def _tokenizer_facts(settings, tok) -> dict:
     }
 
 
-def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+def swap_into_place(tmp: Path, out_dir: Path) -> None:
     """rename() cannot replace a non-empty directory, so the old one (proved ours by its manifest) is
     moved into a fresh empty temp dir first, then deleted. The held lock file is hard-linked into the
     new dir first: the same inode, so the lock stays held across the swap."""
