@@ -51,8 +51,14 @@ def check_fresh_run(run: RunLayout, resume: bool, overwrite: bool) -> None:
 
 def check_overwritable(run: RunLayout) -> None:
     """OutputPathError naming the dir unless it is absent, empty or one of our run dirs (its
-    settings.json a dllmflow settings file: RUN_KEYS, not merely a file of that name)."""
+    settings.json a dllmflow settings file: RUN_KEYS, not merely a file of that name); a symlink is
+    refused whatever it points to (README: output paths)."""
     field = "run_dir (--run-dir)"
+    if run.root.is_symlink():  # written through, the link's target would take a run it was not named for
+        raise OutputPathError(
+            f"{field} = {run.root} is a symlink (to {run.root.readlink()}); refusing to write through it: "
+            f"pass the directory itself ({run.root.resolve()})"
+        )
     if check_output_dir(run.root, marker=RUN_MARKER, kind="dllmflow run dir", field=field):
         if not json_object_with(run.settings_json, RUN_KEYS):
             raise OutputPathError(
