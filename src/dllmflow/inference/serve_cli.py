@@ -131,6 +131,32 @@ def parse_sampler_settings(items: Sequence[str] | None) -> dict:
     return out
 
 
+def check_served_setting(engine) -> None:
+    """Refused at start, once the weights and tokenizer are loaded: a served setting (recorded with the
+    model, or `--sampler-setting`) whose `max_new_tokens` leaves no position for a prompt, or whose
+    `eos_token_id` is not a token of the tokenizer; every request without overrides would fail or never
+    stop."""
+    from dllmflow.diffusion.samplers.asked import check_eos
+    from dllmflow.diffusion.samplers.configs import SamplerSettingError
+    from dllmflow.models.limits import max_positions
+
+    preset, where = engine.preset, "--sampler-setting"
+
+    def source(key: str) -> str:
+        return where if key in engine.settings else f"the setting recorded with {engine.served.checkpoint}"
+
+    limit = max_positions(engine.model)
+    if limit is not None and preset.max_new_tokens >= limit:
+        raise UserError(
+            f"max_new_tokens {preset.max_new_tokens} ({source('max_new_tokens')}) leaves no room for a prompt in "
+            f"the model's max_position_embeddings ({limit}); serve with {where} max_new_tokens=N, N < {limit}"
+        )
+    try:
+        check_eos(preset, len(engine.tokenizer))
+    except SamplerSettingError as e:
+        raise UserError(f"{source('eos_token_id')}: {e}") from None
+
+
 def app_from_args(args: argparse.Namespace):
     """Check the flags, resolve what `--model` names (once), load the engine, build the app: (app, served
     model name). A registered model (`models:/...`, `inference/registered.py`) and a dllmflow run/export
@@ -167,6 +193,7 @@ def app_from_args(args: argparse.Namespace):
         # the caller's flag, never the checkpoint or the registry, decides (docs/security.md)
         served = dataclasses.replace(served, trust_remote_code=trust)
         engine = DllmEngine(served, args.dtype, settings=settings, max_tokens_cap=args.max_tokens_cap)
+        check_served_setting(engine)
         name = args.served_model_name or served.lineage.get("name") or Path(args.model_path).resolve().name
         return build_dllm_app(engine, name, **options), name
     if settings:

@@ -4,7 +4,8 @@ params) before a sampler decodes with it. Torch-free.
 
     config = build_asked_config("llada", {"steps": 64}, tok, defaults=recorded, limits=AskLimits(1024))
     # SamplerSettingError naming the field: a string or a bool for a number, a float for an int, a
-    # non-finite float, steps beyond the generation length, max_new_tokens above the cap, a seed outside int64
+    # non-finite float, steps beyond the generation length, max_new_tokens above the cap, a seed outside
+    # int64, an eos_token_id outside the vocabulary (the tokenizer's, when one is given)
 
 Two stages, in this order. Parse: each value the caller gave is checked STRICTLY against the type of
 the sampler's field (`"1000000000"`, `1e9` and `true` are not steps; lax coercion read `true` as 1), and
@@ -19,6 +20,7 @@ once: `TEMPERATURE_MAX`, `SEED_MIN`, `SEED_MAX`, and `strict_value` checks any f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ class AskLimits:
 
     max_new_tokens: int | None = None
     flag: str = "--max-tokens-cap"
+    vocab_size: int | None = None  # token ids asked (eos_token_id) must be below it; None: >= 0 only
 
 
 @functools.cache
@@ -117,6 +120,26 @@ def check_asked(config: SamplerConfig, asked: set[str], limits: AskLimits = AskL
         )
     if "seed" in asked and not SEED_MIN <= config.seed <= SEED_MAX:
         raise SamplerSettingError(f"seed: {config.seed} is outside the int64 range", "seed")
+    check_eos(config, limits.vocab_size if "eos_token_id" in asked else None, asked)
+
+
+def check_eos(config: SamplerConfig, vocab_size: int | None, asked: set[str] | None = None) -> None:
+    """An integer `eos_token_id` is a token id: >= 0 always, < `vocab_size` when it is known (an id no
+    row can hold never stops a row: every answer would run to max_new_tokens)."""
+    eos = getattr(config, "eos_token_id", None)
+    if (
+        not isinstance(eos, int)
+        or isinstance(eos, bool)
+        or (asked is not None and "eos_token_id" not in asked)
+    ):
+        return
+    if eos < 0 or (vocab_size is not None and eos >= vocab_size):
+        where = f"[0, {vocab_size})" if vocab_size is not None else "the token ids (>= 0)"
+        raise SamplerSettingError(
+            f"eos_token_id: {eos} is outside the vocabulary {where}; give a token id of the model's "
+            "tokenizer, 'tokenizer' (its EOS) or none",
+            "eos_token_id",
+        )
 
 
 def build_asked_config(
@@ -131,5 +154,7 @@ def build_asked_config(
     docstring); SamplerSettingError naming the field."""
     asked = parse_asked(name, overrides)
     config = build_sampler_config(name, asked, tokenizer, defaults=defaults)
+    if limits.vocab_size is None and tokenizer is not None:
+        limits = dataclasses.replace(limits, vocab_size=len(tokenizer))
     check_asked(config, {k for k, v in asked.items() if v is not None}, limits)
     return config
