@@ -1,6 +1,8 @@
 """Tokenizers for dLLM data: any Hugging Face tokenizer by id/path, or a byte-level BPE trained with
-`tokenizers` on the training text; both end up with mask/pad/eos tokens and a chat template whose
-`{% generation %}` span marks the supervised assistant tokens.
+`tokenizers` on the training text; both end up with mask/pad/eos tokens and a chat template. A
+template's `{% generation %}` spans mark the supervised assistant tokens; a template without them (a
+pretrained model's own, mostly) supervises what each assistant turn adds to the render (the prefix
+rule, `_assistant_mask_by_prefix`; batched in chat_spans.py).
 
     tok = build_tokenizer(settings, texts)        # during `dllmflow prepare`
     tok = load_tokenizer("data/prepared/tiny")     # the one saved with the prepared data
@@ -22,7 +24,14 @@ from pathlib import Path
 
 from dllmflow.errors import UserError
 
-from .word_encode import add_run, build_word_encoder, runs_mask
+from .chat_spans import INCONSISTENT, encode_by_prefix
+from .word_encode import (
+    add_run,
+    build_word_encoder,
+    encode_texts,  # noqa: F401 - re-exported (prepare's text rows)
+    keep_last_run,
+    runs_mask,
+)
 
 TEMPLATE_PATH = Path(__file__).with_name("templates") / "chat.jinja"
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -227,13 +236,17 @@ def encode_chat(tok, messages: list[dict], mask_history: bool = True) -> tuple[l
 def encode_chats(
     tok, conversations: list[list[dict]], mask_history: bool = True
 ) -> list[tuple[list[int], list[int]]]:
-    """`encode_chat` of many chats at once, with the same ids and masks: the template rendered with
-    its `{% generation %}` spans (transformers' renderer, as apply_chat_template does), the texts
-    encoded in one call of the Rust tokenizer, and a token supervised when it overlaps a span
-    (apply_chat_template's rule) computed on the token offsets there, not token by token in Python."""
+    """`encode_chat` of many chats at once, with the same ids and masks. A template without generation
+    tags: the prefix rule with each prefix rendered once as a string and each chat encoded once
+    (chat_spans.py). With tags: the template rendered with its `{% generation %}` spans (transformers'
+    renderer, as apply_chat_template does), the texts encoded in one call of the Rust tokenizer, and a
+    token supervised when it overlaps a span (apply_chat_template's rule) computed on the token offsets
+    there, not token by token in Python."""
     if not conversations:
         return []
-    if not _GENERATION_TAG.search(tok.chat_template or "") or not getattr(tok, "is_fast", False):
+    if not _GENERATION_TAG.search(tok.chat_template or ""):
+        return encode_by_prefix(tok, conversations, mask_history)
+    if not getattr(tok, "is_fast", False):
         return [encode_chat(tok, m, mask_history) for m in conversations]
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -251,18 +264,6 @@ def encode_chats(
     encodings = tok.backend_tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=False)
     for i, enc in zip(rest, encodings):
         out[i] = _span_mask(enc, spans[i], mask_history)
-    return out
-
-
-def encode_texts(tok, texts: list[str]) -> list[list[int]]:
-    """The tokenizer's ids of each text (no special tokens added): ASCII text of a byte-level BPE word
-    by word (word_encode.py), the rest in one call of the tokenizer."""
-    words = build_word_encoder(tok)
-    out: list = [words.encode(t) if words else None for t in texts]
-    rest = [i for i, ids in enumerate(out) if ids is None]
-    if rest:
-        for i, ids in zip(rest, tok([texts[i] for i in rest], add_special_tokens=False)["input_ids"]):
-            out[i] = list(ids)
     return out
 
 
@@ -294,7 +295,8 @@ def _render_ids(tok, messages: list[dict], add_generation_prompt: bool = False) 
 
 def _assistant_mask_by_prefix(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
     """For templates without generation tags: an assistant turn is what rendering it adds after the
-    generation prompt of the turns before it."""
+    generation prompt of the turns before it. One chat, rendered and encoded once per prefix: the
+    reference that chat_spans.encode_by_prefix (what `encode_chats` runs) computes in a batch."""
     ids = _render_ids(tok, messages)
     mask = [0] * len(ids)
     for i, m in enumerate(messages):
@@ -303,21 +305,6 @@ def _assistant_mask_by_prefix(tok, messages: list[dict]) -> tuple[list[int], lis
         start = len(_render_ids(tok, messages[:i], add_generation_prompt=True)) if i else 0
         upto = _render_ids(tok, messages[: i + 1])
         if ids[: len(upto)] != upto:
-            raise UserError(
-                "tokenizer.chat_template renders earlier turns differently once later turns follow; "
-                "set tokenizer.chat_template to one with {% generation %} tags"
-            )
+            raise UserError(INCONSISTENT)
         mask[start : len(upto)] = [1] * (len(upto) - start)
     return ids, mask
-
-
-def keep_last_run(mask: list[int]) -> list[int]:
-    """Zero every supervised run except the last contiguous one (docs/strategies.md §1.3 mask_history)."""
-    out = [0] * len(mask)
-    i = len(mask) - 1
-    while i >= 0 and not mask[i]:
-        i -= 1
-    while i >= 0 and mask[i]:
-        out[i] = 1
-        i -= 1
-    return out

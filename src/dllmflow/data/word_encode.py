@@ -15,6 +15,8 @@ tokenizer itself.
     words = build_word_encoder(tok)                   # None: not a pipeline it mirrors
     ids = words.encode(text)                          # None: not ASCII
     ids, mask = words.encode_spans(text, spans)       # None also when a span edge falls inside a word
+    ids, words, char_ends, token_ends = words.encode_words(text)    # per word (data/chat_spans.py)
+    id_lists = encode_texts(tok, texts)               # any tokenizer: word by word where it applies
 """
 
 from __future__ import annotations
@@ -107,6 +109,21 @@ class WordEncoder:
             return None
         return list(chain.from_iterable(self._per_word(self.words(text))))
 
+    def encode_words(self, text: str) -> tuple[list[int], list[str], list[int], list[int]] | None:
+        """(ids, words, each word's end char, the tokens up to each word's end) of `text`, or None for
+        non-ASCII text. Added tokens are words of their own (`is_added`)."""
+        if not text.isascii():
+            return None
+        words = self.words(text)
+        per_word = self._per_word(words)
+        ends = list(accumulate(map(len, words)))
+        return list(chain.from_iterable(per_word)), words, ends, list(accumulate(map(len, per_word)))
+
+    def is_added(self, word: str) -> bool:
+        """Whether a word of `words` is an added token (a regex word never is: the added tokens were
+        split off the text before the regex saw it)."""
+        return word in self._added
+
     def encode_spans(
         self, text: str, spans: list[tuple[int, int]], last_only: bool = False
     ) -> tuple[list[int], list[int]] | None:
@@ -115,12 +132,11 @@ class WordEncoder:
         `last_only` only the last run of such tokens (`keep_last_run`). None for non-ASCII text, an edge
         inside a word, or a span whose first word starts or last word ends with a space (where trimmed
         token offsets decide)."""
-        if not text.isascii():
+        split = self.encode_words(text)
+        if split is None:
             return None
-        words = self.words(text)
-        per_word = self._per_word(words)
-        ends = list(accumulate(map(len, words)))  # each word's end char
-        tokens = [0, *accumulate(map(len, per_word))]  # tokens before each word
+        ids, words, ends, token_ends = split  # each word's end char, tokens up to its end
+        tokens = [0, *token_ends]  # tokens before each word
         runs: list[list[int]] = []  # [first token, end token) of the masked runs, touching ones joined
         for start, end in spans:
             if end <= start:
@@ -132,7 +148,7 @@ class WordEncoder:
                 return None  # a token of spaces at a span's edge: a ByteLevel post-processor trims its
                 # offsets to an empty range at the edge, which the tokenizer's rule leaves unmasked
             add_run(runs, tokens[first], tokens[last + 1])
-        return list(chain.from_iterable(per_word)), runs_mask(tokens[-1], runs, last_only)
+        return ids, runs_mask(tokens[-1], runs, last_only)
 
 
 def add_run(runs: list[list[int]], lo: int, hi: int) -> None:
@@ -150,6 +166,30 @@ def runs_mask(n: int, runs: list[list[int]], last_only: bool) -> list[int]:
     for lo, hi in runs[-1:] if last_only else runs:
         mask[lo:hi] = [1] * (hi - lo)
     return mask
+
+
+def keep_last_run(mask: list[int]) -> list[int]:
+    """Zero every supervised run except the last contiguous one (docs/strategies.md §1.3 mask_history)."""
+    out = [0] * len(mask)
+    i = len(mask) - 1
+    while i >= 0 and not mask[i]:
+        i -= 1
+    while i >= 0 and mask[i]:
+        out[i] = 1
+        i -= 1
+    return out
+
+
+def encode_texts(tok, texts: list[str]) -> list[list[int]]:
+    """The tokenizer's ids of each text (no special tokens added): ASCII text of a byte-level BPE word
+    by word, the rest in one call of the tokenizer."""
+    words = build_word_encoder(tok)
+    out: list = [words.encode(t) if words else None for t in texts]
+    rest = [i for i, ids in enumerate(out) if ids is None]
+    if rest:
+        for i, ids in zip(rest, tok([texts[i] for i in rest], add_special_tokens=False)["input_ids"]):
+            out[i] = list(ids)
+    return out
 
 
 def _alternation(tokens: list[str]) -> re.Pattern | None:
@@ -172,28 +212,30 @@ def _build(tok) -> WordEncoder | None:
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None or getattr(backend, "encode_special_tokens", False):
         return None
-    spec = json.loads(backend.to_str())
-    pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
+    # Read from the pipeline's parts, not `json.loads(backend.to_str())`: that parses the whole
+    # vocabulary and merges (~0.2 s for SmolLM2's 49k), once per tokenizer in every prepare worker.
+    pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else {}
+    model = backend.model
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     digits = len(steps) == 2 and steps[0] == {"type": "Digits", "individual_digits": True}
     byte_level = steps[-1] if steps else {}
     mirrored = (
-        spec.get("normalizer") is None
-        and spec.get("truncation") is None  # the tokenizer would cut or pad what it returns
-        and spec.get("padding") is None
+        backend.normalizer is None
+        and backend.truncation is None  # the tokenizer would cut or pad what it returns
+        and backend.padding is None
         and len(steps) == 1 + digits
         and byte_level.get("type") == "ByteLevel"
         and byte_level.get("use_regex", True)
         and not byte_level.get("add_prefix_space", False)
-        and model.get("type") == "BPE"
-        and model.get("dropout") is None
-        and not model.get("continuing_subword_prefix")
-        and not model.get("end_of_word_suffix")
+        and type(model).__name__ == "BPE"
+        and model.dropout is None
+        and not model.continuing_subword_prefix
+        and not model.end_of_word_suffix
     )
-    added = spec.get("added_tokens") or []
-    if not mirrored or any(a["lstrip"] or a["rstrip"] or a["single_word"] for a in added):
+    added = backend.get_added_tokens_decoder()  # id -> AddedToken
+    if not mirrored or any(a.lstrip or a.rstrip or a.single_word for a in added.values()):
         return None
     # ASCII text only: a non-ASCII added token never occurs in it
-    ascii_added = [a for a in added if a["content"] and a["content"].isascii()]
-    normalized = {a["content"] for a in ascii_added if a["normalized"]}
-    return WordEncoder(backend.model, {a["content"]: a["id"] for a in ascii_added}, normalized, digits)
+    ascii_added = {i: a for i, a in added.items() if a.content and a.content.isascii()}
+    normalized = {a.content for a in ascii_added.values() if a.normalized}
+    return WordEncoder(model, {a.content: i for i, a in ascii_added.items()}, normalized, digits)
