@@ -86,6 +86,7 @@ DEFAULT_SETTINGS = (
 )
 LONG = 256  # the issue's long budget (new tokens)
 GOALS = {"em_gap": -0.01, "latency": 0.5, "throughput": 1.0}
+LOOKUP = 10  # prompt_lookup_num_tokens of the prompt-lookup control (transformers' usual example)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,6 +192,66 @@ class FloorDecoder(Decoder):
                 raise SystemExit(f"{self.label}: prompt {i} answered other than the setting does")
 
 
+class HFDecoder(Decoder):
+    """The AR control's model through transformers' own `generate` (greedy, its KV cache), or with its
+    prompt-lookup decoding (`prompt_lookup_num_tokens`: drafts copied from the prompt, checked by the
+    model; transformers decodes it one prompt at a time, so its batch-16 figure is 16 such calls)."""
+
+    def __init__(self, label: str, loaded, lookup: int | None = None):
+        super().__init__(label, loaded, {})
+        self.lookup = lookup
+
+    def at_length(self, max_new_tokens: int) -> None:
+        from dllmflow.evaluation.accuracy import Decoded
+
+        self.runner = HFRunner(self.loaded, max_new_tokens, self.lookup)
+        self.decoded, self.b1_outputs, self.b1_s = Decoded(), {}, []
+
+
+class HFRunner:
+    """`generate(prompts)` through `model.generate`, answering as the samplers do: sequences cut at the
+    first stop id, forwards counted by a hook (a forward computes every row of the batch)."""
+
+    def __init__(self, loaded, max_new_tokens: int, lookup: int | None):
+        self.model, self.tok, self.G, self.lookup = loaded.model, loaded.tokenizer, max_new_tokens, lookup
+        self.stop_ids = set(loaded.runner.stop_ids)
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.stop_ids)
+
+    def generate(self, prompts: list[list[int]]):
+        from types import SimpleNamespace
+
+        import torch
+
+        from dllmflow.diffusion.samplers.base import trim_at_stop
+
+        calls = [0]
+        hook = self.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        t0 = time.perf_counter()
+        try:
+            groups = [[p] for p in prompts] if self.lookup else [prompts]
+            seqs, row_nfe = [], []
+            for group in groups:
+                before, S = calls[0], max(map(len, group))
+                ids = torch.tensor([[self.pad] * (S - len(p)) + p for p in group])  # [b, S] left-padded
+                mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in group])
+                kw = {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
+                with torch.no_grad():
+                    out = self.model.generate(
+                        input_ids=ids, attention_mask=mask, max_new_tokens=self.G, do_sample=False,
+                        eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad, **kw,
+                    )  # fmt: skip
+                new = [trim_at_stop(row[S:].tolist(), self.stop_ids) for row in out]
+                seqs += new
+                # a batch's forwards serve every row; a row needs one per token it waited for
+                row_nfe += [calls[0] - before if self.lookup else min(len(a) + 1, self.G) for a in new]
+        finally:
+            hook.remove()
+        return SimpleNamespace(
+            sequences=seqs, elapsed_s=time.perf_counter() - t0, row_nfe=row_nfe, row_positions=None,
+            nfe=calls[0], draft_fed=[], draft_accepted=[],
+        )  # fmt: skip
+
+
 def oracle_drafts(spec, answers: dict[tuple[int, ...], list[int]]):
     """`spec` (a SelfSpecSampler) whose prompt forward's slots guess `answers[prompt]` (the greedy
     answer) instead of the model's guesses: the fed drafts, the check and the commits are its own."""
@@ -219,11 +280,15 @@ def oracle_drafts(spec, answers: dict[tuple[int, ...], list[int]]):
 
 def run_turns(decoders: list[Decoder], prompts: list[list[int]], order: list[int], batch: int) -> None:
     """Batch 1 then batch `batch`, the decoders taking turns per prompt / per batch (shared load)."""
+    for d in decoders:
+        d.fed, d.accepted, d.b1_forwards = [], [], 0
     for n, i in enumerate(order, 1):
         for d in decoders:
             r = d.runner.generate([prompts[i]])
             d.b1_s.append(r.elapsed_s)
             d.b1_outputs[i] = r.sequences[0]
+            d.fed, d.accepted = add_counts(d.fed, r.draft_fed), add_counts(d.accepted, r.draft_accepted)
+            d.b1_forwards += r.row_nfe[0] if r.row_nfe else r.nfe
         if n % 16 == 0:
             print(f"batch 1: {n}/{len(order)} prompts", flush=True)
     for start in range(0, len(order), batch):
@@ -234,6 +299,18 @@ def run_turns(decoders: list[Decoder], prompts: list[list[int]], order: list[int
             d.decoded.sequences.update(zip(idx, r.sequences))
             nfes = r.row_nfe or [r.nfe] * len(idx)
             d.decoded.costs.update(zip(idx, zip(nfes, r.row_positions or [None] * len(idx))))
+
+
+def add_counts(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[k] if k < len(a) else 0) + (b[k] if k < len(b) else 0) for k in range(n)]
+
+
+def identity(d: Decoder, ar: Decoder) -> dict:
+    """How many answers are token-identical to the AR control's (`ar` sampler) at batch 1 and batch 16."""
+    b1 = sum(d.b1_outputs[i] == ar.b1_outputs[i] for i in ar.b1_outputs)
+    b16 = sum(seq == ar.decoded.sequences[i] for i, seq in d.decoded.sequences.items())
+    return {"identical_b1": b1, "identical_b16": b16, "answers": len(ar.b1_outputs)}
 
 
 def score(d: Decoder, asked, tokenizer) -> dict:
@@ -252,6 +329,9 @@ def score(d: Decoder, asked, tokenizer) -> dict:
         "tokens_per_forward": m["tokens_per_forward"],
         "effective_token_ratio": m.get("effective_token_ratio"),
         "batch_invariant": sum(d.b1_outputs[i] == seq for i, seq in d.decoded.sequences.items()) / n,
+        # batch 1: answer tokens per forward, and the share of checks that accepted the k-th draft
+        "tpf_b1": sum(map(len, d.b1_outputs.values())) / max(d.b1_forwards, 1),
+        "draft_acc_k": [a / f for a, f in zip(d.accepted, d.fed) if f],
         "samples": [p["prediction"] for p in preds[:3]],
     }
 
@@ -274,12 +354,15 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 def print_table(length: int, rows: list[dict]) -> None:
     print(f"\n{length} new tokens")
     print(f"{'decoder':<52}{'EM':>6}{'strict':>7}{'dEM':>7}{'s/ans b1':>9}{'x AR':>6}{'ans/s b16':>10}"
-          f"{'x AR':>6}{'NFE':>6}{'tok/fwd':>8}{'eff':>6}  goals")  # fmt: skip
+          f"{'x AR':>6}{'NFE':>6}{'TPF b1':>7}{'eff':>6}{'same':>8}  goals")  # fmt: skip
     for r in rows:
         met = "".join(k[0].upper() if ok else "-" for k, ok in r["goals"].items())
+        same = f"{r['identical_b1']}/{r['answers']}"
         print(f"{r['decoder']:<52}{r['em_flex']:>6.3f}{r['em_strict']:>7.3f}{r['em_gap']:>+7.3f}"
               f"{r['latency_s']:>9.3f}{r['latency_x']:>6.2f}{r['answers_per_s']:>10.2f}{r['throughput_x']:>6.2f}"
-              f"{r['nfe']:>6.1f}{r['tokens_per_forward']:>8.2f}{r['effective_token_ratio'] or 0:>6.2f}  {met}")  # fmt: skip
+              f"{r['nfe']:>6.1f}{r['tpf_b1']:>7.2f}{r['effective_token_ratio'] or 0:>6.2f}{same:>8}  {met}")  # fmt: skip
+        if r["draft_acc_k"]:
+            print(f"{'':<4}acceptance per draft offset: {' '.join(f'{a:.2f}' for a in r['draft_acc_k'])}")
 
 
 def build_decoders(args, s, ar_s, run_dir: Path) -> list[Decoder]:
@@ -288,7 +371,11 @@ def build_decoders(args, s, ar_s, run_dir: Path) -> list[Decoder]:
     from dllmflow.evaluation.protocol import build_eval_runner
 
     ar = build_eval_runner(runs.find_consolidated(str(ar_s.resolved_run_dir)), ar_s, "ar")
-    decoders = [Decoder("AR control (ar: greedy, KV cache)", ar, {})]
+    decoders = [
+        Decoder("AR control (ar: greedy, KV cache)", ar, {}),
+        HFDecoder("AR control, transformers generate (greedy)", ar),
+        HFDecoder(f"AR control, transformers prompt lookup {LOOKUP}", ar, lookup=LOOKUP),
+    ]
     loaded: dict = {}
     for text in args.setting or DEFAULT_SETTINGS:
         sampler, over = parse_setting(text)
@@ -311,6 +398,7 @@ def floor_decoders(args, decoders: list[Decoder], prompts: list[list[int]]) -> l
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from dllmflow import runs
     from dllmflow.data.prepare import prepare
     from dllmflow.evaluation.protocol import eval_prompts
     from dllmflow.settings import load_settings
@@ -339,18 +427,29 @@ def main(argv: list[str] | None = None) -> int:
     }
     prepare(s)  # reused when its input fingerprint is unchanged
     # Each arm trained (and timed) alone: the dLLM's settings without the control it would train after itself.
-    alone = load_settings(args.recipe, **{**over, "eval.ar_control": {"enabled": False}})
-    out["train"] = {
-        arm: train_arm(st, Path(d), args.skip_train)
-        for arm, st, d in (("dllm", alone, run_dir), ("ar", ar_s, ar_s.resolved_run_dir))
-    }
+    alone = {**over, "eval.ar_control": {"enabled": False}}
+    if s.dllm.mode == "uno":  # the drafting adapter trains on top of the control's export: control first
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "settings.json").is_file():  # its dir claimed before the control fills a subdir
+            s.write_json(run_dir / "settings.json")
+        out["train"] = {"ar": train_arm(ar_s, ar_s.resolved_run_dir, args.skip_train)}
+        base = str(runs.find_consolidated(str(ar_s.resolved_run_dir)))
+        alone["model.pretrained_model_name_or_path"] = base
+        s = load_settings(args.recipe, **alone)
+        out["train"]["dllm"] = train_arm(s, run_dir, args.skip_train)
+    else:
+        out["train"] = {
+            arm: train_arm(st, Path(d), args.skip_train)
+            for arm, st, d in (("dllm", load_settings(args.recipe, **alone), run_dir),
+                               ("ar", ar_s, ar_s.resolved_run_dir))
+        }  # fmt: skip
     for arm, t in out["train"].items():
         print(f"{arm}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()})}")
 
     decoders = build_decoders(args, s, ar_s, run_dir)
     tok = decoders[0].loaded.tokenizer
     asked = eval_prompts(tok, Path(s.dataset.prepared_dir), "eval", args.eval_limit, s.eval.n_shot)
-    for d in decoders[1:]:  # the same prompts by construction: refuse a tokenizer that renders others
+    for d in decoders[3:]:  # the same prompts by construction: refuse a tokenizer that renders others
         if eval_prompts(d.loaded.tokenizer, Path(s.dataset.prepared_dir), "eval", args.eval_limit,
                         s.eval.n_shot).prompts != asked.prompts:  # fmt: skip
             raise SystemExit(f"{d.label}: its tokenizer renders other prompts than the AR control's")
@@ -363,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         run_turns(decoders, asked.prompts, asked.order, args.batch)
         for d in decoders:
             d.check()
-        rows = with_ratios([score(d, asked, tok) for d in decoders])
+        rows = with_ratios([score(d, asked, tok) | identity(d, decoders[0]) for d in decoders])
         out["tables"][length] = rows
         print_table(length, rows)
     return write_output(out, args.output)

@@ -252,6 +252,7 @@ MODE_EVALS = {
     "block_diffusion": {"gemma"},
     "dflash": {"acceptance"},
     "ar": {"ar"},  # the AR control's mode on its own: trained, decoded greedily, registered like the rest
+    "uno": {"selfspec", "ar_control"},  # the drafting adapter, trained on top of the AR control it drafts for
 }
 
 
@@ -273,6 +274,8 @@ def test_every_mode_trains_evaluates_and_registers_through_the_flow(tmp_path, mo
         data["dllm"].update(block_attention="causal", mask_pattern="suffix")
     data["flow"] = {"train_retries": 0}
     data.setdefault("registry", {})["model_name"] = f"e2e-{mode}"
+    if mode == "uno":
+        data["eval"].update(samplers=["selfspec"], block_size=8, ar_control={})
     if mode == "idlm":
         data["dllm"]["block_length"] = [1, 2]
         data["eval"]["ar_control"] = {"max_em_gap": 0.5}
@@ -305,3 +308,10 @@ def test_every_mode_trains_evaluates_and_registers_through_the_flow(tmp_path, mo
             == run["evals"]["idlm"]["protocol"]["prompts_sha256"]
         )
         assert "dLLM vs AR control" in run["card"] and "AR control (ar)" in run["card"]
+    if mode == "uno":  # the control first, then the adapter on its export; answers identical, and said so
+        control_export = training["ar_control"]["consolidated_dir"]
+        adapter_run = json.loads((proj / training["run_dir"] / "settings.json").read_text())
+        assert adapter_run["model"]["pretrained_model_name_or_path"] == control_export
+        side = reg["ar_control"]
+        assert side["sampler"] == "selfspec" and side["identical"] == side["answers"] == 1
+        assert "answers identical to the AR control: 1/1 (selfspec)" in run["card"]

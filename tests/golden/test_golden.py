@@ -60,6 +60,7 @@ CASES = {
     "idlm_shifted": Case("idlm", seq_length=320),
     "block_causal": Case("block_causal"),
     "ar": Case("ar"),  # the AR control's causal next-token SFT
+    "uno": Case("uno"),  # the drafting adapter on a frozen tiny causal LM
 }
 # The four optimizer changes the guard must see (each measured above), applied to the mdlm case.
 CHANGES = {

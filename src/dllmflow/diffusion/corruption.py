@@ -403,3 +403,26 @@ def _per_row(value: float | Tensor, batch: int, device: torch.device) -> Tensor:
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=torch.float64).reshape(-1, 1).expand(batch, 1)
     return torch.full((batch, 1), float(value), device=device, dtype=torch.float64)
+
+
+def draw_draft_anchors(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    *,
+    anchors: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor]:
+    """Drafting adapter (`dllm.mode: uno`, docs/strategies.md §2.9): per row, up to `anchors` distinct
+    positions k drawn uniformly among those where x[k] and x[k+1] are both supervised (slot 0 stands at k
+    and guesses x[k+1]; x[k] is the causal LM's own next token). Returns ([B, anchors] long, ascending,
+    -1 where a row has fewer candidates)."""
+    B, L = input_ids.shape
+    out = torch.full((B, anchors), -1, dtype=torch.long, device=input_ids.device)
+    sup = loss_mask != 0  # [B, L]
+    ok = sup[:, :-1] & sup[:, 1:]  # [B, L-1]: k with x[k], x[k+1] supervised
+    for b in range(B):
+        cand = ok[b].nonzero().squeeze(1)  # [n]
+        pick = torch.randperm(cand.numel(), device=input_ids.device, generator=generator)[:anchors]
+        chosen = cand[pick].sort().values
+        out[b, : chosen.numel()] = chosen
+    return (out,)

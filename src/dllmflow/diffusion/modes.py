@@ -37,6 +37,7 @@ from dllmflow.settings.dllm import (
     IDLMConfig,
     MDLMConfig,
     SCDDConfig,
+    UnoConfig,
     mode_name,
     register_mode_config,
 )
@@ -239,6 +240,9 @@ for _spec in (
         samplers=("llada2", "selfspec"),
         model_builder="dllmflow.models.causal_prompt:build_block_causal_model",
     ),
+    # A drafting adapter on a frozen causal LM: selfspec decodes the LM's own greedy answers with its
+    # drafts, ar the LM alone (the same answers), llada2 lossily from [MASK] blocks.
+    ModeSpec("uno", UnoConfig, f"{_S}.uno:UnoStrategy", samplers=("selfspec", "ar", "llada2")),
     # The AR control: the base causal LM fine-tuned next-token, decoded greedily with its KV cache.
     ModeSpec("ar", ARConfig, f"{_S}.ar:ARStrategy", samplers=("ar",)),
 ):

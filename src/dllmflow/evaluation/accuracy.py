@@ -246,7 +246,7 @@ def score_predictions(
             dict(id=r["id"], prompt=chats[i][-1]["content"] if chats[i] else "", prediction=text, answer=gold,
                  pred_strict=strict, pred_flexible=flexible,
                  correct_strict=strict is not None and strict == gold,
-                 correct_flexible=flexible is not None and flexible == gold, num_tokens=len(ids),
+                 correct_flexible=flexible is not None and flexible == gold, num_tokens=len(ids), ids=list(ids),
                  nfe=nfe, tokens_per_forward=len(ids) / max(nfe, 1), positions=positions,
                  effective_token_ratio=None if not positions else len(ids) / positions)
         )  # fmt: skip

@@ -128,12 +128,39 @@ def arm_figures(result: dict[str, Any]) -> dict[str, float | None]:
     return {k: values.get(k) for k in SIDE_BY_SIDE}
 
 
-def compare_arms(name: str, dllm: dict[str, Any], control: dict[str, Any]) -> dict[str, Any]:
+def compare_arms(
+    name: str, dllm: dict[str, Any], control: dict[str, Any], identity: bool = False
+) -> dict[str, Any]:
     """The dLLM (evaluation `name`) and the AR control side by side, after checking both were asked the
     same prompts and scored by the same parser (ProtocolMismatchError otherwise). -> {"dllm": figures,
-    "ar_control": figures, "sampler": name, "em_gap": dLLM EM - control EM}."""
+    "ar_control": figures, "sampler": name, "em_gap": dLLM EM - control EM}; with `identity` (a model
+    whose answers must be the control's: uno's drafting adapter) also "identical": how many answers
+    are the control's token for token, of "answers"."""
     ArmProtocol.of(dllm).check_same(ArmProtocol.of(control), (name, "ar_control"))
     a, b = arm_figures(dllm), arm_figures(control)
     em_a, em_b = a["exact_match_flexible"], b["exact_match_flexible"]
     gap = em_a - em_b if em_a is not None and em_b is not None else None
-    return {"sampler": name, "dllm": a, "ar_control": b, "em_gap": gap}
+    side = {"sampler": name, "dllm": a, "ar_control": b, "em_gap": gap}
+    if identity:
+        side.update(identical_answers(dllm.get("predictions", []), control.get("predictions", [])))
+    return side
+
+
+def identical_answers(dllm: list[dict], control: list[dict]) -> dict[str, int]:
+    """{"identical": answers whose generated ids equal the control's for the same example id,
+    "answers": examples both answered}. An answer recorded without its ids never counts as identical."""
+    theirs = {p["id"]: p.get("ids") for p in control}
+    both = [p for p in dllm if p["id"] in theirs]
+    same = sum(p.get("ids") is not None and p.get("ids") == theirs[p["id"]] for p in both)
+    return {"identical": same, "answers": len(both)}
+
+
+def identity_line(side: dict[str, Any]) -> str | None:
+    """The identity line, e.g. "answers identical to the AR control: 319/319 (selfspec)", or how many
+    differ; None without the identity check. The card, the tags and the results table print this one wording."""
+    if "identical" not in side:
+        return None
+    same, n, sampler = side["identical"], side["answers"], side["sampler"]
+    if same == n:
+        return f"answers identical to the AR control: {same}/{n} ({sampler})"
+    return f"answers NOT identical to the AR control: {n - same} of {n} differ ({sampler})"

@@ -110,7 +110,12 @@ def load_export(
             f"checkpoint {ckpt}: cannot load the tokenizer/model ({str(e).strip().splitlines()[0]})"
         ) from None
     check_loaded_weights(model, info, header, ckpt)
-    if adapter is not None:
+    drafter = _drafting_adapter(ckpt, adapter)
+    if drafter is not None:  # gated, never merged: the causal LM stays exact (dllm.mode uno)
+        from dllmflow.models.drafting_adapter import load_drafting_adapter
+
+        model = load_drafting_adapter(model, ckpt, drafter)
+    elif adapter is not None:
         from dllmflow.models.lora import load_adapter
 
         model = load_adapter(model, adapter)
@@ -118,6 +123,17 @@ def load_export(
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
     check_tokenizer_specials(tokenizer, ckpt, model.config.mask_token_id)
     return model.to(device).eval(), tokenizer, settings
+
+
+def _drafting_adapter(ckpt: Path, adapter: Any) -> Path | None:
+    """The drafting adapter dir to gate onto `ckpt` (an uno export's own, or `adapter` when it is one),
+    else None."""
+    from dllmflow.models.drafting_adapter import read_drafter_info
+
+    if adapter is not None:
+        return Path(adapter) if read_drafter_info(Path(adapter).parent) is not None else None
+    info = read_drafter_info(ckpt)
+    return ckpt / info["adapter"] if info is not None else None
 
 
 def remote_code_refusal(ckpt: Path) -> str:

@@ -249,15 +249,20 @@ def export_with_lora(
     tokenizer: Any,
     out_dir: Path,
     settings: Settings,
+    merge: bool = True,
 ) -> None:
     """`export(model, state, tokenizer, out_dir)` (a strategy's), given the merged model when `model`
-    carries adapters, plus `<out_dir>/adapter/` (peft layout) and `<out_dir>/lora.json`."""
+    carries adapters (with `merge=False` the base model, untouched: a gated adapter, `dllm.mode: uno`,
+    is no weight update), plus `<out_dir>/adapter/` (peft layout) and `<out_dir>/lora.json`."""
     if not has_lora(model):
         export(model, state, tokenizer, out_dir)
         return
     from safetensors.torch import save_file
 
-    merged, exact = merged_state_dict(model, state)
+    if merge:
+        merged, exact = merged_state_dict(model, state)
+    else:
+        merged, exact = {peel_key(k): v for k, v in state.items() if peel_key(k) is not None}, True
     with peeled(model) as plain:
         export(plain, merged, tokenizer, out_dir)
     adapter = out_dir / ADAPTER_DIR
@@ -271,7 +276,7 @@ def export_with_lora(
             "generate with --adapter for the exact trained model",
             settings.peft.parts,
         )
-    info = lora_info(settings, config, exact)
+    info = lora_info(settings, config, exact) | {"merged": merge}
     (out_dir / LORA_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 

@@ -48,6 +48,9 @@ class DLLMBaseConfig(_Section):
     # Why `eval.ar_control` (the same-data AR fine-tune beside the run) cannot run for the mode; None =
     # it can: the mode trains a causal LM's weights that an `ar` run can fine-tune causally instead.
     ar_control_refusal: ClassVar[str | None] = None
+    # With `eval.ar_control`, the mode trains on top of the control's export (trained first) instead of
+    # beside it: uno's drafting adapter drafts for the control itself.
+    trains_on_control: ClassVar[bool] = False
 
     mask_token_id: int | None = Field(
         None, ge=0, description="Mask token id; None = resolve from the tokenizer (then the strategy)."
@@ -67,6 +70,10 @@ class DLLMBaseConfig(_Section):
         """Samplers of the mode that cannot decode this configuration of it -> why (left out of the
         flow's default evaluations; refused in `eval.samplers`); the default: none."""
         return {}
+
+    def check_sections(self, settings: Any) -> None:
+        """Refuse other sections this mode cannot train with (raise ValueError naming the field); the
+        default accepts every one."""
 
 
 # mode name -> its `dllm:` config class, in registration order (the order error messages list them).
@@ -287,6 +294,85 @@ class BlockCausalConfig(DLLMBaseConfig):
                 f"{self.block_size}, but llada2 would decode blocks of {decoded}; set eval.block_size: "
                 f"{self.block_size}"
             )
+
+
+@register_mode_config
+class UnoConfig(DLLMBaseConfig):
+    """A drafting adapter on a frozen causal LM (docs/strategies.md §2.9, NeMo AutoModel's `uno`): a
+    LoRA adapter, active only at [MASK] positions, learns to guess the tokens after a clean prefix from
+    [MASK] slots; every other position computes exactly what the causal LM computes, so `selfspec`
+    decodes the LM's own greedy answers in fewer forwards."""
+
+    mode: Literal["uno"]
+    trains_on_control: ClassVar[bool] = True
+    rl_refusal: ClassVar[str | None] = "the adapter drafts for a frozen causal LM; it is not a policy"
+    packing_refusal: ClassVar[str | None] = "its anchors and [MASK] slots are drawn per row"
+    block_size: int = Field(
+        8,
+        ge=2,
+        description="Most tokens one selfspec forward commits: the pending token plus block_size - 1 drafts, "
+        "guessed by as many [MASK] slots (trained as such; decode with selfspec at this block_size or less).",
+    )
+    anchors: PositiveInt = Field(
+        4,
+        description="Anchor points drawn per row and step: after each, block_size - 1 [MASK] slots guess the "
+        "tokens that follow the clean prefix (a step computes the row once, without gradients, and the slots).",
+    )
+
+    def check_eval(self, eval_section: Any) -> None:
+        given = eval_section.block_size
+        if given is not None and given > self.block_size:
+            raise ValueError(
+                f"eval.block_size: the drafting adapter is trained for dllm.block_size={self.block_size} "
+                f"(that many - 1 slots); selfspec cannot draft {given - 1}; set eval.block_size <= {self.block_size}"
+            )
+
+    def check_sections(self, settings: Any) -> None:
+        """The adapter needs LoRA that touches nothing but itself, a causal LM under it and no activation
+        checkpointing (its slot forward appends to the clean row's KV cache)."""
+        from .pipeline import non_causal_base
+
+        peft = settings.peft
+        if peft is None or not peft.enabled:
+            raise ValueError(
+                "peft: dllm.mode=uno trains a LoRA drafting adapter on a frozen causal LM; add a peft: "
+                "section (e.g. {r: 16, alpha: 32})"
+            )
+        if peft.modules_to_save:
+            raise ValueError(
+                "peft.modules_to_save: dllm.mode=uno keeps the causal LM exactly as it is (only the gated "
+                "adapter trains); remove peft.modules_to_save"
+            )
+        base = non_causal_base(settings.model) or dllm_export(settings.model)
+        if base is not None:
+            raise ValueError(
+                f"model.pretrained_model_name_or_path: dllm.mode=uno drafts for a causal LM, and "
+                f"{settings.model.pretrained_model_name_or_path!r} is {base}; name the AR model (or an "
+                "`ar` export, the AR control)"
+            )
+        if settings.train.activation_checkpointing != "none":
+            raise ValueError(
+                "train.activation_checkpointing: dllm.mode=uno's slot forward appends to the clean row's KV "
+                "cache, which a recomputed layer would append to again; set it to none (a step keeps "
+                "activations for the slots alone)"
+            )
+
+
+def dllm_export(model: Any) -> str | None:
+    """Why the `model:` section's local dir is a dLLM export (its config.json's `dllm.mode` is one that
+    is not a causal LM: not `ar`), or None."""
+    import json
+    from pathlib import Path
+
+    name = model.pretrained_model_name_or_path
+    config = Path(name) / "config.json" if name is not None else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        mode = (json.loads(config.read_text()).get("dllm") or {}).get("mode")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return f"a dLLM export (dllm.mode={mode})" if mode not in (None, "ar") else None
 
 
 @register_mode_config

@@ -166,6 +166,7 @@ class Settings(BaseSettings):
             )
         self.dataset.check_packing(self.dllm)
         self.dllm.check_eval(self.eval)
+        self.dllm.check_sections(self)
         unfit = self.dllm.unfit_samplers()
         for name in [n for n in self.eval.samplers or () if n in unfit]:
             raise ValueError(

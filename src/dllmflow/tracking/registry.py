@@ -340,4 +340,9 @@ def control_tags(side: dict[str, Any] | None) -> dict[str, str]:
     tags["control.sampler"] = side["sampler"]
     if side["em_gap"] is not None:
         tags["control.em_gap"] = f"{side['em_gap']:.6f}"
+    if "identical" in side:  # a model whose answers must be the control's (uno): how many are
+        from dllmflow.evaluation.control import identity_line
+
+        tags["control.identical_answers"] = f"{side['identical']}/{side['answers']}"
+        tags["control.identity"] = identity_line(side)
     return tags

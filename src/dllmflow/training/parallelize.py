@@ -68,7 +68,10 @@ def build_parallel_model(tokenizer: Any, settings: Settings, info: DistInfo) -> 
         return _wrap(_transform(eager, settings, info), settings, info)
     # 1) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
-        model = apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings)  # pre-shard
+        # pre-shard; _master again: peft makes adapters float32 on a meta float64 base
+        model = _master(
+            apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings), settings
+        )
     model = _transform(model, settings, info)
     # 2) pretrained: every rank reads its own shards from the safetensors (the same decision on every
     #    rank: it reads only file headers), else rank 0 reads the whole checkpoint and broadcasts it

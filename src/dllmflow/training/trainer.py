@@ -41,8 +41,10 @@ from dllmflow.errors import UserError
 from dllmflow.models.lora import export_with_lora
 from dllmflow.models.wrappers import unwrap
 from dllmflow.runs import CONSOLIDATED, RunLayout, export_dir
+from dllmflow.training.checkpoint import TRAINER_STATE, read_json
 from dllmflow.training.checkpointer import Checkpointer, full_state_dict
 from dllmflow.training.distributed import init_distributed
+from dllmflow.training.fingerprint import check_fingerprint
 from dllmflow.training.live import build_live_logger
 from dllmflow.training.metrics import MetricsLog, console_line, memory_gib
 from dllmflow.training.parallelize import build_parallel_model, compute_context
@@ -223,9 +225,13 @@ class Trainer:
     def resume(self) -> int:
         """The step to start from (0 for a fresh run): never a silent restart over existing
         checkpoints, never another run's state. Drops metrics logged after it."""
-        state = (
-            self.checkpointer.resume(self.model, self.optimizer, self.scheduler) if self.resuming else None
-        )
+        state = None
+        if self.resuming and (step_dir := self.checkpointer.find()) is not None:
+            self._check_before_load(step_dir)
+            state = {
+                **self.checkpointer.load(step_dir, self.model, self.optimizer, self.scheduler),
+                "dir": step_dir,
+            }
         latest = None if state is None else state["dir"]
         if state is not None:
             self.load_state_dict(state)
@@ -239,6 +245,16 @@ class Trainer:
         if latest is not None and export_dir(latest).is_dir():  # a finished run resumed: nothing left
             self.result.consolidated_dir = export_dir(latest)
         return start
+
+    def _check_before_load(self, step_dir: Path) -> None:
+        """The checkpoint's settings, then its data position, before any weight loads: a prepared dir
+        rebuilt with another vocabulary is the data refusal (`check_resume`), not a size-mismatch
+        traceback from loading an embedding of the other size."""
+        saved = read_json(step_dir / TRAINER_STATE)
+        if self.checkpointer.fingerprint is not None:
+            check_fingerprint(saved, self.checkpointer.fingerprint, step_dir)
+        if hasattr(self, "batches"):
+            self.batches.check_resume(saved.get("data"), int(saved["step"]))
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -353,9 +369,11 @@ class Trainer:
         if self.info.is_main:
             out = model_dir / CONSOLIDATED
             out.mkdir(parents=True, exist_ok=True)
+            strategy = self.strategy
             export_with_lora(
-                self.strategy.export, unwrap(self.model), state, self.tokenizer, out, self.strategy.settings
-            )
+                strategy.export, unwrap(self.model), state, self.tokenizer, out, strategy.settings,
+                merge=strategy.merge_adapters,
+            )  # fmt: skip
             settings_json = self.layout.settings_json
             shutil.copy2(settings_json, out / settings_json.name)
 

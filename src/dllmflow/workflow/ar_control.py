@@ -60,6 +60,16 @@ def control_settings(settings: Settings, run_dir: str | Path) -> Settings:
     return Settings.model_validate(deep_merge(data, update))
 
 
+def on_control(settings: Settings, control_export: str | Path) -> Settings:
+    """The run's settings with the control's export as its model (a mode that trains on top of the
+    control, `trains_on_control`: uno's drafting adapter); its tokenizer stays the recipe's (the same
+    files: the control is the recipe's model fine-tuned)."""
+    model = settings.model.model_copy(
+        update={"pretrained_model_name_or_path": str(control_export), "tiny": None}
+    )
+    return settings.model_copy(update={"model": model})
+
+
 def training_of(run_dir: str | Path) -> dict[str, float]:
     """Steps, tokens and seconds of a run, summed over its curriculum stages when it has some."""
     from dllmflow.evaluation.control import training_summary
@@ -103,4 +113,4 @@ def comparison(
     }
     for name, speed in speeds_of(arms, settings).items():
         evals[name]["metrics"].update(speed)
-    return compare_arms(gated, evals[gated], evals[AR_CONTROL])
+    return compare_arms(gated, evals[gated], evals[AR_CONTROL], identity=settings.dllm.trains_on_control)

@@ -351,8 +351,13 @@ def comparison_table(side: dict[str, Any]) -> str:
 
 
 def gap_line(side: dict[str, Any]) -> str:
+    """The exact-match gap, and for a model whose answers must be the control's how many are."""
+    from dllmflow.evaluation.control import identity_line
+
     gap = side.get("em_gap")
-    return f"EM gap (dLLM - AR control): {gap:+.3f}" if gap is not None else "EM gap (dLLM - AR control): -"
+    line = f"EM gap (dLLM - AR control): {gap:+.3f}" if gap is not None else "EM gap (dLLM - AR control): -"
+    identity = identity_line(side)
+    return f"{line}\n{identity}" if identity else line
 
 
 _FORMATS = {"exact_match_flexible": "{:.3f}", "latency_s_b1": "{:.3f}", "tokens_per_s_b16": "{:,.0f}",

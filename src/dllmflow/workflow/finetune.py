@@ -94,6 +94,14 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
     from dllmflow.training.launch import launch
 
     s = Settings.coerce(settings).with_run_dir(run_dir)
+    control = None
+    if ar_control.enabled(s) and s.dllm.trains_on_control:  # uno: the adapter drafts for the control
+        layout = runs.RunLayout(s.resolved_run_dir)
+        if not layout.settings_json.is_file():  # claim the run dir before the control fills a subdir of it
+            layout.root.mkdir(parents=True, exist_ok=True)
+            s.write_json(layout.settings_json)
+        control = train(ar_control.control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
+        s = ar_control.on_control(s, control["consolidated_dir"])
     stages = [_with_remote_run(st, run_dir) for st in STRATEGIES[s.dllm.mode].training_stages(s)]
     handles, resumed, log_dir = [], False, None
     for stage in stages:
@@ -106,8 +114,7 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
         handles.append(result.app_handle)
         resumed, log_dir = resumed or resume, result.log_dir
     final_dir = str(stages[-1].resolved_run_dir)
-    control = None
-    if ar_control.enabled(s):  # the AR arm after the dLLM: its run's rows, optimizer and steps, mode ar
+    if ar_control.enabled(s) and control is None:  # the AR arm after the dLLM: same rows, optimizer, steps
         control = train(ar_control.control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
     return {
         "ar_control": control,

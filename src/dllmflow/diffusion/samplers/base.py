@@ -101,6 +101,10 @@ class GenerationResult:
     elapsed_s: float
     row_nfe: list[int] = field(default_factory=list)
     row_positions: list[int] = field(default_factory=list)
+    # Drafting samplers (selfspec): per draft offset k (index k-1), how many (row, forward) checks fed a
+    # k-th draft and how many accepted it: acceptance per offset = accepted / fed (AutoModel's draft_acc_k).
+    draft_fed: list[int] = field(default_factory=list)
+    draft_accepted: list[int] = field(default_factory=list)
 
 
 def effective_token_ratio(tokens: int, positions: int) -> float | None:
@@ -190,7 +194,10 @@ class Sampler(ABC):
         trimmed = [trim_at_stop(s, self.stop_ids) for s in seqs]
         elapsed = time.perf_counter() - t0
         positions = positions if len(positions) == len(trimmed) else []
-        return GenerationResult(trimmed, nfe, sum(map(len, trimmed)), elapsed, row_nfe, positions)
+        fed, accepted = getattr(self, "draft_counts", ([], []))
+        return GenerationResult(
+            trimmed, nfe, sum(map(len, trimmed)), elapsed, row_nfe, positions, list(fed), list(accepted)
+        )
 
     @abstractmethod
     def _generate(self, prompt_ids: list[list[int]]) -> tuple:

@@ -97,6 +97,7 @@ class SelfSpecSampler(Sampler):
         kv = ModelCache(self.model, dev)
         out: list[list[int]] = [[] for _ in range(B)]
         row_nfe, positions = [0] * B, [0] * B
+        self.draft_counts = ([0] * D, [0] * D)  # per offset: checks that fed that draft, that accepted it
         stop = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=dev)  # [n_stop]
         ahead = torch.arange(D, device=dev)  # [D]
 
@@ -138,6 +139,7 @@ class SelfSpecSampler(Sampler):
             logits = self._forward_new(kv, torch.cat([rows.keys, new], 1), ids, pos, K)  # [b, Q, V]
             greedy = logits[:, : 1 + F].argmax(-1)  # [b, 1 + F]: e_i follows draft i (e_0: the fed token)
             j = accepted_drafts(fed, greedy[:, :F])  # [b]
+            self._count_drafts(F, j)
             # Keep the fed token's and the accepted drafts' keys; a rejected draft's become a hole.
             kv.truncate(K + 1 + F)
             rows.keys = torch.cat([rows.keys, torch.arange(1 + F, device=dev)[None] <= j[:, None]], dim=1)
@@ -153,6 +155,13 @@ class SelfSpecSampler(Sampler):
             real = W + int((F - j).min())  # made by this forward in every row: F - j choices, W slots
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
+
+    def _count_drafts(self, fed: int, accepted: Tensor) -> None:
+        """Add one check of `fed` drafts per live row, `accepted` [b] of them, to `draft_counts`."""
+        counts = torch.bincount(accepted, minlength=fed + 1).tolist()  # rows by drafts accepted
+        for k in range(1, fed + 1):
+            self.draft_counts[0][k - 1] += len(accepted)
+            self.draft_counts[1][k - 1] += sum(counts[k:])
 
     def _feed(self, drafts: Tensor, real: int, stop: Tensor) -> tuple[int, int]:
         """(F, W): how many of the live rows' drafts [b, D] a forward feeds, at most the `real` ones a

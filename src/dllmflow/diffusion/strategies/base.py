@@ -63,6 +63,9 @@ class Strategy(ABC):
     `diffusion.modes` names each, and builds the model it trains (`build_mode_model`)."""
 
     name: ClassVar[str]
+    # LoRA exports merge the adapter into the weights (`models.lora.export_with_lora`); a mode whose
+    # adapter is not a weight update (uno's gated drafter) exports the base and the adapter apart.
+    merge_adapters: ClassVar[bool] = True
 
     def __init__(self, settings: Settings):
         self.settings = settings
