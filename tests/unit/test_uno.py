@@ -232,3 +232,35 @@ def test_a_dllm_export_is_no_base_for_the_adapter(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "dllm": {"mode": "mdlm"}}))
     with pytest.raises(SettingsError, match=r"a dLLM export \(dllm.mode=mdlm\)"):
         load_settings(dllm=UNO, peft={"r": 8}, model={"pretrained_model_name_or_path": str(tmp_path)})
+
+
+def test_identity_counts_answers_by_id_and_says_when_they_differ():
+    from dllmflow.evaluation.control import identical_answers, identity_line
+
+    control = [{"id": "a", "ids": [1, 2, 3]}, {"id": "b", "ids": [4, 5]}, {"id": "c", "ids": [6]}]
+    same = identical_answers([{"id": "b", "ids": [4, 5]}, {"id": "a", "ids": [1, 2, 3]}], control)
+    assert same == {"identical": 2, "answers": 2}
+    assert (
+        identity_line({**same, "sampler": "selfspec"})
+        == "answers identical to the AR control: 2/2 (selfspec)"
+    )
+    one_off = identical_answers(
+        [{"id": "a", "ids": [1, 2, 4]}, {"id": "c"}], control
+    )  # no ids: not identical
+    assert one_off == {"identical": 0, "answers": 2}
+    line = identity_line({**one_off, "sampler": "selfspec"})
+    assert line.startswith("answers NOT identical") and "2 of 2 differ" in line
+    assert identity_line({"sampler": "llada"}) is None  # no identity check: nothing claimed
+
+
+def test_evaluation_metrics_carry_acceptance_per_draft_offset(drafter):
+    from dllmflow.evaluation.accuracy import generate_in_batches
+
+    config = build_sampler_config("selfspec", {"max_new_tokens": 12, "block_size": 4})
+    runner = SAMPLERS["selfspec"](drafter, _Tok(), config, mask_id=M)
+    decoded = generate_in_batches(runner, PROMPTS, [0, 1, 2, 3], 2, "test")
+    metrics = decoded.draft_metrics()
+    assert set(metrics) == {"draft_acc_k1", "draft_acc_k2", "draft_acc_k3"}
+    assert 0 < metrics["draft_acc_k1"] <= 1 and metrics["draft_acc_k3"] <= metrics["draft_acc_k1"]
+    whole = runner.generate(PROMPTS)  # one batch: the same checks per row (a row decodes as it would alone)
+    assert (decoded.draft_fed, decoded.draft_accepted) == (whole.draft_fed, whole.draft_accepted)

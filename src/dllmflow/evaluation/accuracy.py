@@ -134,7 +134,7 @@ def evaluate_loaded(
         "prepared_dir": str(prepared_dir),
         **asked.protocol(),
     }
-    metrics = score_metrics(predictions, decoded.elapsed_s)
+    metrics = score_metrics(predictions, decoded.elapsed_s) | decoded.draft_metrics()
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions}
 
 
@@ -207,6 +207,19 @@ class Decoded:
     sequences: dict[int, list[int]] = field(default_factory=dict)  # generated ids
     costs: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # (forwards, positions | None)
     elapsed_s: float = 0.0  # seconds spent generating
+    draft_fed: list[int] = field(default_factory=list)  # per draft offset (drafting samplers: selfspec)
+    draft_accepted: list[int] = field(default_factory=list)
+
+    def add_drafts(self, fed: list[int], accepted: list[int]) -> None:
+        n = max(len(self.draft_fed), len(fed))
+        pad = lambda a: list(a) + [0] * (n - len(a))  # noqa: E731
+        self.draft_fed = [a + b for a, b in zip(pad(self.draft_fed), pad(fed))]
+        self.draft_accepted = [a + b for a, b in zip(pad(self.draft_accepted), pad(accepted))]
+
+    def draft_metrics(self) -> dict[str, float]:
+        """`draft_acc_k{k}`: the share of checks that fed a k-th draft and accepted it (none without drafts)."""
+        return {f"draft_acc_k{k}": a / f for k, (f, a) in enumerate(zip(self.draft_fed, self.draft_accepted), 1)
+                if f}  # fmt: skip
 
 
 def generate_in_batches(
@@ -224,6 +237,7 @@ def generate_in_batches(
             nfes = result.row_nfe or [result.nfe] * len(idx)
             positions = getattr(result, "row_positions", None) or [None] * len(idx)
             out.costs.update(zip(idx, zip(nfes, positions)))
+            out.add_drafts(getattr(result, "draft_fed", []), getattr(result, "draft_accepted", []))
             bar.advance(len(idx))
     return out
 
