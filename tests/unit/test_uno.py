@@ -264,3 +264,19 @@ def test_evaluation_metrics_carry_acceptance_per_draft_offset(drafter):
     assert 0 < metrics["draft_acc_k1"] <= 1 and metrics["draft_acc_k3"] <= metrics["draft_acc_k1"]
     whole = runner.generate(PROMPTS)  # one batch: the same checks per row (a row decodes as it would alone)
     assert (decoded.draft_fed, decoded.draft_accepted) == (whole.draft_fed, whole.draft_accepted)
+
+
+def test_a_lossy_sampler_of_the_adapter_model_runs_and_is_labelled_lossy(drafter):
+    from dllmflow.diffusion.modes import decoding_of
+    from dllmflow.workflow.card import eval_rows
+
+    assert decoding_of("uno", "selfspec") == decoding_of("uno", "ar") == "lossless"
+    assert decoding_of("uno", "llada2") == "lossy"
+    assert decoding_of("mdlm", "llada2") is None  # no causal LM to be lossless to: no label
+    config = build_sampler_config(
+        "llada2", {"max_new_tokens": 8, "block_size": 4, "steps": 4, "threshold": 0.5}
+    )
+    assert len(SAMPLERS["llada2"](drafter, _Tok(), config, mask_id=M).generate(PROMPTS).sequences) == 4
+    rows = eval_rows({"llada2": {"metrics": {}, "protocol": {"decoding": "lossy"}},
+                      "selfspec": {"metrics": {}, "protocol": {"decoding": "lossless"}}})  # fmt: skip
+    assert [r[0] for r in rows] == ["llada2 (lossy)", "selfspec"]

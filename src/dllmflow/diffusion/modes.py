@@ -56,6 +56,8 @@ class ModeSpec:
     extra_evaluations: evaluations that are not a sampler (dflash: "acceptance" of the draft).
     model_builder:     "module:function" `(settings, tokenizer) -> nn.Module` building the trainable
                        model (wrapped by DDP/FSDP2 and optimised); default: the configured model.
+    lossless:          for a mode whose checkpoints answer as a causal LM must (uno's drafting adapter),
+                       the samplers that give that LM's greedy answers; the others are labelled lossy.
 
     The spec only names its strategy (a `Strategy` subclass, the training math) and never imports
     it, so that `diffusion.strategies` depends on this registry and not the other way round.
@@ -67,6 +69,7 @@ class ModeSpec:
     samplers: tuple[str, ...] = ()
     extra_evaluations: tuple[str, ...] = ()
     model_builder: str = DEFAULT_MODEL_BUILDER
+    lossless: tuple[str, ...] = ()
 
     @property
     def default_sampler(self) -> str | None:
@@ -195,6 +198,16 @@ def check_sampler(mode: str | None, sampler: str) -> None:
         )
 
 
+def decoding_of(mode: str | None, sampler: str) -> str | None:
+    """ "lossless" or "lossy" for a checkpoint of a mode that declares its lossless samplers (uno: its
+    answers must be the causal LM's), else None (nothing to label). Results, the card and served usage
+    carry it."""
+    spec = MODES._specs.get(mode) if mode else None
+    if spec is None or not spec.lossless:
+        return None
+    return "lossless" if sampler in spec.lossless else "lossy"
+
+
 # ---- the built-in modes ------------------------------------------------------------------------------
 
 _S = "dllmflow.diffusion.strategies"
@@ -242,7 +255,13 @@ for _spec in (
     ),
     # A drafting adapter on a frozen causal LM: selfspec decodes the LM's own greedy answers with its
     # drafts, ar the LM alone (the same answers), llada2 lossily from [MASK] blocks.
-    ModeSpec("uno", UnoConfig, f"{_S}.uno:UnoStrategy", samplers=("selfspec", "ar", "llada2")),
+    ModeSpec(
+        "uno",
+        UnoConfig,
+        f"{_S}.uno:UnoStrategy",
+        samplers=("selfspec", "ar", "llada2"),
+        lossless=("selfspec", "ar"),
+    ),
     # The AR control: the base causal LM fine-tuned next-token, decoded greedily with its KV cache.
     ModeSpec("ar", ARConfig, f"{_S}.ar:ARStrategy", samplers=("ar",)),
 ):
@@ -256,6 +275,7 @@ __all__ = [
     "SamplerMisfitError",
     "build_mode_model",
     "check_sampler",
+    "decoding_of",
     "load_object",
     "register_mode",
 ]

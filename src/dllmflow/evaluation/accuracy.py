@@ -117,8 +117,12 @@ def evaluate_loaded(
     # 3) generate in batches, 4) score
     decoded = generate_in_batches(runner, prompts, order, batch_size, f"evaluate {sampler}")
     predictions = score_predictions(rows, chats, decoded, loaded.tokenizer)
+    from dllmflow.diffusion.modes import decoding_of
+
+    mode = getattr(getattr(loaded.trained, "dllm", None), "mode", None)
     protocol = {
         "sampler": sampler,
+        "decoding": decoding_of(mode, sampler),  # uno: lossless (the LM's own answers) or lossy
         "sampler_settings": config.model_dump(mode="json"),
         "max_new_tokens": config.max_new_tokens,
         "n_shot": n_shot,

@@ -373,5 +373,13 @@ class DllmEngine:
                 "tokens_per_forward": round(completion / req.nfe, 4) if req.nfe else 0.0,
                 "positions": req.positions,
                 "effective_token_ratio": round(completion / req.positions, 4) if req.positions else None,
+                **self._decoding(req.sampler),
             },
         }
+
+    def _decoding(self, sampler: str) -> dict[str, str]:
+        """{"decoding": "lossy"|"lossless"} for a model whose answers must be a causal LM's (uno)."""
+        from dllmflow.diffusion.modes import decoding_of
+
+        label = decoding_of(self.served.mode, sampler)
+        return {"decoding": label} if label else {}

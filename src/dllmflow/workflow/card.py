@@ -145,7 +145,8 @@ def eval_rows(evals: dict[str, dict[str, Any]]) -> list[list[str]]:
     for name, result in evals.items():
         m = result.get("metrics", {})
         # tau: the DFlash acceptance length, as evaluate_dflash reports it
-        rows.append([name] + [_fmt(m.get(c)) for c in EVAL_COLUMNS] + [_fmt(m.get("tau"))])
+        label = f"{name} (lossy)" if result.get("protocol", {}).get("decoding") == "lossy" else name
+        rows.append([label] + [_fmt(m.get(c)) for c in EVAL_COLUMNS] + [_fmt(m.get("tau"))])
     return rows
 
 
