@@ -281,6 +281,20 @@ def test_prefix_renders_that_are_not_string_prefixes(smol_copy):
             encode_chats(tok, [chat])
 
 
+def test_messages_beyond_plain_strings_render_as_apply_chat_template_does(smol_copy):
+    """A None value is dropped by apply_chat_template before rendering (this template would print
+    `None` otherwise); such chats take its own render, plain ones the renderer directly."""
+    tok = smol_copy()
+    tok.chat_template = SMOLLM2.replace(
+        "message['role'] + '\n'",
+        "message['role'] + (' (' + message['name'] + ')' if message['name'] is defined else '') + '\n'",
+    )
+    chats = gsm8k_chats(30)
+    named = [[{**m, "name": "ann" if k % 2 else None} for m in c] for k, c in enumerate(chats)]
+    assert mismatches(tok, chats + named) == []
+    assert "None" not in tok.decode(encode_chats(tok, named[:1])[0][0])
+
+
 def test_a_tokenizer_it_does_not_mirror_encodes_prefixes_whole(smol_copy):
     """A normalizer in the pipeline: no word encoder, so no cuts; the prefix rule still, batched."""
     from tokenizers import normalizers

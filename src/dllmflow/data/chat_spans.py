@@ -96,9 +96,25 @@ def encode_by_prefix(
 
 
 def _render(tok, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+    """What apply_chat_template renders (and then encodes) for each chat."""
     if not conversations:
         return []  # apply_chat_template refuses an empty batch
-    return tok.apply_chat_template(conversations, tokenize=False, add_generation_prompt=add_generation_prompt)
+    if not all(type(m) is dict and all(type(v) is str for v in m.values()) for c in conversations for m in c):
+        return tok.apply_chat_template(
+            conversations, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    # Messages of plain strings (prepare's rows): apply_chat_template's normalising (message objects to
+    # dicts, None values dropped) leaves them as they are, so its renderer is called directly (~25% less
+    # render time; encode_chats's tagged path calls it the same way).
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts, _ = render_jinja_template(
+        conversations=conversations,
+        chat_template=tok.get_chat_template(),
+        add_generation_prompt=add_generation_prompt,
+        **tok.special_tokens_map,
+    )
+    return texts
 
 
 class _Chat:

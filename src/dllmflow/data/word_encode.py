@@ -65,11 +65,10 @@ class WordEncoder:
         self._model, self._regex = model, _DIGITS_BYTE_LEVEL if digits else _BYTE_LEVEL
         self._added = {k: [v] for k, v in added.items()}
         # The tokenizer splits the added tokens it matches as written first, then, in what is left, the
-        # ones it matches after normalizing (none here); each pass leftmost-longest.
-        self._passes = [
-            _alternation([t for t in added if t not in normalized]),
-            _alternation(sorted(normalized)),
-        ]
+        # ones it matches after normalizing (none here); each pass leftmost-longest. A pass with nothing
+        # to match is left out (one level less per piece of every text).
+        passes = [_alternation([t for t in added if t not in normalized]), _alternation(sorted(normalized))]
+        self._passes = [split for split in passes if split is not None]
         self._cache: dict[str, list[int]] = dict(self._added)
 
     def words(self, text: str) -> list[str]:
@@ -79,17 +78,14 @@ class WordEncoder:
         return out
 
     def _words(self, text: str, depth: int, out: list[str]) -> None:
-        split = self._passes[depth] if depth < len(self._passes) else None
-        if split is not None:
-            for i, part in enumerate(split.split(text)):
-                if i % 2:  # an added token (the split's capture group)
-                    out.append(part)
-                elif part:
-                    self._words(part, depth + 1, out)
-        elif depth < len(self._passes):
-            self._words(text, depth + 1, out)
-        else:
+        if depth == len(self._passes):
             out += self._regex.findall(text)
+            return
+        for i, part in enumerate(self._passes[depth].split(text)):
+            if i % 2:  # an added token (the split's capture group)
+                out.append(part)
+            elif part:
+                self._words(part, depth + 1, out)
 
     def _ids(self, word: str) -> list[int]:
         """A word the cache lacks: the BPE model's ids of its bytes (as ByteLevel maps them)."""
