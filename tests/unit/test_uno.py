@@ -21,6 +21,7 @@ import json
 import pytest
 import torch
 from test_block_causal import M, _Tok
+from test_selfspec import _progressions
 
 from dllmflow.diffusion.masks.drafting import drafting_slots_mask
 from dllmflow.diffusion.modes import build_mode_model
@@ -46,15 +47,6 @@ TINY = {"tiny": {"hidden_size": 64, "intermediate_size": 128}}
 def _settings(**dllm):
     return load_settings(dllm={**UNO, **dllm}, peft={"r": 8, "alpha": 16}, dataset={"seq_length": 16},
                          eval={"block_size": 4}, model=TINY)  # fmt: skip
-
-
-def _progressions(n: int, g: torch.Generator) -> dict:
-    """Rows of 16 ids counting up by 1 or 2 from a random start (ids 1..44), the last 12 supervised."""
-    start, step = torch.randint(1, 40, (n, 1), generator=g), torch.randint(1, 3, (n, 1), generator=g)
-    loss_mask = torch.zeros(n, 16)
-    loss_mask[:, 4:] = 1
-    x = (start + step * torch.arange(16)) % 44 + 1  # [n, 16]
-    return {"input_ids": x, "loss_mask": loss_mask, "attention_mask": torch.ones(n, 16, dtype=torch.long)}
 
 
 def _train(model, strategy, steps: int, seed: int, terms: tuple[str, ...]) -> None:
