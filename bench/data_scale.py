@@ -14,7 +14,10 @@ own and its workers', from getrusage):
             file, streamed: what the first row read does), read 1,000 random rows: RSS added (VmRSS
             after - before) and peak added (VmHWM);
   loader    samples/s through `GlobalBatches` + the tiny_mdlm collator, against what one tiny_mdlm
-            training step consumes (global batch / step time of a 4-step run on this machine).
+            training step consumes (global batch / step time of a 4-step run on this machine);
+  real      a real tokenizer, template and text beside the synthetic rows: bench/chat_encode.py in a
+            child (SmolLM2's tokenizer and template, the embedded GSM8K chats x `--real-repeat`):
+            prepare's encode_chats against the library's encode_batch (issue 50: >= 1.0x).
 Every prepare child runs with RAYON_NUM_THREADS=1 (the fast tokenizer on one core per process), so
 rows/s of one worker is rows/s per core; rows per CPU-second (user + sys of every process) is printed
 too. The tokenizer is a byte-level BPE of 4,096 fitted once on 5,000 of the rows and given as
@@ -295,6 +298,7 @@ def main() -> None:
         help="Keep the data in this dir (reused by a rerun); default: a temp dir, removed",
     )
     p.add_argument("--skip-step", action="store_true", help="Skip the tiny_mdlm step timing.")
+    p.add_argument("--real-repeat", type=int, default=8, help="GSM8K chats x this, SmolLM2 (0: skip).")
     p.add_argument("--child", choices=sorted(CHILDREN))
     p.add_argument("--chats"), p.add_argument("--tok"), p.add_argument("--out")
     a = p.parse_args()
@@ -365,6 +369,20 @@ def measure(a, work: Path) -> None:
         line += (f"; one tiny_mdlm step consumes {st['samples_per_step']} samples in {st['step_s'] * 1000:.0f} ms "
                  f"= {st['consumed_samples_s']:.0f}/s: {lo['samples_s'] / st['consumed_samples_s']:.0f}x (goal >= 20)")  # fmt: skip
     print(line)
+    if a.real_repeat:
+        out = work / "chat_encode.json"
+        env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [
+            sys.executable,
+            str(ROOT / "bench" / "chat_encode.py"),
+            f"--repeat={a.real_repeat}",
+            f"--json={out}",
+        ]
+        subprocess.run(cmd, check=True, capture_output=True, env=env)
+        r = json.loads(out.read_text())["scale"]
+        print(f"real tokenizer + template + text (SmolLM2, GSM8K chats x{a.real_repeat}; bench/chat_encode.py): "
+              f"encode_chats {r['prepare']:,.0f} rows/CPU-s vs the library's encode_batch {r['library']:,.0f}: "
+              f"{r['ratio']:.2f}x (goal >= 1.0)")  # fmt: skip
 
 
 if __name__ == "__main__":
