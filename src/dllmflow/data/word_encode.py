@@ -2,8 +2,10 @@
 recipes'): the text is split into words the way the tokenizer's pre-tokenizer splits it, and each
 distinct word is encoded once by the tokenizer's own BPE model and cached, so a chat costs a regex pass
 and a dict lookup per word instead of the whole Rust pipeline per token (~2.3x the rows per CPU-second
-of `encode_batch` on bench/data_scale.py's chats). Used by `tokenizer.encode_chats` and by prepare's text
-rows; the ids are the tokenizer's (tests/unit/test_word_encode.py compares them on random text).
+of `encode_batch` on bench/data_scale.py's chats). Used by `tokenizer.encode_chats` (and, for templates
+without generation tags, chat_spans.py, which also cuts prefixes at its added-token words) and by
+prepare's text rows; the ids are the tokenizer's (tests/unit/test_word_encode.py compares them on random
+text, tests/unit/test_chat_spans.py on SmolLM2's tokenizer and GSM8K).
 
 Only where the split is certain: a tokenizer with no normalizer, a `ByteLevel` pre-tokenizer with its
 regex (optionally after `Digits(individual_digits=True)`), a BPE model without dropout, and added tokens
