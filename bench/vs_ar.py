@@ -8,6 +8,20 @@ new tokens. Opt-in (tens of minutes on 2 CPU cores; pytest does not collect benc
     python bench/vs_ar.py --recipe params/smollm2_block_causal_lora.yaml --skip-train --run-dir /tmp/bench-vs-ar-XXXX
     python bench/vs_ar.py ... --setting selfspec:block_size=4,batch_positions=24 --setting llada2:block_size=8,threshold=0.9
 
+With an `uno` recipe (params/smollm2_uno_gsm8k.yaml: GSM8K chains of thought, 256 new tokens) the control
+trains first and the drafting adapter (docs/strategies.md §2.9) on its export; `selfspec` then decodes the
+control's own greedy answers, and the `same` column counts the answers token-identical to the `ar` row's.
+
+    OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_uno_gsm8k.yaml --steps 30 --eval-limit 16 \
+        --lengths 256 --setting selfspec:block_size=8 --setting selfspec:block_size=4
+
+Every table starts with three control rows on the same prompts, each taking its turn: the AR control through
+the product's `ar` sampler, the same model through transformers' own `generate` (greedy, KV cache) and with
+transformers' prompt-lookup decoding (`prompt_lookup_num_tokens` 10: drafts copied from the prompt, batch 1
+only in transformers, so its batch-16 figure is 16 single calls). Per decoder: TPF at batch 1 (answer tokens
+per forward), acceptance per draft offset (the share of checks that fed a k-th draft and accepted it),
+answers identical to the `ar` row's, and T(k)/T(1), this machine's cost of a k-position forward.
+
 Per generation length and per decoder (the AR control's `ar` sampler, each `--setting` of the dLLM):
 held-out exact match (flexible, strict), median seconds per answer at batch 1, answers per second at
 batch 16 (64 prompts in 4 batches, shortest first), forwards per answer and answer tokens per forward,
@@ -116,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="add selfspec's measured floor: the first setting's selfspec with every draft right",
     )  # fmt: skip
     p.add_argument("--output", help="write the table and training figures as JSON")
+    p.add_argument("--cost-curve-only", action="store_true", help="only T(k)/T(1) of the trained control")
     return p.parse_args(argv)
 
 
@@ -395,6 +410,29 @@ def floor_decoders(args, decoders: list[Decoder], prompts: list[list[int]]) -> l
     return [FloorDecoder(label, spec[0].loaded, over, prompts, args.batch)]
 
 
+def cost_curve(model, context: int = 160, most: int = 8, reps: int = 15) -> dict[int, float]:
+    """T(k)/T(1) on this machine: the median seconds of one batch-1 forward of k new positions after a
+    cached context of `context` tokens, as a ratio to k = 1. With TPF answer tokens per forward of k
+    positions, a decoder's latency is about T(k) / (TPF * T(1)) of the AR control's, so 0.5x needs
+    TPF >= 2 T(k)/T(1)."""
+    import torch
+    from transformers import DynamicCache
+
+    ids = torch.randint(100, 1000, (1, context + most))
+    times = {}
+    with torch.no_grad():
+        for k in range(1, most + 1):
+            runs = []
+            for _ in range(reps):
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+                t0 = time.perf_counter()
+                model(input_ids=ids[:, context : context + k], cache=cache, use_cache=True)
+                runs.append(time.perf_counter() - t0)
+            times[k] = statistics.median(runs)
+    return {k: t / times[1] for k, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -447,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()})}")
 
     decoders = build_decoders(args, s, ar_s, run_dir)
+    out["cost_curve"] = cost_curve(decoders[0].loaded.model)
+    print("T(k)/T(1), batch 1:", " ".join(f"{k}:{r:.2f}" for k, r in out["cost_curve"].items()), flush=True)
+    if args.cost_curve_only:
+        return write_output(out, args.output)
     tok = decoders[0].loaded.tokenizer
     asked = eval_prompts(tok, Path(s.dataset.prepared_dir), "eval", args.eval_limit, s.eval.n_shot)
     for d in decoders[3:]:  # the same prompts by construction: refuse a tokenizer that renders others
