@@ -19,6 +19,7 @@ block size, mask id). Loading the adapter onto weights with another digest is re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -98,15 +99,12 @@ def weights_digest(model_dir: str | Path) -> str:
     if not files:
         raise UserError(f"{model_dir}: no *.safetensors weights to identify the causal LM by")
     h = hashlib.sha256()
-    tensors: list[tuple[str, Path]] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            tensors += [(k, f) for k in st.keys()]
-    for name, f in sorted(tensors):
-        with safe_open(str(f), framework="pt") as st:
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        for name, st in sorted(((k, f) for f in opened for k in f.keys()), key=lambda e: e[0]):
             t = st.get_tensor(name).contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

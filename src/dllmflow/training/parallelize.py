@@ -68,10 +68,8 @@ def build_parallel_model(tokenizer: Any, settings: Settings, info: DistInfo) -> 
         return _wrap(_transform(eager, settings, info), settings, info)
     # 1) the skeleton, transforms and shards, no storage yet
     with meta.build_on_meta():
-        # pre-shard; _master again: peft makes adapters float32 on a meta float64 base
-        model = _master(
-            apply_lora(_master(build_mode_model(settings, tokenizer), settings), settings), settings
-        )
+        # pre-shard; _master after the adapters: peft makes them float32 even on a float64 base
+        model = _master(apply_lora(build_mode_model(settings, tokenizer), settings), settings)
     model = _transform(model, settings, info)
     # 2) pretrained: every rank reads its own shards from the safetensors (the same decision on every
     #    rank: it reads only file headers), else rank 0 reads the whole checkpoint and broadcasts it
@@ -115,7 +113,8 @@ def _fill_sharded(model: nn.Module, loader: Any, rng: Tensor, where: str, buffer
 
 
 def _master(model: nn.Module, settings: Settings) -> nn.Module:
-    """`train.dtype: float64`: the whole model in float64 (adapters added after follow the base dtype)."""
+    """`train.dtype: float64`: the whole model in float64, adapters included (call it after `apply_lora`:
+    peft makes them float32 whatever the base's dtype)."""
     if settings.train.dtype != "float64":
         return model
     for module in model.modules():  # torch's grouped_mm has no float64 kernel: loop over the experts
