@@ -137,6 +137,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--floor", action=argparse.BooleanOptionalAction, default=True,
         help="add selfspec's measured floor: the first setting's selfspec with every draft right",
     )  # fmt: skip
+    p.add_argument(
+        "--draft-data", choices=("rows", "control"), default="rows",
+        help="uno: the adapter's training rows: the recipe's (reference answers) or the control's own greedy "
+        "answers to the same training prompts (regenerated here with transformers generate, batch --batch)",
+    )  # fmt: skip
+    p.add_argument(
+        "--regen-rows", type=int, help="--draft-data control: training prompts (default steps x batch)"
+    )
+    p.add_argument("--adapter-steps", type=int, help="uno: the adapter's optimizer steps (default --steps)")
     p.add_argument("--output", help="write the table and training figures as JSON")
     p.add_argument("--cost-curve-only", action="store_true", help="only T(k)/T(1) of the trained control")
     return p.parse_args(argv)
@@ -418,6 +427,31 @@ def floor_decoders(args, decoders: list[Decoder], prompts: list[list[int]]) -> l
     return [FloorDecoder(label, spec[0].loaded, over, prompts, args.batch)]
 
 
+def control_answers(ar_s, prepared: Path, out: Path, rows: int, batch: int, max_new_tokens: int) -> dict:
+    """The AR control's own greedy answers (transformers generate, KV cache) to the first `rows` training
+    prompts of `prepared`, written to `out` as chat JSONL: the drafting adapter learns the text its
+    verifier will say (DFlash's recipe regenerates its data for the same reason). Kept and reused."""
+    from dllmflow import runs
+    from dllmflow.evaluation.protocol import build_eval_runner, eval_prompts
+
+    if out.is_file():
+        return {"regen_rows": sum(1 for _ in out.open())}
+    loaded = build_eval_runner(runs.find_consolidated(str(ar_s.resolved_run_dir)), ar_s, "ar")
+    asked = eval_prompts(loaded.tokenizer, prepared, "train", rows, 0)
+    runner, t0, lines, capped = HFRunner(loaded, max_new_tokens, None), time.perf_counter(), [], 0
+    for i in range(0, len(asked.order), batch):
+        idx = asked.order[i : i + batch]  # shortest first: little padding
+        for j, answer in zip(idx, runner.generate([asked.prompts[j] for j in idx]).sequences):
+            text = loaded.tokenizer.decode(answer, skip_special_tokens=True).strip()
+            capped += len(answer) >= max_new_tokens
+            lines.append(json.dumps({"messages": [*asked.chats[j], {"role": "assistant", "content": text}]}))
+        print(f"control answers: {len(lines)}/{len(asked.order)}", flush=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(out)
+    return {"regen_rows": len(lines), "regen_capped": capped, "regen_s": time.perf_counter() - t0}
+
+
 def cost_curve(model, context: int = 160, most: int = 8, reps: int = 15) -> dict[int, float]:
     """T(k)/T(1) on this machine: the median seconds of one batch-1 forward of k new positions after a
     cached context of `context` tokens, as a ratio to k = 1. With TPF answer tokens per forward of k
@@ -481,8 +515,23 @@ def main(argv: list[str] | None = None) -> int:
         out["train"] = {"ar": train_arm(ar_s, ar_s.resolved_run_dir, args.skip_train)}
         base = str(runs.find_consolidated(str(ar_s.resolved_run_dir)))
         alone["model.pretrained_model_name_or_path"] = base
-        s = load_settings(args.recipe, **alone)
-        out["train"]["dllm"] = train_arm(s, run_dir, args.skip_train)
+        if args.adapter_steps:
+            alone["train.max_steps"] = args.adapter_steps
+        if args.draft_data == "control":  # the adapter's own prepared set: the control's answers
+            rows = args.regen_rows or (args.adapter_steps or s.train.max_steps) * s.train.global_batch_size
+            regen = work / "control_answers.jsonl"
+            out["draft_data"] = control_answers(ar_s, Path(s.dataset.prepared_dir), regen, rows, args.batch,
+                                                s.eval.max_new_tokens)  # fmt: skip
+            print(f"draft data: {json.dumps(out['draft_data'])}", flush=True)
+            regen_over = {**alone, "dataset.path_or_dataset_id": str(regen),
+                          "dataset.prepared_dir": str(work / "prepared-control")}  # fmt: skip
+            regen_s = load_settings(args.recipe, **regen_over)
+            prepare(regen_s)
+            out["train"]["dllm"] = train_arm(regen_s, run_dir, args.skip_train)
+            s = load_settings(args.recipe, **alone)  # decoded on the recipe's own held-out prompts
+        else:
+            s = load_settings(args.recipe, **alone)
+            out["train"]["dllm"] = train_arm(s, run_dir, args.skip_train)
     else:
         out["train"] = {
             arm: train_arm(st, Path(d), args.skip_train)

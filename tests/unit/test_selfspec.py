@@ -247,3 +247,53 @@ def test_the_bench_floor_drafts_the_greedy_answer_and_takes_two_forwards(drafter
     assert floor.sequences == ar.sequences
     assert floor.row_nfe == [2] * len(PROMPTS)  # the prompt's forward, one check
     assert max(plain.generate(PROMPTS).row_nfe) > 2  # the model's own drafts miss somewhere
+
+
+def _forwards(model, **over) -> list[tuple[int, int, int]]:
+    """(first position, drafts fed F, [MASK] slots W) of every forward of one prompt's selfspec decoding."""
+    seen = []
+
+    def record(module, args, kw):
+        ids = kw["input_ids"][0]  # [Q]: the pending token, F drafts, W slots
+        slots = int((ids == M).sum())
+        seen.append((int(kw["position_ids"][0, 0]), len(ids) - 1 - slots, slots))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        _decode(model, "selfspec", PROMPTS[:1], max_new_tokens=24, **over)
+    finally:
+        hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_an_adaptive_schedule_keeps_the_answers_and_sizes_each_forward_by_the_last_acceptance(drafter, block_size):
+    """Each forward after the second feeds W slots = one more than the drafts the previous check accepted
+    (two more when it accepted every draft it was fed), between 1 and block_size - 1; the accepted count
+    is read off the positions (a forward commits j + 1 tokens), independently of the sampler's bookkeeping."""
+    ar = _decode(drafter, "ar", PROMPTS)
+    spec = _decode(drafter, "selfspec", PROMPTS, block_size=block_size, draft_schedule="adaptive")
+    assert spec.sequences == ar.sequences
+    fwd = _forwards(drafter, block_size=block_size, draft_schedule="adaptive")[1:]  # after the prompt's
+    D, widths = block_size - 1, set()
+    for (pos, fed, _), (nxt, _, slots) in zip(fwd, fwd[1:]):
+        accepted = nxt - pos - 1
+        assert 0 <= accepted <= fed
+        want = max(1, min(D, accepted + (2 if accepted == fed else 1))) if fed else None
+        if want is not None and nxt - fwd[0][0] < 24 - block_size:  # not yet trimmed by the answer's end
+            assert slots == want, (pos, fed, accepted, slots)
+            widths.add(slots)
+    assert len(widths) > 1  # both growing and shrinking happened, so the rule was exercised
+
+
+def test_an_adaptive_schedule_feeds_fewer_positions_when_drafts_miss():
+    """An untrained model's drafts rarely hold: the fixed schedule pays block_size - 1 drafts and slots a
+    forward for them, the adaptive one shrinks to one of each; the answers stay the model's greedy ones."""
+    settings = load_settings(dllm=CAUSAL, eval={"block_size": 4}, dataset={"seq_length": 16},
+                             model={"tiny": {"hidden_size": 64, "intermediate_size": 128}})  # fmt: skip
+    torch.manual_seed(3)
+    model = build_mode_model(settings, _Tok()).eval()
+    fixed = _decode(model, "selfspec", PROMPTS, block_size=8)
+    adaptive = _decode(model, "selfspec", PROMPTS, block_size=8, draft_schedule="adaptive")
+    assert adaptive.sequences == fixed.sequences == _decode(model, "ar", PROMPTS).sequences
+    assert sum(adaptive.row_positions) < 0.6 * sum(fixed.row_positions)

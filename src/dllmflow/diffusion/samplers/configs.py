@@ -235,6 +235,12 @@ class SelfSpecConfig(SamplerConfig):
         "0 being an ar step. Drafts pay where a forward costs about the same for more positions (a GPU, "
         "a small batch); on a CPU at batch 16 each position is compute.",
     )
+    draft_schedule: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="fixed: every forward feeds block_size - 1 drafts and as many slots. adaptive: the "
+        "width follows acceptance (one more than the most drafts a row accepted, +2 when a row accepted "
+        "every draft it was fed, at least 1), so drafts that keep missing stop costing positions.",
+    )
     cache_modes: ClassVar[tuple[str, ...]] = ("exact",)
     cache_why: ClassVar[str] = "its drafts are checked against the exact cache of the committed tokens"
     cache: CacheMode = Field("exact", description="Exact cache of the prompt and the committed tokens.")

@@ -25,7 +25,8 @@ row's drafts hold one the forward feeds no [MASK] slots. What a row committed is
 before each forward but the first (`Sampler.stepper`), where a server streams it and may drop rows.
 `batch_positions` caps the positions a forward feeds across the live rows (fewer drafts and slots per
 row, down to plain ar steps, while the batch is large: on a CPU each position there is compute); the
-drafts come back as rows finish.
+drafts come back as rows finish. `draft_schedule: adaptive` sizes each forward by the last check's
+acceptance instead (a long answer's drafts miss in runs, and a missed draft and its slot are paid positions).
 
     cfg = build_sampler_config("selfspec", {"max_new_tokens": 64})
     out = SAMPLERS["selfspec"](model, tokenizer, cfg).generate([ids_a, ids_b])   # GenerationResult
@@ -89,6 +90,7 @@ class SelfSpecSampler(Sampler):
                 "config.json); decode this one with llada2"
             )
         G, D = self.config.max_new_tokens, self.config.block_size - 1
+        self._span = D  # drafts (and slots) per row of the next forward; `draft_schedule: adaptive` moves it
         c = build_left_padded_canvas(
             prompt_ids, 0, self.mask_id, self.fill_id, self.device, sampler=self.name
         )
@@ -140,6 +142,7 @@ class SelfSpecSampler(Sampler):
             greedy = logits[:, : 1 + F].argmax(-1)  # [b, 1 + F]: e_i follows draft i (e_0: the fed token)
             j = accepted_drafts(fed, greedy[:, :F])  # [b]
             self._count_drafts(F, j)
+            self._adapt(F, W, j)
             # Keep the fed token's and the accepted drafts' keys; a rejected draft's become a hole.
             kv.truncate(K + 1 + F)
             rows.keys = torch.cat([rows.keys, torch.arange(1 + F, device=dev)[None] <= j[:, None]], dim=1)
@@ -163,6 +166,15 @@ class SelfSpecSampler(Sampler):
             self.draft_counts[0][k - 1] += len(accepted)
             self.draft_counts[1][k - 1] += sum(counts[k:])
 
+    def _adapt(self, fed: int, slots: int, accepted: Tensor) -> None:
+        """`draft_schedule: adaptive`: the next forward's width from this check's acceptance [b] (the best
+        row's): one more than its accepted drafts, 2 more when it accepted every one it was fed, between 1
+        and block_size - 1. A forward that fed no drafts (or no slots: every row was ending) says nothing."""
+        if self.config.draft_schedule != "adaptive" or not fed or not slots:
+            return
+        best = int(accepted.max())
+        self._span = max(1, min(self.config.block_size - 1, best + (2 if best == fed else 1)))
+
     def _feed(self, drafts: Tensor, real: int, stop: Tensor) -> tuple[int, int]:
         """(F, W): how many of the live rows' drafts [b, D] a forward feeds, at most the `real` ones a
         forward made, and how many [MASK] slots (F = W = D without a batch_positions cap). A stop draft
@@ -181,7 +193,7 @@ class SelfSpecSampler(Sampler):
     def _width(self, rows: int, most: int) -> int:
         """Drafts (and slots) per row of a forward over `rows` live rows: `most` unless
         `batch_positions` caps the forward's 1 + 2 * width positions per row."""
-        cap = self.config.batch_positions
+        cap, most = self.config.batch_positions, min(most, self._span)
         return most if cap is None else max(0, min(most, (cap // rows - 1) // 2))
 
     def _forward_new(self, kv: ModelCache, keys: Tensor, ids: Tensor, pos: Tensor, first: int) -> Tensor:
