@@ -267,7 +267,9 @@ def _forwards(model, **over) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_an_adaptive_schedule_keeps_the_answers_and_sizes_each_forward_by_the_last_acceptance(drafter, block_size):
+def test_an_adaptive_schedule_keeps_the_answers_and_sizes_each_forward_by_the_last_acceptance(
+    drafter, block_size
+):
     """Each forward after the second feeds W slots = one more than the drafts the previous check accepted
     (two more when it accepted every draft it was fed), between 1 and block_size - 1; the accepted count
     is read off the positions (a forward commits j + 1 tokens), independently of the sampler's bookkeeping."""
