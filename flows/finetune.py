@@ -12,6 +12,11 @@ small result as an artifact. Runs are tagged `mode:`, `recipe:` and `data:<hash1
 `--tag`). Production: `argo-workflows create` deploys the same flow under `@project(flow.project)`, on
 `@schedule` only when `flow.schedule_cron` is set, with the train step's `@resources` placed by
 `launch.scheduler` (`dllmflow.workflow.deploy`; needs a cloud datastore; see infra/argo.md).
+
+With `eval.ar_control` the AR control trains inside the `train` step, not in a step of its own (the
+graph does not show it): after the dLLM, or before it for a mode that trains on the control (uno), into
+`<run dir>/ar_control`. `train`'s artifact holds it under "ar_control"; it is evaluated as the
+`ar_control` branch of `evaluate` and timed beside the dLLM in `register` (workflow/ar_control.py).
 """
 
 from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, project, retry, step
@@ -92,7 +97,8 @@ class FinetuneFlow(FlowSpec):
         self.mlflow_run_id = getattr(self, "mlflow_run_id", None)
         # Before training: it also checks eval.cache / eval.sweep against these samplers.
         self.samplers = workflow.eval_samplers(settings)
-        # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint.
+        # A retry (or a resumed flow) continues from the run dir's LATEST checkpoint. The AR control
+        # (eval.ar_control) trains here too, in this step: see the module docstring.
         self.training = workflow.train(settings, self.run_dir, mlflow_run_id=self.mlflow_run_id)
         self.next(self.evaluate, foreach="samplers")
 

@@ -17,6 +17,7 @@
 
     layout = RunLayout("runs/tiny_mdlm/flow-12")
     layout.metrics_jsonl, layout.eval_file("llada"), layout.latest_step(), layout.export()
+    training_summary("runs/tiny_mdlm/flow-12")  # steps, tokens, supervised tokens, wall seconds
     resolve_checkpoint("runs/tiny_mdlm")  # -> the newest flow run's consolidated export
 
 Stdlib only (no torch): everything from settings up may ask it.
@@ -219,6 +220,18 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
     path = Path(path)
     return read_jsonl(RunLayout(path).metrics_jsonl if path.is_dir() else path)
+
+
+def training_summary(run_dir: str | os.PathLike) -> dict[str, float]:
+    """A run's optimizer steps, tokens read (padding included) and supervised tokens, and the wall
+    seconds of its steps (metrics.jsonl: tokens_per_step / tps per step; checkpoint saves excluded)."""
+    records = read_metrics(run_dir)
+    return {
+        "train_steps": max((int(r["step"]) for r in records), default=0),
+        "train_tokens": sum(int(r.get("tokens_per_step", 0)) for r in records),
+        "train_supervised_tokens": sum(int(r.get("supervised_tokens", 0)) for r in records),
+        "train_seconds": sum(r["tokens_per_step"] / r["tps"] for r in records if r.get("tps")),
+    }
 
 
 def flow_run_dir(base: str | os.PathLike, run_id: str) -> Path:

@@ -10,13 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dllmflow.evaluation.control import (
-    ArmProtocol,
-    ProtocolMismatchError,
-    compare_arms,
-    measure_speeds,
-    training_summary,
-)
+from dllmflow.evaluation.control import ArmProtocol, ProtocolMismatchError, compare_arms
+from dllmflow.runs import training_summary
 from dllmflow.settings import SettingsError, load_settings
 from dllmflow.tracking.registry import control_decision, control_tags
 from dllmflow.workflow import ar_control
@@ -81,6 +76,13 @@ def test_the_control_trains_on_the_runs_rows_with_its_optimizer_and_budget(tmp_p
     assert (c.eval.limit, c.eval.max_new_tokens, c.eval.batch_size, c.eval.split) == (
         s.eval.limit, s.eval.max_new_tokens, s.eval.batch_size, s.eval.split)  # fmt: skip
     assert c.eval.ar_control is None and not c.eval.ar_baseline
+    # of the eval section only the fields it lists: a dLLM sampler's knob does not reach the control
+    knobs = s.model_copy(update={"eval": s.eval.model_copy(update={"threshold": 0.9, "steps": 4})})
+    c = ar_control.control_settings(knobs, flow)
+    assert (c.eval.threshold, c.eval.steps, c.eval.samplers, c.eval.sweep) == (None, None, None, None)
+    kept = set(ar_control.CONTROL_EVAL)
+    assert {k: v for k, v in c.eval.model_dump().items() if k in kept} == {
+        k: v for k, v in s.eval.model_dump().items() if k in kept}  # fmt: skip
     more = s.model_copy(update={"eval": s.eval.model_copy(update={"ar_control": s.eval.ar_control.model_copy(
         update={"steps": 80})})})  # fmt: skip
     assert ar_control.control_settings(more, flow).train.max_steps == 80 != s.train.max_steps
@@ -125,37 +127,6 @@ def test_arms_asked_or_scored_differently_are_refused(field, value):
     ):
         compare_arms("llada", _result(0.9), _result(0.8, **{field: value}))
     assert field in {f for f in ArmProtocol.__dataclass_fields__}
-
-
-class _Timed:
-    """A decoder whose answers take the seconds given per call, logging each call: what the speed
-    figures and their order are computed from (the decoding itself is tested with the samplers)."""
-
-    def __init__(self, name, seconds, log):
-        self.name, self.seconds, self.log = name, iter(seconds), log
-
-    def generate(self, prompts):
-        from types import SimpleNamespace
-
-        self.log.append((self.name, len(prompts)))
-        return SimpleNamespace(elapsed_s=next(self.seconds), num_generated_tokens=6 * len(prompts),
-                               sequences=[[0]] * len(prompts))  # fmt: skip
-
-
-def test_both_arms_are_timed_interleaved_on_the_same_prompts():
-    """A load change must fall on both arms alike: prompt i goes through each arm in turn (not all of one
-    arm's answers, then the other's), and each figure is that arm's own median / batch rate."""
-    log: list = []
-    prompts = [[1, 2]] * 20
-    dllm = _Timed("dllm", [9.0] + [0.01, 0.03, 0.02] + [0.02] * 5 + [0.5], log)
-    ar = _Timed("ar", [9.0] + [0.1] * 8 + [2.0], log)
-    speeds = measure_speeds({"dllm": dllm, "ar": ar}, {"dllm": prompts, "ar": prompts})
-    assert log[:2] == [("dllm", 1), ("ar", 1)]  # one warm-up answer each, not timed
-    assert log[2:18] == [("dllm", 1), ("ar", 1)] * 8
-    assert log[18:] == [("dllm", 16), ("ar", 16)]
-    assert speeds["dllm"]["latency_s_b1"] == pytest.approx(0.02) and speeds["ar"]["latency_s_b1"] == 0.1
-    assert speeds["dllm"]["tokens_per_s_b16"] == pytest.approx(96 / 0.5)
-    assert speeds["ar"]["answers_per_s_b16"] == pytest.approx(16 / 2.0)
 
 
 def test_the_side_by_side_and_its_gap():

@@ -121,7 +121,7 @@ def export(tmp_path_factory):
 
 def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, monkeypatch):
     from dllmflow.diffusion.samplers import eval_knobs
-    from dllmflow.evaluation import control
+    from dllmflow.evaluation import speed
     from dllmflow.evaluation.accuracy import evaluate
     from dllmflow.inference import generate
 
@@ -129,8 +129,8 @@ def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, mo
     loads, timed = [], []
     real = generate.load_for_generation
     monkeypatch.setattr(generate, "load_for_generation", lambda *a, **k: loads.append(a) or real(*a, **k))
-    real_speeds = control.measure_speeds
-    monkeypatch.setattr(control, "measure_speeds", lambda r, p: timed.append(r) or real_speeds(r, p))
+    real_speeds = speed.measure_speeds
+    monkeypatch.setattr(speed, "measure_speeds", lambda r, p: timed.append(r) or real_speeds(r, p))
     # block_size None is llada's preset 128: the same effective setting as 128, run once
     result = run_sweep(ckpt, None, "llada", {"threshold": [None, 0.5], "block_size": [None, 128]})
     assert len(loads) == 1

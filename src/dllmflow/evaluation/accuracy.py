@@ -192,7 +192,7 @@ def run_sweep(
         # own evaluation pass ran at its own moment, and a flow runs other evaluations beside it, so
         # those tok/s compare moments as much as settings (measured: a 2-forward point timed slower
         # than its 8-forward neighbour).
-        from dllmflow.evaluation.control import measure_speeds
+        from dllmflow.evaluation.speed import measure_speeds
 
         prompts = asked_of(loaded, checkpoint, split, limit, prepared_dir).asked.prompts
         speeds = measure_speeds(dict(enumerate(runners)), dict.fromkeys(range(len(runners)), prompts))

@@ -1,9 +1,11 @@
 """The dLLM beside its AR control (`eval.ar_control`): what both arms are measured with, and the side by
 side every results table, card, MLflow run and registered version shows.
 
-    speeds = speeds_of({"llada": (ckpt, "llada", None), "ar_control": (ar_ckpt, "ar", None)}, settings)
-    trained = training_summary(run_dir)            # steps, tokens, supervised tokens, wall seconds
     side = compare_arms("llada", evals["llada"], evals["ar_control"])   # refuses unlike protocols
+    print(identity_line(side))    # uno: how many answers are the control's, token for token
+
+Each arm's speed is timed by evaluation/speed.py (`speeds_of`), its training summed by
+`runs.training_summary`; both land in the results this compares.
 
 Both arms are evaluated from one eval section (the dLLM run's settings: the same prepared data, split,
 limit, n-shot, generation length and batch size; workflow/ar_control.py passes them to the control's
@@ -14,14 +16,10 @@ the limit, ... and refuses a comparison where one differs, naming it.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dllmflow.errors import UserError
-
-SINGLE_PROMPTS = 8  # answers timed one at a time (the median is the latency at batch 1)
-BATCH = 16  # the throughput batch
 
 # The figures shown side by side (key -> label), in order.
 SIDE_BY_SIDE = {
@@ -67,59 +65,6 @@ class ArmProtocol:
                 f"{names[0]} and {names[1]} were not evaluated alike ({what}); their exact match does not "
                 "compare: evaluate both from one eval section (eval.ar_control does)"
             )
-
-
-def measure_speeds(
-    runners: dict[str, Any], prompts: dict[str, list[list[int]]]
-) -> dict[str, dict[str, float]]:
-    """Each runner's seconds per answer at batch 1 (median over the first `SINGLE_PROMPTS` prompts, each
-    alone) and tokens and answers per second for one batch of the first `BATCH` prompts, after a warm-up
-    answer. Interleaved: every prompt goes through each runner in turn, then each runner's batch, so a
-    change of load on the machine falls on all arms alike. `prompts[name]`: that runner's (each arm's
-    own tokenizer asked the same problems)."""
-    for name, runner in runners.items():
-        runner.generate(prompts[name][:1])  # first-call costs (allocations, lazy imports) stay out
-    single: dict[str, list[float]] = {name: [] for name in runners}
-    for i in range(min(SINGLE_PROMPTS, *(len(p) for p in prompts.values()))):
-        for name, runner in runners.items():
-            single[name].append(runner.generate([prompts[name][i]]).elapsed_s)
-    out = {}
-    for name, runner in runners.items():
-        batch = runner.generate(prompts[name][:BATCH])
-        seconds = max(batch.elapsed_s, 1e-9)
-        out[name] = {
-            "latency_s_b1": statistics.median(single[name]),
-            "tokens_per_s_b16": batch.num_generated_tokens / seconds,
-            "answers_per_s_b16": len(batch.sequences) / seconds,
-        }
-    return out
-
-
-def speeds_of(arms: dict[str, tuple[Any, str, dict[str, Any] | None]], settings: Any) -> dict[str, dict]:
-    """`measure_speeds` of each arm (name -> (checkpoint, sampler, overrides such as the chosen sweep
-    point)), all loaded in this process, with the held-out prompts of `settings.eval`."""
-    from dllmflow.evaluation.protocol import build_eval_runner, eval_prompts
-
-    ev, runners, prompts = settings.eval, {}, {}
-    for name, (checkpoint, sampler, overrides) in arms.items():
-        loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
-        asked = eval_prompts(loaded.tokenizer, settings.dataset.prepared_dir, ev.split, ev.limit, ev.n_shot)
-        runners[name], prompts[name] = loaded.runner, asked.prompts
-    return measure_speeds(runners, prompts)
-
-
-def training_summary(run_dir: Any) -> dict[str, float]:
-    """A run's optimizer steps, tokens read (padding included) and supervised tokens, and the wall
-    seconds of its steps (metrics.jsonl: tokens_per_step / tps per step; checkpoint saves excluded)."""
-    from dllmflow.runs import read_metrics
-
-    records = read_metrics(run_dir)
-    return {
-        "train_steps": max((int(r["step"]) for r in records), default=0),
-        "train_tokens": sum(int(r.get("tokens_per_step", 0)) for r in records),
-        "train_supervised_tokens": sum(int(r.get("supervised_tokens", 0)) for r in records),
-        "train_seconds": sum(r["tokens_per_step"] / r["tps"] for r in records if r.get("tps")),
-    }
 
 
 def arm_figures(result: dict[str, Any]) -> dict[str, float | None]:

@@ -1,7 +1,7 @@
 """Accuracy and speed together: one checkpoint evaluated over a grid of sampler settings (threshold,
 cache, steps, block_size), each point scored for exact match, tokens/s, NFE and tokens per forward (the
 speed compared: one batch timed with the points taking turns on the same prompts,
-`evaluation.control.measure_speeds`), with the Pareto frontier (max exact match, max tokens/s) and the
+`evaluation.speed.measure_speeds`), with the Pareto frontier (max exact match, max tokens/s) and the
 setting a model is registered at: the fastest point within `tolerance` of the best exact match
 (`choose_setting`).
 

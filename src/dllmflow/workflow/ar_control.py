@@ -8,9 +8,13 @@
 
 The control's settings are the run's with `dllm: {mode: ar}` (the mask id kept: the same tokenizer and
 embedding rows), its own run dir `<flow run>/ar_control`, the step budget of `eval.ar_control.steps`
-(default `train.max_steps`) and nothing of the dLLM's evaluation knobs; the model, LoRA, optimizer,
+(default `train.max_steps`) and of the eval section only `CONTROL_EVAL`; the model, LoRA, optimizer,
 schedule, batch sizes, seed, data and launch are the run's. It is evaluated with the run's own eval
 section (same prompts, limit, generation length, batch size, answer parser: `evaluation/control.py`).
+
+Where it runs in the flow: inside the `train` step (`workflow.finetune.train`, after the dLLM, or before
+it for a mode that trains on the control), not in a step of its own; its evaluation is the `ar_control`
+branch of `evaluate`, its speed is timed in `register` (`comparison`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from dllmflow.settings import Settings, deep_merge
 from dllmflow.settings.pipeline import AR_CONTROL
 
 CONTROL_DIR = AR_CONTROL  # <flow run dir>/ar_control
+
+# The eval fields the control's settings keep from the run's: what is asked, how it is scored, and the
+# knobs the `ar` sampler takes. Everything else (the dLLM samplers' knobs, the sweep, the baselines,
+# `ar_control` itself) stays at its default, so a new dLLM knob needs no entry here.
+CONTROL_EVAL = ("split", "limit", "max_new_tokens", "n_shot", "batch_size", "seed", "temperature")
 
 
 def enabled(settings: Settings) -> bool:
@@ -43,7 +52,8 @@ def control_dir(run_dir: str | Path) -> Path:
 
 
 def control_settings(settings: Settings, run_dir: str | Path) -> Settings:
-    """The AR control's settings: the run's, trained causally into `control_dir(run_dir)`."""
+    """The AR control's settings: the run's, trained causally into `control_dir(run_dir)`. Its eval
+    section keeps `CONTROL_EVAL` of the run's and leaves every other field at its default."""
     s = settings
     update = {
         "dllm": {"mode": "ar", "mask_token_id": s.dllm.mask_token_id},
@@ -51,12 +61,10 @@ def control_settings(settings: Settings, run_dir: str | Path) -> Settings:
         "run_dir": str(control_dir(run_dir)),
         "dataset": {"packing": False},  # a causal read of a packed row would cross documents
         "dflash": None,
-        # nothing of the dLLM samplers' knobs; what is asked and how it is scored stays the run's
-        "eval": {"samplers": None, "cache": None, "sweep": None, "ar_baseline": False,
-                 "untrained_baseline": False, "ar_control": None},
-    }  # fmt: skip
+    }
     data = s.to_dict()
     data["dllm"] = {}  # the dLLM mode's own fields do not carry over
+    data["eval"] = {k: v for k, v in data["eval"].items() if k in CONTROL_EVAL}
     return Settings.model_validate(deep_merge(data, update))
 
 
@@ -72,10 +80,8 @@ def on_control(settings: Settings, control_export: str | Path) -> Settings:
 
 def training_of(run_dir: str | Path) -> dict[str, float]:
     """Steps, tokens and seconds of a run, summed over its curriculum stages when it has some."""
-    from dllmflow.evaluation.control import training_summary
-
     stages = runs.RunLayout(flow_dir(run_dir)).stages()
-    parts = [training_summary(st.root) for st in stages] or [training_summary(run_dir)]
+    parts = [runs.training_summary(st.root) for st in stages] or [runs.training_summary(run_dir)]
     return {k: sum(p[k] for p in parts) for k in parts[0]}
 
 
@@ -99,10 +105,11 @@ def comparison(
     """The dLLM (`gated`) vs the AR control (evaluation/control.py), or None without the control. First
     both arms' speed into their results: the gated sampler at the setting it is registered at and the
     AR control, loaded side by side in this one process and timed interleaved
-    (`evaluation.control.measure_speeds`). Not in the evaluation tasks: the flow runs those in parallel,
+    (`evaluation.speed.measure_speeds`). Not in the evaluation tasks: the flow runs those in parallel,
     so a figure taken there depends on what else ran beside it (measured: the demo's AR control read
     0.30 s per answer there, 0.011 s alone)."""
-    from dllmflow.evaluation.control import compare_arms, speeds_of
+    from dllmflow.evaluation.control import compare_arms
+    from dllmflow.evaluation.speed import speeds_of
     from dllmflow.evaluation.sweep import chosen_setting
 
     if not enabled(settings) or AR_CONTROL not in evals or gated not in evals:

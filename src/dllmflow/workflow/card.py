@@ -235,6 +235,7 @@ def build_card_components(
         headers, rows = comparison_rows(side)
         parts += [
             Markdown("## dLLM vs AR control (same rows, same steps, same prompts and parser)"),
+            Markdown(CONTROL_WHERE),
             Table(rows, headers=headers),
             Markdown(gap_line(side)),
         ]
@@ -330,6 +331,12 @@ def _cell(value: Any, fmt: str = "{:.3f}") -> str:
 
 
 # ---- the dLLM vs AR control (`eval.ar_control`) ----------------------------------------------------
+
+# Where the control ran: the flow's graph has no step of its own for it.
+CONTROL_WHERE = (
+    "The AR control trained inside the flow's `train` step (after the dLLM; before it where the dLLM "
+    "trains on the control), into `<run dir>/ar_control`, and was timed beside the dLLM in `register`."
+)
 
 
 def comparison_rows(side: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
