@@ -112,7 +112,7 @@ ASKED_BAD = {
     "seed 2^70": ("llada", {"seed": 2**70}, "seed", "int64"),
     "seed as a bool": ("llada", {"seed": False}, "seed", "valid integer"),
     "max_new_tokens past the cap": ("llada", {"max_new_tokens": 100000}, "max_new_tokens", "--max-tokens-cap"),
-    "no_kv_cache as a string": ("idlm", {"no_kv_cache": "yes"}, "no_kv_cache", "valid boolean"),
+    "causal_context as a string": ("nemotron", {"causal_context": "yes"}, "causal_context", "valid boolean"),
 }  # fmt: skip
 
 

@@ -177,6 +177,7 @@ def test_same_settings_are_batched_and_answer_as_alone(server):
         ({"dllmflow": {"thresh": 0.9}}, "dllmflow.thresh"),
         ({"dllmflow": {"threshold": 1.5}}, "dllmflow.threshold"),
         ({"dllmflow": {"cache": "dual", "use_kv_cache": True}}, "dllmflow.use_kv_cache"),
+        ({"dllmflow": {"no_kv_cache": True}}, "dllmflow.no_kv_cache"),  # `cache: none` is the one spelling
         ({"dllmflow": {"sampler": "nope"}}, "dllmflow.sampler"),
         ({"dllmflow": {"steps": 10_000}}, "dllmflow.steps"),
         # strict, then capped (diffusion.samplers.asked): each of these held or crashed the server

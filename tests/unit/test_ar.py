@@ -86,7 +86,7 @@ def test_the_sampler_equals_hf_greedy_generate(model):
     assert out.sequences == [_hf_greedy(model, p, 10, stop) for p in PROMPTS]
     assert any(out.sequences)
     uncached = SAMPLERS["ar"](
-        model, _Tok(), build_sampler_config("ar", {"max_new_tokens": 10, "no_kv_cache": True})
+        model, _Tok(), build_sampler_config("ar", {"max_new_tokens": 10, "cache": "none"})
     )
     assert uncached.config.cache == "none" and uncached.generate(PROMPTS).sequences == out.sequences
 

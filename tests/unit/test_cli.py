@@ -41,13 +41,17 @@ def test_help_shows_kebab_case_and_no_test_only_flag(capsys, argv):
     assert not [f for f in TEST_ONLY_FLAGS if f in text]
 
 
+FLAG_ALIASES = {"--no-kv-cache": "cache"}  # the guide's spelling of --cache none
+
+
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_snake_alias_is_the_same_option(name):
     actions = subparser(name)._option_string_actions
     for action in set(actions.values()):
         for alias in getattr(action, HIDDEN_ALIASES, ()):
             kebab = alias.replace("_", "-")
-            assert actions[alias] is actions[kebab] and action.dest == kebab[2:].replace("-", "_")
+            own = FLAG_ALIASES.get(kebab, kebab[2:].replace("-", "_"))  # an alias flag writes its flag's
+            assert actions[alias] is actions[kebab] and action.dest == own
     snake = [s for s in actions if SNAKE_FLAG.fullmatch(s)]
     hidden = {a for act in actions.values() for a in getattr(act, HIDDEN_ALIASES, ())}
     assert set(snake) == hidden  # no snake_case flag is anything but an alias
@@ -58,12 +62,12 @@ def test_guide_spellings_parse():
             "--no_kv_cache", "--uniform_ratio", "0.1", "--block_size", "8"]  # fmt: skip
     parser, _ = build_parser(argv)
     args = parser.parse_args(argv)
-    assert (args.max_new_tokens, args.mask_id, args.no_kv_cache, args.uniform_ratio, args.block_size) == (
-        64, 7, True, 0.1, 8
+    assert (args.max_new_tokens, args.mask_id, args.cache, args.uniform_ratio, args.block_size) == (
+        64, 7, "none", 0.1, 8
     )  # fmt: skip
     kebab = ["generate", "--checkpoint", "c", "--prompt", "p", "--max-new-tokens", "64", "--no-kv-cache"]
     args = build_parser(kebab)[0].parse_args(kebab)
-    assert args.max_new_tokens == 64 and args.no_kv_cache and args.sampler is None
+    assert args.max_new_tokens == 64 and args.cache == "none" and args.sampler is None
     argv = ["evaluate", "--checkpoint", "c", "--prepared_dir", "d"]
     assert build_parser(argv)[0].parse_args(argv).prepared_dir == "d"
     argv = ["serve", "--model_path", "m", "--max_batch_size", "3", "--max_body_bytes", "1"]

@@ -218,7 +218,7 @@ def test_fast_dllm_cache_refused_by_samplers_without_it(name):
         assert getattr(build_sampler_config(name, defaults={"cache": value}), "cache", "none") == want
 
 
-def test_cache_modes_validated_and_turned_off_by_no_kv_cache():
+def test_cache_modes_validated_and_turned_off_by_cache_none():
     with pytest.raises(
         UserError,
         match="invalid scdd sampler settings: --cache: .*sampler scdd takes cache none or prefix, not 'dual'",
@@ -226,9 +226,9 @@ def test_cache_modes_validated_and_turned_off_by_no_kv_cache():
         build_sampler_config("scdd", {"cache": "dual"})
     with pytest.raises(UserError, match="--cache"):
         build_sampler_config("llada", {"cache": "triple"})
-    assert build_sampler_config("llada", {"cache": "dual", "no_kv_cache": True}).cache == "none"
-    assert build_sampler_config("idlm", {"no_kv_cache": True}).cache == "none"
-    assert build_sampler_config("llada2", {"no_kv_cache": True}).cache == "none"
+    assert build_sampler_config("llada", {"cache": "none"}).cache == "none"
+    assert build_sampler_config("idlm", {"cache": "none"}).cache == "none"
+    assert build_sampler_config("llada2", {"cache": "none"}).cache == "none"
 
 
 @pytest.mark.parametrize("name, over", [("llada", {"cache": "prefix"}), ("llada", {"cache": "dual"}),

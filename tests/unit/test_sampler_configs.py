@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from dllmflow.diffusion.samplers import SAMPLER_CONFIGS, SAMPLERS
-from dllmflow.diffusion.samplers.configs import SamplerConfig, build_sampler_config
+from dllmflow.diffusion.samplers.configs import SamplerConfig, SamplerSettingError, build_sampler_config
 from dllmflow.errors import UserError
 from dllmflow.tracking.pyfunc_runtime import recorded_params, split_params
 
@@ -94,12 +94,27 @@ def test_none_values_skipped_and_generic_defaults_dropped_where_not_taken():
         build_sampler_config("llada", defaults={"threshold": 1.5})  # a value it takes is still validated
 
 
-def test_no_kv_cache_turns_off_cache_and_causal_context():
-    cfg = build_sampler_config("nemotron", {"no_kv_cache": True, "causal_context": True})
+def test_no_cache_is_spelled_cache_none_and_no_kv_cache_is_its_alias():
+    """`cache: none` is the one spelling; `--no-kv-cache` sets exactly that (nemotron's causal context is
+    its own option, set explicitly); the old `no_kv_cache` option is refused naming what replaced it."""
+    from dllmflow.cli import build_parser
+    from dllmflow.inference.generate import sampler_overrides
+
+    def flags(*extra):
+        argv = ["generate", "--checkpoint", "c", "--prompt", "p", *extra]
+        return sampler_overrides(build_parser(argv)[0].parse_args(argv))
+
+    assert flags("--no-kv-cache") == flags("--cache", "none") == {"cache": "none", "seed": 42}
+    cfg = build_sampler_config("nemotron", flags("--no-kv-cache"))
+    assert (cfg.cache, cfg.causal_context) == ("none", True)
+    cfg = build_sampler_config("nemotron", flags("--no-kv-cache", "--causal-context", "off"))
     assert (cfg.cache, cfg.causal_context) == ("none", False)
-    assert build_sampler_config("llada", {"no_kv_cache": True}) == build_sampler_config(
+    assert build_sampler_config("llada", {"cache": "none"}) == build_sampler_config(
         "llada"
     )  # nothing to turn off
+    with pytest.raises(SamplerSettingError, match=r"^no_kv_cache was replaced by cache: none") as info:
+        build_sampler_config("nemotron", {"no_kv_cache": True})
+    assert info.value.field == "no_kv_cache"
 
 
 def test_tokenizer_eos_is_filled_by_the_sampler_when_built_without_tokenizer():

@@ -134,7 +134,7 @@ def test_next_steps_message_shows_untrained_vs_trained_the_decision_and_commands
 
 @pytest.mark.parametrize(
     ("text", "needles"),
-    [  # idlm decodes with its exact cache only (no_kv_cache turns it off): no Fast-dLLM cache mode
+    [  # idlm decodes with its exact cache only (cache: none turns it off): no Fast-dLLM cache mode
         ("dllm: {mode: idlm, mask_token_id: 2}\neval: {cache: dual}\n", ("eval.cache", "'dual'", "idlm")),
         ("dllm: {mode: idlm, mask_token_id: 2}\neval: {sweep: {cache: [none, prefix]}}\n",
          ("eval.sweep.cache", "'prefix'", "idlm takes cache: none")),

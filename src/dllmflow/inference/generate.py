@@ -276,8 +276,17 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     add_flag(
         g,
         "--no-kv-cache",
-        action="store_true",
-        help="exact caches (llada2, idlm, nemotron) off; also the causal context",
+        dest="cache",
+        action="store_const",
+        const="none",
+        help="alias of --cache none (the guide's spelling); sets nothing else",
+    )
+    add_flag(
+        g,
+        "--causal-context",
+        type=_on_off,
+        metavar="{on,off}",
+        help="nemotron: the prompt attends causally and each block gets an AR seed (its preset: on)",
     )
     add_flag(
         g,
@@ -296,6 +305,12 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     add_flag(g, "--seed", type=int, default=seed_default)
 
 
+def _on_off(value: str) -> bool:
+    if value in ("on", "off"):
+        return value == "on"
+    raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+
+
 def _eos_id(value: str) -> int | str:
     if value in ("tokenizer", "none"):
         return value
@@ -309,14 +324,11 @@ def _eos_id(value: str) -> int | str:
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
                  "uniform_ratio", "schedule_shape", "schedule_peak", "editing_threshold", "max_post_steps",
-                 "batch_positions", "cache", "eos_token_id", "eos_truncate", "seed")  # fmt: skip
+                 "batch_positions", "cache", "causal_context", "eos_token_id", "eos_truncate", "seed")  # fmt: skip
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out = {k: getattr(args, k) for k in SAMPLER_FLAGS if getattr(args, k, None) is not None}
-    if getattr(args, "no_kv_cache", False):
-        out["no_kv_cache"] = True
-    return out
+    return {k: getattr(args, k) for k in SAMPLER_FLAGS if getattr(args, k, None) is not None}
 
 
 def flag_config(sampler: str, overrides: dict[str, Any], tokenizer: Any = None, **kw: Any) -> Any:

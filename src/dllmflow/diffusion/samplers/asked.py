@@ -74,8 +74,6 @@ def parse_asked(name: str, overrides: dict[str, Any] | None) -> dict[str, Any]:
     for key, value in (overrides or {}).items():
         if value is None:
             out[key] = None
-        elif key == "no_kv_cache":
-            out[key] = strict_value(key, value, bool)
         else:
             out[key] = strict_value(key, value, fields[key].annotation) if key in fields else value
     return out

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveInt,
     ValidationError,
     ValidationInfo,
@@ -241,6 +242,12 @@ class SelfSpecConfig(SamplerConfig):
         "width follows acceptance (one more than the most drafts a row accepted, +2 when a row accepted "
         "every draft it was fed, at least 1), so drafts that keep missing stop costing positions.",
     )
+    lookup_ngram: NonNegativeInt = Field(
+        0,
+        description="0: the drafts are the model's. n > 0: a row whose last n tokens (or fewer, down to 1) "
+        "occurred before in its prompt or answer drafts the tokens that followed there (prompt-lookup "
+        "decoding), the model's drafts elsewhere. Checked like any draft: the answer does not change.",
+    )
     cache_modes: ClassVar[tuple[str, ...]] = ("exact",)
     cache_why: ClassVar[str] = "its drafts are checked against the exact cache of the committed tokens"
     cache: CacheMode = Field("exact", description="Exact cache of the prompt and the committed tokens.")
@@ -251,6 +258,14 @@ class GemmaConfig(SamplerConfig):
 
     steps: PositiveInt = Field(48, description="Passed as `max_denoising_steps`.")
     max_new_tokens: PositiveInt = 256
+
+
+# Options that were replaced: refused in one line naming what replaced them (a served request's 400 names
+# the option). `no_kv_cache` also turned nemotron's causal context off; that is its own option now.
+REPLACED_OPTIONS = {
+    "use_kv_cache": "cache: exact (use_kv_cache false: cache: none)",
+    "no_kv_cache": "cache: none (and causal_context: false, which it also set, where the sampler has one)",
+}
 
 
 def build_sampler_config(
@@ -266,10 +281,10 @@ def build_sampler_config(
     overrides: options asked for explicitly (CLI flags, pyfunc params, Python callers); one the sampler
     does not take is a UserError naming it. defaults: generic settings shared by several samplers (the
     eval section, a registered model's recorded settings); the ones the sampler does not take are
-    dropped. `no_kv_cache=True` (the CLI's `--no-kv-cache`) is `cache: none` and turns off the causal
-    context too (docs/strategies.md §3.7; nothing to turn off for a sampler without them); the old
-    `use_kv_cache` is refused, naming `cache`. `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with
-    no tokenizer the sampler fills it from its own.
+    dropped, and so is a shared `cache` mode it cannot use (`drop_unusable_cache`). "No cache" is spelled `cache: none` only (the CLI's `--no-kv-cache` is an alias setting
+    it); the old `use_kv_cache` and `no_kv_cache` options are refused, naming what replaced them
+    (`REPLACED_OPTIONS`). `eos_token_id: "tokenizer"` takes `tokenizer.eos_token_id`; with no tokenizer the
+    sampler fills it from its own.
     """
     from dllmflow.diffusion.modes import check_sampler
     from dllmflow.diffusion.samplers import SAMPLER_CONFIGS
@@ -278,24 +293,15 @@ def build_sampler_config(
     config_cls = SAMPLER_CONFIGS[name]
     fields = config_cls.model_fields
     explicit = {k: v for k, v in (overrides or {}).items() if v is not None}
-    no_kv_cache = explicit.pop("no_kv_cache", False)
-    if "use_kv_cache" in explicit:
-        raise SamplerSettingError(
-            "use_kv_cache was replaced by cache: exact (use_kv_cache false: cache: none)", "use_kv_cache"
-        )
+    for old in REPLACED_OPTIONS.keys() & explicit.keys():
+        raise SamplerSettingError(f"{old} was replaced by {REPLACED_OPTIONS[old]}", old)
     if explicit.get("cache") == "none" and "cache" not in fields:  # no cache asked of a sampler without one
         del explicit["cache"]
     unknown = [k for k in explicit if k not in fields]
     if unknown:
         raise SamplerSettingError(_unknown_options_message(name, unknown), unknown[0])
-    values = {k: v for k, v in (defaults or {}).items() if v is not None and k in fields}
-    # a shared setting it cannot use (a sampler with no "none" mode gets its own first mode when unset)
-    if values.get("cache", config_cls.cache_modes[0]) not in config_cls.cache_modes:
-        del values["cache"]
+    values = drop_unusable_cache(config_cls, {k: v for k, v in (defaults or {}).items() if k in fields})
     values.update(explicit)
-    if no_kv_cache:
-        values.update({"causal_context": False} if "causal_context" in fields else {})
-        values.update({"cache": "none"} if "cache" in fields else {})
     if tokenizer is not None and "eos_token_id" in fields:
         if values.get("eos_token_id", fields["eos_token_id"].default) == "tokenizer":
             values["eos_token_id"] = getattr(tokenizer, "eos_token_id", None)
@@ -306,6 +312,16 @@ def build_sampler_config(
         problems = "; ".join(f"{flag}: {err['msg']}" for flag, err in zip(flags, e.errors()))
         field = ".".join(map(str, e.errors()[0]["loc"])) or None
         raise SamplerSettingError(f"invalid {name} sampler settings: {problems}", field) from None
+
+
+def drop_unusable_cache(config_cls: type[SamplerConfig], values: dict[str, Any]) -> dict[str, Any]:
+    """Shared settings (the eval section, a model's recorded settings) as defaults of `config_cls`: the
+    None values left out, and a `cache` mode it cannot use (llada2, nemotron: exact or none; llada: no
+    exact). The one place this rule is written (`build_sampler_config`, `eval_knobs.eval_defaults`)."""
+    out = {k: v for k, v in values.items() if v is not None}
+    if "cache" in out and out["cache"] not in config_cls.cache_modes:
+        del out["cache"]
+    return out
 
 
 def _unknown_options_message(name: str, unknown: list[str]) -> str:

@@ -1,5 +1,6 @@
 """Which eval-section knob a sampler takes: the `eval:` section is shared by every sampler of a mode,
-so each sampler takes the knobs its config has (a value it cannot use is dropped, `cache` included).
+so each sampler takes the knobs its config has (a value it cannot use is dropped, `cache` included:
+`configs.drop_unusable_cache`).
 Torch-free (the sampler configs, not the samplers): the recipe parse, the evaluation and RL's rollouts
 call it.
 
@@ -17,14 +18,15 @@ EVAL_SETTINGS = (
 
 
 def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:
-    """The eval section's sampler knobs as defaults for `sampler`. The section is shared by every sampler
-    of the mode: a knob it does not take is dropped (by `build_sampler_config`), and so is an
-    `eval.cache` mode it cannot use (llada2, nemotron: exact or none; llada: no exact); `check_eval_settings`
-    refuses a cache that no evaluated sampler can use."""
+    """The eval section's sampler knobs as defaults for `sampler`, the ones set. The section is shared by
+    every sampler of the mode: a knob it does not take is dropped (by `build_sampler_config`), and so is an
+    `eval.cache` mode it cannot use (`configs.drop_unusable_cache`); `check_eval_settings` refuses a
+    cache that no evaluated sampler can use."""
+    from dllmflow.diffusion.samplers import SAMPLER_CONFIGS  # torch-free: the recipe parse calls this
+    from dllmflow.diffusion.samplers.configs import drop_unusable_cache
+
     values = {k: getattr(eval_cfg, k, None) for k in EVAL_SETTINGS} if eval_cfg is not None else {}
-    if values.get("cache") is not None and not sampler_takes(sampler, "cache", values["cache"]):
-        values.pop("cache")
-    return values
+    return drop_unusable_cache(SAMPLER_CONFIGS[sampler], values)
 
 
 def sampler_takes(sampler: str, key: str, value: Any) -> bool:

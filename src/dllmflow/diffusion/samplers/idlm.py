@@ -8,8 +8,8 @@ block's last step commits the rest), per-row EOS stop.
 With the KV cache (preset, exact): prompts are left-padded, the committed prefix but its last token is
 cached, and each step forwards that last committed token and the block (its query gives the block's
 first logit; `kv.CausalShiftCache`). Causal attention makes every cached key final, so the tokens are
-those of the uncached path, which runs plain causal forwards over the whole canvas (`cache: none`,
-`--no-kv-cache`, or a canvas `forward` handed in).
+those of the uncached path, which runs plain causal forwards over the whole canvas (`cache: none`, or a
+canvas `forward` handed in).
 
     sampler = IDLMSampler(model, tok, IDLMConfig(max_new_tokens=64), mask_id=M)
     result = sampler.generate([ids_a, ids_b])     # prompts of different lengths in one batch

@@ -20,7 +20,7 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
 * KV cache (`cache: exact`, the preset; `none` turns it off): the prompt and the committed blocks are cached, each
   step forwards the current block against them (a block's first forward also feeds the previous,
   now final, block). Block-causal attention makes every cached key final, so the tokens are those of
-  the uncached path (`--no-kv-cache`, or a canvas `forward` handed in).
+  the uncached path (`cache: none`, or a canvas `forward` handed in).
 
     sampler = LLaDA2Sampler(model, tok, LLaDA2Config(editing_threshold=0.9))
     result = sampler.generate([ids_a, ids_b])

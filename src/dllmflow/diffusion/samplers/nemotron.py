@@ -16,10 +16,10 @@ HF decoders (Qwen3, Llama), decoded here in a batch:
 
 With the KV cache (preset) the prompt is prefilled once, each step runs only the current block
 against the cache, and a finished block is appended with one more forward (whose last logit is the
-next block's seed). Without it (`--no-kv-cache`, or `cache: none`) every forward runs over the
-whole canvas with the same 4D mask, so both paths compute the same logits and greedy decoding gives
-the same tokens. `--no-kv-cache` also turns `causal_context` off (docs/strategies.md §3.7); set `causal_context`
-yourself to compare the two paths.
+next block's seed). Without it (`cache: none`, or its CLI alias `--no-kv-cache`) every forward runs
+over the whole canvas with the same 4D mask, so both paths compute the same logits and greedy decoding
+gives the same tokens. `causal_context` is its own option (`--causal-context on|off`, preset on): the
+cache setting leaves it as it is, so the two paths compare with the same context.
 
     sampler = NemotronSampler(model, tok, NemotronConfig(max_new_tokens=256))
     result = sampler.generate([ids_a, ids_b])
