@@ -1,7 +1,8 @@
 """The one owner of the run layout: run dirs, step dirs, LATEST, exports, stages, flow runs.
 
-    runs/<name>/                          Settings.resolved_run_dir (`run_dir`, default runs/<name>)
-      flow-<run_id>/                      one Metaflow run (`flow_run_dir`); `dllmflow train` uses the run dir itself
+    runs/<name>/                          Settings.resolved_run_dir (`run_dir`, default runs/<name>): the recipe dir
+      cli/                                `dllmflow train` without --run-dir or `run_dir` (`cli_run_dir`), beside:
+      flow-<run_id>/                      one Metaflow run (`flow_run_dir`); each run dir below holds
         settings.json                     what ran (Settings.write_json); copied into every export
         metrics.jsonl                     one record per step (rank 0)
         logs/                             torchx/torchrun logs of the local schedulers
@@ -18,7 +19,7 @@
     layout = RunLayout("runs/tiny_mdlm/flow-12")
     layout.metrics_jsonl, layout.eval_file("llada"), layout.latest_step(), layout.export()
     training_summary("runs/tiny_mdlm/flow-12")  # steps, tokens, supervised tokens, wall seconds
-    resolve_checkpoint("runs/tiny_mdlm")  # -> the newest flow run's consolidated export
+    resolve_checkpoint("runs/tiny_mdlm")  # -> the newest run's (flow or cli) consolidated export
 
 Stdlib only (no torch): everything from settings up may ask it.
 """
@@ -41,6 +42,7 @@ METRICS_JSONL = "metrics.jsonl"
 EVAL = "eval"
 LOGS = "logs"
 FLOW_PREFIX = "flow-"
+CLI_RUN = "cli"  # `dllmflow train`'s default run dir inside the recipe dir, beside the flow runs
 STAGE_PREFIX = "stage_"
 HF_CONFIG = "config.json"  # what makes a dir a loadable Hugging Face model
 MANIFEST = "manifest.json"  # sha256 of every file of a step dir (training/checkpoint.py)
@@ -212,6 +214,11 @@ class RunLayout:
             return []
         return [RunLayout(p) for p in sorted(self.root.glob(f"{FLOW_PREFIX}*")) if p.is_dir()]
 
+    def recipe_runs(self) -> list[RunLayout]:
+        """The run dirs below this recipe dir: its flow runs and the CLI's (`cli_run_dir`)."""
+        cli = self.root / CLI_RUN
+        return self.flow_runs() + ([RunLayout(cli)] if cli.is_dir() else [])
+
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a run's metrics.jsonl (`path`: the run dir or the file itself); [] before the
@@ -239,6 +246,12 @@ def flow_run_dir(base: str | os.PathLike, run_id: str) -> Path:
     return Path(base) / f"{FLOW_PREFIX}{run_id}"
 
 
+def cli_run_dir(base: str | os.PathLike) -> Path:
+    """`dllmflow train`'s run dir when neither --run-dir nor `run_dir` names one: `cli/` under the recipe's
+    run dir, beside its flow runs (so a flow and the CLI of one recipe never write the same dir)."""
+    return Path(base) / CLI_RUN
+
+
 # ---- checkpoint resolution ---------------------------------------------------------------------------
 
 
@@ -259,7 +272,7 @@ def checkpoint_candidates(path: str | os.PathLike) -> list[Path]:
 def find_export(path: str | os.PathLike) -> Path | None:
     """The Hugging Face dir `path` stands for, or None. In order: a consolidated dir as is, a step dir,
     a checkpoint root (LATEST), a run dir (checkpoints/LATEST), a curriculum run (its last stage with an
-    export), a recipe dir of flow runs (the newest flow run with an export)."""
+    export), a recipe dir of runs (the newest flow or CLI run with an export)."""
     p = Path(path)
     for cand in checkpoint_candidates(p):
         if _is_hf_dir(cand):
@@ -268,14 +281,14 @@ def find_export(path: str | os.PathLike) -> Path | None:
         found = find_export(stage.root)
         if found is not None:
             return found
-    return newest_flow_export(p)
+    return newest_run_export(p)
 
 
-def newest_flow_export(base: str | os.PathLike) -> Path | None:
-    """The export of the newest `flow-*` run under `base` that has one (newest = mtime of its LATEST
-    target, else of the flow dir)."""
+def newest_run_export(base: str | os.PathLike) -> Path | None:
+    """The export of the newest run under the recipe dir `base` (a `flow-*` run or the CLI's `cli`) that
+    has one (newest = mtime of its LATEST target, else of the run dir)."""
     best: tuple[float, str, Path] | None = None
-    for run in RunLayout(base).flow_runs():
+    for run in RunLayout(base).recipe_runs():
         found = find_export(run.root)
         if found is not None:
             key = (_export_time(found, run.root), run.root.name, found)
@@ -295,7 +308,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise UserError(
             f"checkpoint {p} holds no HF model ({HF_CONFIG}) in any of: consolidated/, ./, "
             "LATEST/model/consolidated/, LATEST/model/, model/consolidated/, model/, "
-            "checkpoints/LATEST/model/consolidated/, stage_<i>/..., flow-<id>/... "
+            "checkpoints/LATEST/model/consolidated/, stage_<i>/..., flow-<id>/..., cli/... "
             "(was the consolidated export written? checkpoint.save_consolidated)"
         )
     return found

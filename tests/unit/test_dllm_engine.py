@@ -63,7 +63,7 @@ def test_serve_resolves_what_a_run_dir_serves_once(export, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "consolidated").symlink_to(export, target_is_directory=True)
-    inner = {runs.find_export.__code__, runs.newest_flow_export.__code__}
+    inner = {runs.find_export.__code__, runs.newest_run_export.__code__}
     callers: list[str] = []
 
     def spy(frame, event, arg):

@@ -118,6 +118,62 @@ def test_run_dir_flag_is_the_run_dir_recorded_in_settings_json(tmp_path, monkeyp
     assert json.loads((tmp_path / "runs/rd/flow-1/settings.json").read_text())["run_dir"] == "runs/rd/flow-1"
 
 
+def test_the_cli_trains_beside_the_flows_runs_of_the_same_recipe(tmp_path, monkeypatch):
+    """README: run a recipe's flow, then `dllmflow train --params` of the same recipe. The CLI's default run
+    dir is runs/<name>/cli, beside the flow's runs/<name>/flow-<id> (not runs/<name>, which holds them and is
+    no run dir): no refusal, the flow's run untouched, and the recipe dir resolves to the newer export."""
+    import argparse
+    import contextlib
+    import json
+    import os
+
+    import torchx.runner
+
+    from dllmflow import runs
+    from dllmflow.training import launch as launch_mod
+
+    class FakeRunner:
+        def run(self, app, scheduler, cfg):
+            return "local_cwd://fake/app"
+
+    monkeypatch.setattr(torchx.runner, "get_runner", lambda: FakeRunner())
+    real_launch = launch_mod.launch
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: real_launch(*a, **{**k, "wait": False}))
+    monkeypatch.setattr(launch_mod, "owned_run", lambda *a, **k: contextlib.nullcontext(None))
+    monkeypatch.delenv("DLLMFLOW_RUN_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: rd\n")
+    # the flow's run of the recipe: runs/rd/flow-7, finished
+    flow = runs.RunLayout(runs.flow_run_dir("runs/rd", "7"))
+    load_settings(name="rd", run_dir=str(flow.root)).write_json(flow.settings_json)
+    export = runs.export_dir(flow.step_dir(2))
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    runs.write_latest(flow.checkpoints, flow.step_dir(2).name)
+    before = sorted(p.relative_to(flow.root) for p in flow.root.rglob("*"))
+
+    args = argparse.Namespace(params=[str(recipe)], set=[], run_dir=None, resume=False, overwrite=False)
+    assert launch_mod.cli_main(args) == 0
+    cli = runs.RunLayout(Path("runs/rd/cli"))
+    assert json.loads(cli.settings_json.read_text())["run_dir"] == "runs/rd/cli"
+    assert sorted(p.relative_to(flow.root) for p in flow.root.rglob("*")) == before
+    # the recipe dir resolves to the newest run with an export: the flow's, until the CLI's is written
+    assert (
+        runs.resolve_checkpoint("runs/rd")
+        == flow.root / runs.CHECKPOINTS / runs.LATEST / "model" / "consolidated"
+    )
+    cli_export = runs.export_dir(cli.step_dir(1))
+    cli_export.mkdir(parents=True)
+    (cli_export / "config.json").write_text("{}")
+    runs.write_latest(cli.checkpoints, cli.step_dir(1).name)
+    os.utime(flow.step_dir(2), (1_000, 1_000))
+    assert runs.resolve_checkpoint("runs/rd") == cli.latest_export
+    # a recipe (or --run-dir) naming its run dir is used as is
+    args.set = ["run_dir=mine"]
+    assert launch_mod.cli_main(args) == 0 and (tmp_path / "mine" / "settings.json").is_file()
+
+
 def _submitted_cfg(monkeypatch, settings) -> dict:
     """The scheduler cfg `launch` hands torchx (a stand-in runner records it; nothing is submitted)."""
     import torchx.runner

@@ -1,6 +1,7 @@
 """`dllmflow train`: write settings.json, launch `python -m dllmflow.training.main` under torchrun via torchx, wait.
 
     dllmflow train --params params/tiny_mdlm.yaml [more.yaml ...] [--resume | --overwrite] [--set train.lr=1e-4 ...]
+    # run dir: --run-dir, else the recipe's run_dir, else runs/<name>/cli (beside the flow's runs/<name>/flow-<id>)
 
     from dllmflow.training.launch import launch
     result = launch(settings, run_dir="runs/x")      # raises UserError naming the failing rank
@@ -32,7 +33,7 @@ from typing import Any
 from dllmflow.common.cli_args import add_flag
 from dllmflow.common.net import free_port
 from dllmflow.errors import UserError
-from dllmflow.runs import RunLayout
+from dllmflow.runs import RunLayout, cli_run_dir
 from dllmflow.settings.loader import parse_overrides  # re-exported: component.py, bench, tests
 from dllmflow.training.live import RUN_ID_ENV, create_run, end_run, tracking_env
 from dllmflow.training.main import FAIL_MARKER
@@ -352,7 +353,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="delete RUN's old checkpoints and metrics, then train from step 0",
     )
-    add_flag(parser, "--run-dir", default=None, help="override run_dir (default runs/<name>)")
+    add_flag(
+        parser,
+        "--run-dir",
+        default=None,
+        help="override run_dir (default: the recipe's run_dir, else runs/<name>/cli, beside the flow's runs)",
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. train.lr=1e-4"
     )
@@ -363,13 +369,12 @@ def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.training.run_dir import check_overwritable
 
     settings = load_settings(*args.params, **parse_overrides(args.set))
+    run_dir = args.run_dir or settings.run_dir or cli_run_dir(settings.resolved_run_dir)
     # a run dir that is not ours is refused before an MLflow run is opened for it
-    check_overwritable(
-        RunLayout(settings.with_run_dir(args.run_dir or settings.resolved_run_dir).resolved_run_dir)
-    )
+    check_overwritable(RunLayout(settings.with_run_dir(run_dir).resolved_run_dir))
     with owned_run(settings, {"dllmflow.source": "train"}) as run_id:
         result = launch(
-            settings, run_dir=args.run_dir, resume=args.resume, overwrite=args.overwrite, mlflow_run_id=run_id
+            settings, run_dir=run_dir, resume=args.resume, overwrite=args.overwrite, mlflow_run_id=run_id
         )
     print(f"training {result.state}: {result.run_dir}" + (f" (MLflow run {run_id})" if run_id else ""))
     return 0
