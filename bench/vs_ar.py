@@ -524,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 s.eval.max_new_tokens)  # fmt: skip
             print(f"draft data: {json.dumps(out['draft_data'])}", flush=True)
             regen_over = {**alone, "dataset.path_or_dataset_id": str(regen),
-                          "dataset.prepared_dir": str(work / "prepared-control")}  # fmt: skip
+                          "dataset.prepared_dir": str(work / "prepared-control"),
+                          "dataset.eval_fraction": 0}  # fmt: skip
             regen_s = load_settings(args.recipe, **regen_over)
             prepare(regen_s)
             out["train"]["dllm"] = train_arm(regen_s, run_dir, args.skip_train)

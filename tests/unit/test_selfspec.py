@@ -299,3 +299,32 @@ def test_an_adaptive_schedule_feeds_fewer_positions_when_drafts_miss():
     adaptive = _decode(model, "selfspec", PROMPTS, block_size=8, draft_schedule="adaptive")
     assert adaptive.sequences == fixed.sequences == _decode(model, "ar", PROMPTS).sequences
     assert sum(adaptive.row_positions) < 0.6 * sum(fixed.row_positions)
+
+
+def test_lookup_drafts_copy_what_followed_the_latest_earlier_occurrence_of_the_longest_recurring_tail():
+    from dllmflow.diffusion.samplers.selfspec import lookup_drafts
+
+    ctx = [1, 2, 3, 9, 8, 2, 3, 7, 6, 5, 2, 3]  # tail [2, 3] occurred at 1 and 5: the latest is 5
+    assert lookup_drafts(ctx, 2, 3) == [7, 6, 5]
+    assert lookup_drafts(ctx, 3, 3) == [7, 6, 5]  # [5, 2, 3] never recurs: falls back to [2, 3]
+    assert lookup_drafts([4, 1, 5, 9, 1], 2, 8) == [
+        5,
+        9,
+        1,
+    ]  # [9, 1] never recurs, [1] at 1; capped at the end
+    assert lookup_drafts([4, 5, 6], 2, 3) == []  # nothing recurs
+    assert lookup_drafts([7], 2, 3) == []
+
+
+def test_lookup_drafts_keep_the_answers_and_cut_forwards_on_repeating_text():
+    """An untrained model's slots draft badly; on prompts whose answer repeats (the model's greedy choice
+    often loops), drafts copied from the prompt and answer so far are accepted, so fewer forwards give the
+    same tokens."""
+    settings = load_settings(dllm=CAUSAL, eval={"block_size": 4}, dataset={"seq_length": 16},
+                             model={"tiny": {"hidden_size": 64, "intermediate_size": 128}})  # fmt: skip
+    torch.manual_seed(3)
+    model = build_mode_model(settings, _Tok()).eval()
+    plain = _decode(model, "selfspec", PROMPTS, block_size=8, max_new_tokens=32)
+    copied = _decode(model, "selfspec", PROMPTS, block_size=8, max_new_tokens=32, lookup_ngram=2)
+    assert copied.sequences == plain.sequences == _decode(model, "ar", PROMPTS, max_new_tokens=32).sequences
+    assert sum(copied.row_nfe) < sum(plain.row_nfe)

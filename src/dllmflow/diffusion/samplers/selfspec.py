@@ -67,6 +67,17 @@ class SpecRows:
             setattr(self, name, getattr(self, name)[keep])
 
 
+def lookup_drafts(context: list[int], n: int, most: int) -> list[int]:
+    """Prompt-lookup drafts: the (up to `most`) tokens that followed the latest earlier occurrence of the
+    context's last k tokens, for k = n down to 1 (the longest suffix that recurs); [] when none does."""
+    for k in range(min(n, len(context) - 1), 0, -1):
+        tail = context[-k:]
+        for start in range(len(context) - k - 1, -1, -1):  # latest first; the tail itself excluded
+            if context[start : start + k] == tail:
+                return context[start + k : start + k + most]
+    return []
+
+
 def accepted_drafts(drafts: Tensor, greedy: Tensor) -> Tensor:
     """How many leading drafts equal the model's greedy choices: drafts, greedy [b, D] -> [b] in 0..D."""
     return (drafts == greedy).long().cumprod(dim=1).sum(dim=1)
@@ -114,7 +125,8 @@ class SelfSpecSampler(Sampler):
         guess = logits.argmax(-1)  # [B, 1 + W]: the first token, then the slots' drafts
         drafts = torch.cat([guess[:, 1:], torch.full((B, D - W), self.fill_id, device=dev)], dim=1)  # [B, D]
         rows = SpecRows(c.valid.bool(), guess[:, 0], n, drafts, torch.arange(B, device=dev))
-        real = W  # the drafts every row holds that a forward made (the rest is filler, not worth feeding)
+        # the drafts every row holds that a forward made (the rest is filler, not worth feeding)
+        real = self._lookup(rows, prompt_ids, out, torch.full((B,), W, device=dev))
         done = self._commit(out, rows, [[t] for t in guess[:, 0].tolist()], row_nfe, positions, valid.sum(1))
         batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
 
@@ -155,9 +167,23 @@ class SelfSpecSampler(Sampler):
             filler = torch.full_like(rows.drafts, self.fill_id)  # [b, D]
             after = torch.cat([greedy[:, 1:], logits[:, 1 + F :].argmax(-1), filler], dim=1)  # [b, F + W + D]
             rows.drafts = after.gather(1, j[:, None] + ahead[None])  # [b, D]
-            real = W + int((F - j).min())  # made by this forward in every row: F - j choices, W slots
+            real = self._lookup(rows, prompt_ids, out, W + F - j)  # this forward's: F - j choices, W slots
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
+
+    def _lookup(self, rows: SpecRows, prompt_ids: list[list[int]], out: list[list[int]], made: Tensor) -> int:
+        """`lookup_ngram` n > 0: each live row whose last n tokens (prompt and answer so far) occurred
+        before takes the tokens that followed there as its drafts (`lookup_drafts`), in place of the
+        forward's; -> the drafts every row holds that are not filler (`made` [b]: the forward's count)."""
+        n, D = self.config.lookup_ngram, rows.drafts.shape[1]
+        if n:
+            for i, r in enumerate(rows.index.tolist()):
+                copied = lookup_drafts(prompt_ids[r] + out[r], n, D)
+                if copied:
+                    rows.drafts[i] = self.fill_id
+                    rows.drafts[i, : len(copied)] = torch.tensor(copied, dtype=rows.drafts.dtype)
+                    made[i] = len(copied)
+        return int(made.min())
 
     def _count_drafts(self, fed: int, accepted: Tensor) -> None:
         """Add one check of `fed` drafts per live row, `accepted` [b] of them, to `draft_counts`."""
