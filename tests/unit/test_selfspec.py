@@ -328,3 +328,28 @@ def test_lookup_drafts_keep_the_answers_and_cut_forwards_on_repeating_text():
     copied = _decode(model, "selfspec", PROMPTS, block_size=8, max_new_tokens=32, lookup_ngram=2)
     assert copied.sequences == plain.sequences == _decode(model, "ar", PROMPTS, max_new_tokens=32).sequences
     assert sum(copied.row_nfe) < sum(plain.row_nfe)
+
+
+def test_the_draft_policies_reach_selfspec_from_the_recipe_and_the_flags_and_are_checked():
+    import argparse
+
+    from dllmflow.diffusion.samplers.eval_knobs import eval_defaults
+    from dllmflow.inference.generate import add_cli_args, flag_config, sampler_overrides
+    from dllmflow.workflow.finetune import eval_samplers
+
+    s = load_settings(dllm=CAUSAL, eval={"block_size": 4, "draft_schedule": "adaptive", "lookup_ngram": 3})
+    cfg = flag_config("selfspec", {}, defaults=eval_defaults(s.eval, "selfspec"))
+    assert (cfg.draft_schedule, cfg.lookup_ngram) == ("adaptive", 3)
+    assert (
+        "lookup_ngram" not in flag_config("llada2", {}, defaults=eval_defaults(s.eval, "llada2")).model_dump()
+    )
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = ["--checkpoint", "x", "--prompt", "a", "--sampler", "selfspec", "--draft-schedule", "adaptive",
+            "--lookup-ngram", "2"]  # fmt: skip
+    cfg = flag_config("selfspec", sampler_overrides(parser.parse_args(args)))
+    assert (cfg.draft_schedule, cfg.lookup_ngram) == ("adaptive", 2)
+    with pytest.raises(SamplerSettingError, match="lookup"):
+        flag_config("selfspec", sampler_overrides(parser.parse_args(args[:-1] + ["-1"])))
+    with pytest.raises(SettingsError, match=r"eval\.lookup_ngram: 2 cannot be used.*mdlm"):
+        eval_samplers(load_settings(dllm={"mode": "mdlm"}, eval={"lookup_ngram": 2}))

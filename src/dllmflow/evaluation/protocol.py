@@ -251,7 +251,10 @@ def check_eval_settings(settings: Any) -> None:
     if not samplers:
         return
     checks = [("eval.cache", "cache", settings.eval.cache)]
-    checks += [("eval.batch_positions", "batch_positions", settings.eval.batch_positions)]
+    checks += [
+        (f"eval.{k}", k, getattr(settings.eval, k))
+        for k in ("batch_positions", "draft_schedule", "lookup_ngram")
+    ]
     if settings.eval.sweep is not None:
         checks += [(f"eval.sweep.{k}", k, v) for k, vs in settings.eval.sweep.axes().items() for v in vs]
     for where, key, value in checks:

@@ -183,6 +183,16 @@ class EvalConfig(Section):
         description="selfspec: most positions a forward after the prompt's feeds across the live rows "
         "(fewer drafts while the batch is large; None = no cap). Refused if no evaluated sampler takes it.",
     )
+    draft_schedule: Literal["fixed", "adaptive"] | None = Field(
+        None,
+        description="selfspec: drafts per forward, fixed (block_size - 1) or adaptive (following the last "
+        "check's acceptance); None = the preset. Refused if no evaluated sampler takes it.",
+    )
+    lookup_ngram: NonNegativeInt | None = Field(
+        None,
+        description="selfspec: drafts copied from the prompt and answer so far where the last n tokens "
+        "recurred (prompt lookup; 0 = off); None = the preset. Refused if no evaluated sampler takes it.",
+    )
     n_shot: NonNegativeInt = 0
     batch_size: BatchRows = 8
     seed: int = 0

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 EVAL_SETTINGS = (
-    "max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "batch_positions", "seed",
+    "max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "batch_positions",
+    "draft_schedule", "lookup_ngram", "seed",
 )  # fmt: skip
 
 
