@@ -5,7 +5,8 @@
 # Prints, to stdout and to $OUT/gpu_bench.txt when $OUT is set: median tokens/s and MFU over the steps
 # after the warm-up, peak memory beside the memory planner's prediction, and sampler tok/s at generation
 # length 256 (no cache, one token per step; dual cache + threshold 0.9), and (issue 38) a forward's cost for
-# 1 and for 15 positions with the selfspec/AR ratio it projects. Budget: under 8 minutes on one
+# 1 and for 15 positions with the selfspec/AR ratio it projects, and (issue 49) the cost curve T(k)/T(1)
+# after a 320-token context with the tokens per forward 0.5x latency would need. Budget: under 8 minutes on one
 # H200 (prepare ~10 s, each training variant ~1-2 min including start-up, sampling ~1 min).
 #
 #   bash bench/gpu.sh                      # one GPU; GPU_BENCH_PEAK_TFLOPS=989 (H200 bf16 dense)
@@ -170,6 +171,15 @@ for b in (1, 16):
     spec = timed(b, 0, P + D) + (NFE - 1) * wide
     rows.append(f"  batch {b:>2}: 1 position {one * 1e3:7.2f}, {1 + 2 * D} positions {wide * 1e3:7.2f}; "
                 f"selfspec / AR per answer {spec / ar:.2f}x")  # fmt: skip
+# issue 49: the long-answer cost curve T(k)/T(1) (k new positions after a GSM8K-length cached context of
+# 320 tokens) and the tokens per forward a lossless drafter needs for 0.5x the AR control's latency at
+# selfspec's widths (1 + 2 x drafts positions: 2 T(k)/T(1)); on the CPU (bench/vs_ar.py) T(7) 1.8, T(15) 2.4.
+rows.append(f"issue 49 cost curve ({device}, context 320): T(k)/T(1) and the TPF 0.5x latency needs")
+for b in (1, 16):
+    times = {k: timed(b, 320, k) for k in (1, 3, 5, 7, 9, 11, 13, 15)}
+    curve = {k: t / times[1] for k, t in times.items()}
+    rows.append(f"  batch {b:>2}: " + " ".join(f"T({k}) {r:.2f}" for k, r in curve.items())
+                + "; TPF for 0.5x: " + ", ".join(f"{d} drafts {2 * curve[1 + 2 * d]:.1f}" for d in (1, 3, 7)))  # fmt: skip
 text = "\n".join(rows)
 print(text)
 if out:
