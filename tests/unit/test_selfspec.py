@@ -353,3 +353,32 @@ def test_the_draft_policies_reach_selfspec_from_the_recipe_and_the_flags_and_are
         flag_config("selfspec", sampler_overrides(parser.parse_args(args[:-1] + ["-1"])))
     with pytest.raises(SettingsError, match=r"eval\.lookup_ngram: 2 cannot be used.*mdlm"):
         eval_samplers(load_settings(dllm={"mode": "mdlm"}, eval={"lookup_ngram": 2}))
+
+
+def test_lookup_drafts_are_copied_from_the_text_committed_up_to_the_forward(drafter):
+    """Every forward feeds as drafts what `lookup_drafts` finds in the prompt and the answer committed up
+    to its pending token (read off the ar sampler's answer at the forward's first position), when it
+    finds any."""
+    from dllmflow.diffusion.samplers.selfspec import lookup_drafts
+
+    prompt = [3, 5, 7, 9, 3, 5, 7]
+    answer = _decode(drafter, "ar", [prompt], max_new_tokens=24).sequences[0]
+    fed = []  # (first position, the ids after the pending token that are not slots)
+
+    def record(module, args, kw):
+        ids = kw["input_ids"][0].tolist()
+        fed.append((int(kw["position_ids"][0, 0]), [t for t in ids[1:] if t != M]))
+
+    hook = drafter.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        spec = _decode(drafter, "selfspec", [prompt], block_size=4, max_new_tokens=24, lookup_ngram=2)
+    finally:
+        hook.remove()
+    assert spec.sequences[0] == answer
+    checked = 0
+    for pos, drafts in fed[1:]:  # the pending token at `pos` is answer[pos - len(prompt)]
+        copied = lookup_drafts(prompt + answer[: pos - len(prompt) + 1], 2, 3)
+        if copied and drafts:
+            assert drafts == copied[: len(drafts)], (pos, drafts, copied)
+            checked += 1
+    assert checked > 2

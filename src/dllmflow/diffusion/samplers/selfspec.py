@@ -126,8 +126,8 @@ class SelfSpecSampler(Sampler):
         drafts = torch.cat([guess[:, 1:], torch.full((B, D - W), self.fill_id, device=dev)], dim=1)  # [B, D]
         rows = SpecRows(c.valid.bool(), guess[:, 0], n, drafts, torch.arange(B, device=dev))
         # the drafts every row holds that a forward made (the rest is filler, not worth feeding)
-        real = self._lookup(rows, prompt_ids, out, torch.full((B,), W, device=dev))
         done = self._commit(out, rows, [[t] for t in guess[:, 0].tolist()], row_nfe, positions, valid.sum(1))
+        real = self._lookup(rows, prompt_ids, out, torch.full((B,), W, device=dev))  # after the commit: its text
         batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
 
         while True:
@@ -167,8 +167,8 @@ class SelfSpecSampler(Sampler):
             filler = torch.full_like(rows.drafts, self.fill_id)  # [b, D]
             after = torch.cat([greedy[:, 1:], logits[:, 1 + F :].argmax(-1), filler], dim=1)  # [b, F + W + D]
             rows.drafts = after.gather(1, j[:, None] + ahead[None])  # [b, D]
-            real = self._lookup(rows, prompt_ids, out, W + F - j)  # this forward's: F - j choices, W slots
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
+            real = self._lookup(rows, prompt_ids, out, W + F - j)  # this forward's: F - j choices, W slots
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
 
     def _lookup(self, rows: SpecRows, prompt_ids: list[list[int]], out: list[list[int]], made: Tensor) -> int:
