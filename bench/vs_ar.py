@@ -15,13 +15,16 @@ control's own greedy answers, and the `same` column counts the answers token-ide
     OMP_NUM_THREADS=2 python bench/vs_ar.py --recipe params/smollm2_uno_gsm8k.yaml --steps 30 --eval-limit 16 \
         --lengths 256 --setting selfspec:block_size=8 --setting selfspec:block_size=4
 
-Measured 2026-12-07 (uno, 30 steps each arm of 4 GSM8K rows, 16 held-out problems, 256 new tokens, 2 cores
-shared with the test suite): every decoder's answers identical to the `ar` row's (16/16 at batch 1 and 16);
-TPF / latency b1 / throughput b16 vs the AR control: transformers generate 0.99 / 1.09x / 0.67x, prompt
-lookup 2.52 / 0.99x / 0.34x, selfspec block 8 1.09 / 2.96x / 0.24x, block 4 1.10 / 2.16x / 0.38x (draft
-acceptance 0.08-0.09 at offset 1, ~0 beyond: the adapter ended at a per-slot CE of 4.0). Training: adapter
-751 s wall / 512 s CPU / 2.0 GiB vs the control's 920 s / 692 s / 4.4 GiB. The speed goals need far better
-drafts: more adapter steps, the control's own answers as its data.
+Measured 2026-12-07 (uno, control 30 steps of 4 GSM8K rows; adapter 40 steps on the control's own greedy
+answers to 160 training prompts, `--draft-data control --adapter-steps 40`; 256 new tokens; 2 cores): every
+decoder's answers identical to the `ar` row's at batch 1 and 16. TPF / latency b1 / throughput b16 vs the
+AR control, 16 problems: transformers generate 0.99 / 1.02x / 0.69x, prompt lookup 2.52 / 0.68x / 0.38x,
+selfspec block 8 (adapter drafts only) fixed 1.10 / 2.60x / 0.23x, `draft_schedule=adaptive` 1.09 / 1.44x /
+0.47x (acceptance 0.09 at offset 1, ~0 beyond: per-slot CE 3.9). 8 problems, adapter drafts + `lookup_ngram=2`:
+block 8 adaptive 2.21 / 1.13x / 1.00x (acceptance 0.41-0.55 at every offset), block 4 fixed 2.31 / 1.24x /
+0.98x; prompt lookup 2.63 / 0.92x there. Training: 2.32 s per adapter step vs the control's 2.96 (0.78x).
+T(k)/T(1) quiet at batch 1: T(3) 1.2, T(7) 1.8, T(15) 2.4, so 0.5x needs TPF >= 3.6 (3 drafts) / 4.8 (7).
+Earlier (30 steps each arm on the recipe's rows): fixed block 8 1.09 / 2.96x / 0.24x, block 4 1.10 / 2.16x.
 
 Every table starts with three control rows on the same prompts, each taking its turn: the AR control through
 the product's `ar` sampler, the same model through transformers' own `generate` (greedy, KV cache) and with
