@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.data.task import task_chats
-from dllmflow.diffusion.samplers.eval_knobs import cache_modes, eval_defaults, sampler_takes
+from dllmflow.diffusion.samplers.eval_knobs import SAMPLER_SPECIFIC, cache_modes, eval_defaults, sampler_takes
 from dllmflow.errors import UserError
 
 # ---- the protocol two figures must share to compare ---------------------------------------------
@@ -251,10 +251,7 @@ def check_eval_settings(settings: Any) -> None:
     if not samplers:
         return
     checks = [("eval.cache", "cache", settings.eval.cache)]
-    checks += [
-        (f"eval.{k}", k, getattr(settings.eval, k))
-        for k in ("batch_positions", "draft_schedule", "lookup_ngram")
-    ]
+    checks += [(f"eval.{k}", k, getattr(settings.eval, k)) for k in SAMPLER_SPECIFIC]
     if settings.eval.sweep is not None:
         checks += [(f"eval.sweep.{k}", k, v) for k, vs in settings.eval.sweep.axes().items() for v in vs]
     for where, key, value in checks:

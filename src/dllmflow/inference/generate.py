@@ -326,7 +326,8 @@ def _eos_id(value: str) -> int | str:
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
                  "uniform_ratio", "schedule_shape", "schedule_peak", "editing_threshold", "max_post_steps",
-                 "batch_positions", "draft_schedule", "lookup_ngram", "cache", "causal_context", "eos_token_id", "eos_truncate", "seed")  # fmt: skip
+                 "batch_positions", "draft_schedule", "lookup_ngram", "cache", "causal_context",
+                 "eos_token_id", "eos_truncate", "seed")  # fmt: skip
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:

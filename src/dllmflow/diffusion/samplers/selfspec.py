@@ -125,9 +125,10 @@ class SelfSpecSampler(Sampler):
         guess = logits.argmax(-1)  # [B, 1 + W]: the first token, then the slots' drafts
         drafts = torch.cat([guess[:, 1:], torch.full((B, D - W), self.fill_id, device=dev)], dim=1)  # [B, D]
         rows = SpecRows(c.valid.bool(), guess[:, 0], n, drafts, torch.arange(B, device=dev))
-        # the drafts every row holds that a forward made (the rest is filler, not worth feeding)
         done = self._commit(out, rows, [[t] for t in guess[:, 0].tolist()], row_nfe, positions, valid.sum(1))
-        real = self._lookup(rows, prompt_ids, out, torch.full((B,), W, device=dev))  # after the commit: its text
+        # the drafts every row holds that a forward made (the rest is filler, not worth feeding); looked up
+        # after the commit, so a copied draft follows the text committed so far
+        real = self._lookup(rows, prompt_ids, out, torch.full((B,), W, device=dev))
         batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
 
         while True:
@@ -217,8 +218,8 @@ class SelfSpecSampler(Sampler):
         return int(is_stop.long().argmax(dim=1).max()), 0
 
     def _width(self, rows: int, most: int) -> int:
-        """Drafts (and slots) per row of a forward over `rows` live rows: `most` unless
-        `batch_positions` caps the forward's 1 + 2 * width positions per row."""
+        """Drafts (and slots) per row of a forward over `rows` live rows: `most`, at most the adaptive
+        schedule's span, unless `batch_positions` caps the forward's 1 + 2 * width positions per row."""
         cap, most = self.config.batch_positions, min(most, self._span)
         return most if cap is None else max(0, min(most, (cap // rows - 1) // 2))
 
