@@ -6,7 +6,10 @@ turns instead of holding the model until it is done).
     scheduler = Scheduler(engine, max_batch_size=16, chunk_tokens=8)      # inference/scheduler.py
     scheduler.submit(ChatRequest(prompt_ids, max_tokens=32, temperature=0.8, top_p=1.0, seed=7))
 
-`inference/serve.py` puts the HTTP API (OpenAI chat and text completions) in front of it.
+`inference/serve.py` puts the HTTP API (OpenAI chat and text completions) in front of it. The decoding
+loop is `diffusion/samplers/causal_decode.py`'s, the one the `ar` sampler runs too (left-padded rows, a
+KV cache, a row leaving the batch as it stops); the engine brings its own token draw (`sample`) and runs
+the loop a few forwards per turn.
 
 Seeded sampling: a request with a `seed` draws its tokens from its own `torch.Generator` seeded with it,
 so its tokens depend only on its prompt, settings and seed, never on what else shares its batch (its
@@ -57,11 +60,11 @@ class ChatRequest:
 
 @dataclass(eq=False)
 class Decode:
-    """A batch being generated: its live rows, their attention mask and KV cache."""
+    """A batch being generated: its live rows and the causal decoding loop they run in."""
 
     reqs: list[ChatRequest]
-    mask: Any  # [B, L] 1 = real token, 0 = left padding
-    cache: Any  # transformers Cache over the same B rows
+    loop: Any  # causal_decode.iter_causal_decode, paused before its next forward
+    held: list[ChatRequest]  # the loop's rows in its order: `reqs` once dropped rows are sent to it
 
 
 def sample(logits, temperature: float, top_p: float, generators=None):
@@ -137,10 +140,6 @@ class ChatEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_ids = self._eos_ids()
-        # transformers 5 renamed `past_key_values` to `cache`; remote-code models may still use the old name
-        params = inspect.signature(self.model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
-        self.extra_args = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # last position only
         # chat_template_kwargs are template variables (enable_thinking, ...), never apply_chat_template's own
         # options: a client must not swap the template (`chat_template`) or change tokenization.
         self.reserved_template_args = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
@@ -160,65 +159,53 @@ class ChatEngine:
 
     def prefill(self, reqs: list[ChatRequest]) -> Decode:
         """Run the left-padded prompts of requests sharing a batch key; sample each row's first token."""
-        import torch
-        from transformers import DynamicCache
+        from dllmflow.diffusion.samplers.causal_decode import CausalDecoder, iter_causal_decode
 
-        width = max(len(r.prompt_ids) for r in reqs)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs])  # [B, L]
-        mask = torch.tensor(
-            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs]
-        )  # [B, L]
-        decode = Decode(reqs, mask, DynamicCache())
-        self._forward(decode, input_ids, (mask.cumsum(-1) - 1).clamp(min=0))
+        first = reqs[0]  # the rows of a batch sample alike (`batch_key`)
+
+        def pick(logits, rows: list[int]):  # logits [b, V] of the original rows `rows`
+            generators = [reqs[r].generator(logits.device) for r in rows]
+            return sample(logits, first.temperature, first.top_p, generators)  # [b]
+
+        decoder = CausalDecoder(
+            self.model, [r.prompt_ids for r in reqs], self.tokenizer.pad_token_id, set(self.eos_ids),
+            [r.max_tokens for r in reqs], pick=pick, out=[r.tokens for r in reqs], sampler="serve",
+        )  # fmt: skip
+        decode = Decode(list(reqs), iter_causal_decode(decoder), list(reqs))
+        self._advance(decode, None)
         return decode
 
     def step(self, decode: Decode, num_tokens: int) -> Decode:
         """Up to `num_tokens` more tokens for every live row; finished rows leave the batch as they stop."""
-        import torch
-
         for _ in range(num_tokens):
             if not decode.reqs:
                 break
-            last = torch.tensor([[r.tokens[-1]] for r in decode.reqs])  # [B, 1]
-            decode.mask = torch.cat([decode.mask, torch.ones_like(last)], dim=1)  # [B, L + 1]
-            self._forward(decode, last, decode.mask.sum(-1, keepdim=True) - 1)  # positions skip the padding
+            # the loop drops, before its forward, the rows no longer live (finished or cancelled)
+            kept = [i for i, r in enumerate(decode.held) if r in decode.reqs]
+            decode.held = [decode.held[i] for i in kept]
+            self._advance(decode, kept)
         return decode
 
-    def _forward(self, decode: Decode, input_ids, position_ids) -> None:
+    def _advance(self, decode: Decode, kept: list[int] | None) -> None:
+        """One forward of the loop (to its next pause, or its end); then rows that stopped finish."""
         import torch
 
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=decode.mask,
-                position_ids=position_ids,
-                use_cache=True,
-                **{self.cache_arg: decode.cache},
-                **self.extra_args,
-            )
-            first, logits = decode.reqs[0], out.logits[:, -1]  # [B, V]
-            generators = [r.generator(logits.device) for r in decode.reqs]
-            next_ids = sample(logits, first.temperature, first.top_p, generators).tolist()  # [B]
-        for req, tok in zip(decode.reqs, next_ids):
-            req.tokens.append(tok)
-            if tok in self.eos_ids:
+        try:
+            with torch.inference_mode():
+                decode.loop.send(kept)
+        except StopIteration:
+            pass  # every row held stopped: each has its finish reason below
+        for req in decode.reqs:
+            if req.tokens and req.tokens[-1] in self.eos_ids:
                 req.finish_reason = "stop"
             elif len(req.tokens) >= req.max_tokens:
                 req.finish_reason = "length"
-        self.keep(decode, [i for i, r in enumerate(decode.reqs) if r.finish_reason is None])
+        decode.reqs = [r for r in decode.reqs if r.finish_reason is None]
 
     def keep(self, decode: Decode, rows: list[int]) -> None:
-        """Drop every other row from the batch (its cache too): finished or cancelled rows cost nothing."""
-        import torch
-
-        if len(rows) == len(decode.reqs):
-            return
+        """Drop every other row from the batch: the loop drops it (its cached keys too) before its next
+        forward, so finished or cancelled rows cost nothing."""
         decode.reqs = [decode.reqs[i] for i in rows]
-        if rows:
-            index = torch.tensor(rows)
-            decode.mask = decode.mask[index]
-            decode.cache.batch_select_indices(index)
 
     def text(self, req: ChatRequest) -> str:
         new = req.tokens[:-1] if req.finish_reason == "stop" else req.tokens

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dllmflow.diffusion.masks.block_causal import block_causal_mask
+from dllmflow.diffusion.masks.causal import causal_mask
 from dllmflow.errors import UserError
 from dllmflow.models.logit_shift import is_logit_shifted
 from dllmflow.settings.pipeline import CacheMode
@@ -90,6 +91,7 @@ class ModelCache:
         self.model, self.cache = model, DynamicCache(config=model.config)
         self.dtype = mask_dtype(model, device)
         self.keep_arg = takes_logits_to_keep(model.forward)
+        self.cache_arg = cache_argument(model.forward)
         self.calls = 0
 
     @property
@@ -108,8 +110,8 @@ class ModelCache:
             kw = {"logits_to_keep": Q - lo}
         else:
             kw = {"logits_to_keep": torch.arange(lo, hi, device=ids.device)}  # [hi-lo]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=self.cache,
-                         use_cache=True, **kw)  # fmt: skip
+        kw[self.cache_arg] = self.cache
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **kw)
         self.calls += 1
         return out.logits if self.keep_arg else out.logits[:, lo:hi]  # [B, hi-lo, V]
 
@@ -128,12 +130,27 @@ class ModelCache:
             layer.values = torch.cat([layer.values[..., :lo, :], layer.values[..., hi:, :]], dim=-2)
 
 
+def cache_argument(forward) -> str:
+    """The keyword a model's forward takes its KV cache by: transformers 5 renamed `past_key_values` to
+    `cache`; a forward naming only the old one (remote code) gets that."""
+    import inspect
+
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # no inspectable signature: today's name
+        return "cache"
+    return "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
+
+
 def select_cache_rows(cache, index: Tensor) -> None:
-    """Keep the batch rows `index` [B'] of every layer of an HF DynamicCache (an empty layer too: the
-    next forward appends to it)."""
-    for layer in cache.layers:
-        if isinstance(getattr(layer, "keys", None), Tensor):
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
+    """Keep the batch rows `index` [B'] of an HF cache, through transformers' `batch_select_indices`. A
+    cache holding no position (cropped to 0: `cache: none`, a refresh) is reset instead:
+    `batch_select_indices` skips an empty layer, which would keep the old batch size and fail the next
+    forward's append; a reset layer starts again from the rows that forward brings."""
+    if cache.get_seq_length() == 0:
+        cache.reset()
+    else:
+        cache.batch_select_indices(index)
 
 
 def key_mask(key_valid: Tensor, num_queries: int, dtype: torch.dtype) -> Tensor:
@@ -178,8 +195,7 @@ class CausalShiftCache(CacheSource):
     def __call__(self, lo: int, hi: int, rows: Tensor | None = None) -> Tensor:
         c, start, end = self.c, self.kv.length, hi - 1  # forward [start, end)
         valid = on_rows(c.valid, rows)
-        # every position is "prefix" of a causal mask: k <= q, valid keys, a padded query keeps its diagonal
-        mask = block_causal_mask(valid[:, :end], end, 1, True, self.kv.dtype, start, end - start)
+        mask = causal_mask(valid[:, :end], self.kv.dtype, start, end - start)  # [R, 1, end - start, end]
         Q = end - start  # its last hi - lo positions are [lo-1, hi-1)
         ids, positions = on_rows(c.x, rows)[:, start:end], on_rows(c.position_ids, rows)[:, start:end]
         logits = self.kv.forward(ids, mask, positions, Q - (hi - lo), Q)
