@@ -40,7 +40,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dllmflow.diffusion.masks.block_causal import block_causal_mask
+from dllmflow.diffusion.masks.causal import causal_mask
 from dllmflow.errors import UserError
 from dllmflow.models.causal_prompt import has_causal_blocks
 
@@ -228,8 +228,7 @@ class SelfSpecSampler(Sampler):
         [b, K + Q] (the cached ones, then the new ones: a hole is never attended); the logits of the new
         positions from `first` (relative to the cache's start) on [b, K + Q - first, V]."""
         K, Q = kv.length, ids.shape[1]
-        # block_causal_mask with everything "prompt" and causal: key <= query, valid keys, the diagonal kept
-        mask = block_causal_mask(keys, K + Q, 1, True, kv.dtype, K, Q)  # [b, 1, Q, K + Q]
+        mask = causal_mask(keys, kv.dtype, K, Q)  # [b, 1, Q, K + Q]
         return kv.forward(ids, mask, pos, first - K, Q)
 
     def _commit(
