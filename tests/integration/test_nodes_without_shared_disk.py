@@ -1,7 +1,9 @@
 """Two nodes that share no disk, checkpointing to S3 (a `moto_server` started by the test).
 
 Each "node" is its own `torchrun --nnodes 2 --node_rank N --nproc_per_node 1` on this machine, with its
-own run dir (as two Kubernetes pods with their own local disks, each handed the same settings.json):
+own run dir (as two Kubernetes pods with their own local disks). Each gets its settings as the torchx
+AppDef hands them (`build_app`: inline in $DLLMFLOW_SETTINGS, with --run-dir), never a settings.json
+another machine wrote; rank 0 records them on its own disk:
 
   * a checkpoint mid-way: each node's disk holds the part of the step dir its rank wrote plus the
     complete manifest, and the remote step dir holds every rank's files; the remote manifest lists both
@@ -28,7 +30,7 @@ from _prepared import prepare_tiny
 from _plugins.fault_hooks import with_fault_env
 from dllmflow.common.net import free_port
 from dllmflow.runs import read_metrics
-from dllmflow.settings import load_settings
+from dllmflow.settings import SETTINGS_ENV, load_settings, settings_env_value
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
@@ -52,25 +54,25 @@ def _settings(prep: Path, remote: str | None):
     )
 
 
-def _node_dirs(base: Path, settings) -> list[Path]:
-    """One run dir per node, each with its own copy of settings.json (a pod's disk + its ConfigMap)."""
+def _node_dirs(base: Path) -> list[Path]:
+    """One run dir per node: a pod's own (empty) disk."""
     nodes = [base / f"node{i}" for i in range(2)]
     for node in nodes:
-        _lose_disk(node, settings)
+        _lose_disk(node)
     return nodes
 
 
-def _lose_disk(node: Path, settings) -> None:
-    """The pod is gone and its disk with it; the new one gets settings.json again."""
+def _lose_disk(node: Path) -> None:
+    """The pod is gone and its disk with it."""
     shutil.rmtree(node, ignore_errors=True)
     node.mkdir(parents=True)
-    settings.with_run_dir(node).write_json(node / "settings.json")
 
 
 def _train(
-    nodes: list[Path], resume: bool = False, fail_at: int | None = None
+    nodes: list[Path], settings, resume: bool = False, fail_at: int | None = None
 ) -> list[subprocess.CompletedProcess]:
-    """Both nodes' torchrun at once (static rendezvous on 127.0.0.1), each with its own --settings."""
+    """Both nodes' torchrun at once (static rendezvous on 127.0.0.1), each given the settings as the
+    AppDef gives them: $DLLMFLOW_SETTINGS and --run-dir (its own disk)."""
     env = with_fault_env(dict(os.environ), fail_at)  # fault injection only from the test side
     env["OMP_NUM_THREADS"] = "1"
     port = free_port()
@@ -80,12 +82,15 @@ def _train(
             str(BIN / "torchrun"),
             "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
             "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "-m", "dllmflow.training.main", "--settings", str(node / "settings.json"),
+            "-m", "dllmflow.training.main", "--run-dir", str(node),
         ]  # fmt: skip
         if resume:
             cmd.append("--resume")
+        node_env = {**env, SETTINGS_ENV: settings_env_value(settings.with_run_dir(node))}
         out = open(node.parent / f"{node.name}.log", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True), out))
+        procs.append(
+            (subprocess.Popen(cmd, env=node_env, stdout=out, stderr=subprocess.STDOUT, text=True), out)
+        )
     done = []
     for proc, out in procs:
         proc.wait(timeout=600)
@@ -105,18 +110,22 @@ def _files(step_dir: Path) -> set[str]:
 
 def test_two_nodes_without_a_shared_disk_resume_from_s3(s3, prep, tmp_path):
     # 0) the uninterrupted two-node run (no remote): the losses a resume must reproduce exactly
-    ref_nodes = _node_dirs(tmp_path / "reference", _settings(prep, None))
-    assert all(p.returncode == 0 for p in _train(ref_nodes)), (
+    ref_settings = _settings(prep, None)
+    ref_nodes = _node_dirs(tmp_path / "reference")
+    assert all(p.returncode == 0 for p in _train(ref_nodes, ref_settings)), (
         tmp_path / "reference" / "node1.log"
     ).read_text()[-3000:]
     reference = _losses(ref_nodes[0])
     assert sorted(reference) == [1, 2, 3, 4]
+    # each node recorded the settings it was handed on its own disk (what it resumes under)
+    for node in ref_nodes:
+        assert json.loads((node / "settings.json").read_text()) == ref_settings.with_run_dir(node).to_dict()
 
     # 1) both nodes stop after step 3; the last checkpoint is step 2, on each disk and in the bucket
     remote = f"s3://{s3.bucket}/runs/nodes"
     settings = _settings(prep, remote)
-    nodes = _node_dirs(tmp_path / "run", settings)
-    failed = _train(nodes, fail_at=3)
+    nodes = _node_dirs(tmp_path / "run")
+    failed = _train(nodes, settings, fail_at=3)
     assert all(p.returncode != 0 for p in failed)
     assert all("injected failure after step 3" in p.stdout for p in failed), failed[1].stdout[-3000:]
     assert {s: reference[s] for s in (1, 2, 3)} == _losses(nodes[0])
@@ -154,7 +163,7 @@ def test_two_nodes_without_a_shared_disk_resume_from_s3(s3, prep, tmp_path):
     shard = "model/__1_0.distcp"
     good = remote_bytes(shard)
     client.put_object(Bucket=s3.bucket, Key=prefix + shard, Body=bytes([good[0] ^ 0xFF]) + good[1:])
-    corrupt = _train(nodes, resume=True)
+    corrupt = _train(nodes, settings, resume=True)
     assert all(p.returncode != 0 for p in corrupt)
     named = f"{nodes[0]}/checkpoints/{STEP}/{shard}: checksum mismatch"
     assert all(named in p.stdout for p in corrupt), corrupt[1].stdout[-3000:]
@@ -162,8 +171,8 @@ def test_two_nodes_without_a_shared_disk_resume_from_s3(s3, prep, tmp_path):
     # 3) the good bytes back; both disks lost: both nodes restore from S3 and finish the run exactly
     client.put_object(Bucket=s3.bucket, Key=prefix + shard, Body=good)
     for node in nodes:
-        _lose_disk(node, settings)
-    resumed = _train(nodes, resume=True)
+        _lose_disk(node)
+    resumed = _train(nodes, settings, resume=True)
     assert all(p.returncode == 0 for p in resumed), resumed[1].stdout[-3000:]
     assert all("resumed from" in p.stdout for p in resumed[:1])
     assert _losses(nodes[0]) == {s: reference[s] for s in (3, 4)}

@@ -5,8 +5,8 @@ run outside the checkout, with the scheduler settings named by TORCHXCONFIG (inf
 
   * the entry point: `torchx builtins` lists `dllmflow.train` next to torchx's own components;
 
-  * in-process: the AppDef is `build_app`'s, with the component's arguments applied to `launch:` and
-    settings.json written once to the run dir;
+  * in-process: the AppDef is `build_app`'s, with the component's arguments applied to `launch:`, the
+    settings carried inline in its env ($DLLMFLOW_SETTINGS), and nothing written by the submitting machine;
   * `torchx run --dryrun -s kubernetes|slurm`: the Volcano job / sbatch script carry nnodes replicas,
     torchrun's nnodes / nproc_per_node / c10d rendezvous on the rank-0 host, GPUs, env, image, mounts;
   * `torchx run -s local_cwd` trains a tiny model for 2 steps (slow).
@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from dllmflow.runs import read_metrics
-from dllmflow.settings import load_settings, load_settings_json
+from dllmflow.settings import SETTINGS_ENV, load_settings, load_settings_env
 from dllmflow.training.component import train
 from dllmflow.training.launch import rank0_endpoint
 
@@ -85,9 +85,11 @@ def test_component_is_build_app_with_the_cli_arguments(tmp_path):
     assert role.env["NCCL_DEBUG"] == "INFO"
     flags = torchrun_flags(role.args[1])
     assert flags["--nnodes"] == "2" and flags["--rdzv_endpoint"] == rank0_endpoint()
-    assert role.args[1].endswith(f"--settings {tmp_path / 'run' / 'settings.json'} --resume")
-    # settings resolved once, from the recipe + overrides + the component's arguments
-    written = load_settings_json(tmp_path / "run" / "settings.json")
+    assert role.args[1].endswith(f"--run-dir {tmp_path / 'run'} --resume")
+    # settings resolved once, from the recipe + overrides + the component's arguments, carried in the
+    # AppDef: the submitting machine wrote no file a node would need
+    assert not (tmp_path / "run").exists()
+    written = load_settings_env(role.env[SETTINGS_ENV])
     assert written.train.max_steps == 3 and written.eval.samplers == ["llada"]
     assert written.launch.nnodes == 2 and written.launch.resources.gpu == 1
     assert written.run_dir == str(tmp_path / "run")
@@ -127,10 +129,11 @@ def test_kubernetes_dryrun_is_a_volcano_job_with_one_task_per_node(tmp_path):
         # every node meets at replica 0's host (Volcano's env var; replica 0 itself uses localhost)
         host = "TORCHX_RANK0_HOST" if i == 0 else "VC_TRAINER_0_HOSTS"
         assert flags["--rdzv_endpoint"] == f"${{{host}:=localhost}}:29500"
-        assert flags["--settings"] == str(tmp_path / "run" / "settings.json")
+        assert flags["--run-dir"] == str(tmp_path / "run")
+        assert load_settings_env(env[SETTINGS_ENV]).launch.nproc_per_node == 4  # in the pod spec itself
         assert {"mountPath": "/app/runs", "name": "mount-0", "readOnly": False} in container["volumeMounts"]
         assert {"name": "mount-0", "persistentVolumeClaim": {"claimName": "dllmflow-runs"}} in pod["volumes"]
-    assert load_settings_json(tmp_path / "run" / "settings.json").launch.nproc_per_node == 4
+    assert not (tmp_path / "run").exists()
 
 
 def test_slurm_dryrun_is_an_sbatch_script_with_one_hetjob_per_node(tmp_path):
@@ -154,7 +157,9 @@ def test_slurm_dryrun_is_an_sbatch_script_with_one_hetjob_per_node(tmp_path):
         flags = torchrun_flags(words[words.index("-c") + 1])
         assert flags["--nnodes"] == "2" and flags["--nproc_per_node"] == "4"
         assert flags["--rdzv_endpoint"] == "${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}:29500"
-    assert f"--settings {tmp_path / 'run' / 'settings.json'}" in script
+        assert flags["--run-dir"] == str(tmp_path / "run")
+        carried = re.search(rf"{SETTINGS_ENV}=([A-Za-z0-9+/=]+)", line)
+        assert carried and load_settings_env(carried.group(1)).launch.nproc_per_node == 4
 
 
 @pytest.mark.slow

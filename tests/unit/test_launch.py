@@ -5,7 +5,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from dllmflow.settings import load_settings
+import pytest
+
+from dllmflow.settings import SETTINGS_ENV, SettingsError, load_settings, load_settings_env
 from dllmflow.training.launch import build_app, describe_failure, parse_overrides
 
 
@@ -25,15 +27,26 @@ def test_single_node_app_runs_the_entry_point_under_torchrun(tmp_path):
     cmd = _cmd(app)
     assert cmd[0] == "torchrun" and _flag(cmd, "--nnodes") == "1" and _flag(cmd, "--nproc_per_node") == "2"
     assert _flag(cmd, "--rdzv_endpoint") == "localhost:0"
-    assert cmd[-5:] == [
-        "-m",
-        "dllmflow.training.main",
-        "--settings",
-        str(tmp_path / "settings.json"),
-        "--resume",
-    ]
+    assert cmd[-5:] == ["-m", "dllmflow.training.main", "--run-dir", str(tmp_path), "--resume"]
     role = app.roles[0]
     assert role.num_replicas == 1 and role.env["FOO"] == "bar" and role.resource.cpu == 3
+    # the settings ride in the AppDef (no shared settings.json): exactly these, recording this run dir
+    carried = load_settings_env(role.env[SETTINGS_ENV])
+    assert carried.to_dict() == s.with_run_dir(tmp_path).to_dict()
+    assert carried.train.max_steps == s.train.max_steps and Path(carried.resolved_run_dir) == tmp_path
+
+
+def test_carried_settings_that_are_not_the_launchers_fail_in_one_line():
+    import base64
+    import gzip
+
+    with pytest.raises(SettingsError, match=r"\$DLLMFLOW_SETTINGS is not set"):
+        load_settings_env(None)
+    with pytest.raises(SettingsError, match=r"\$DLLMFLOW_SETTINGS: not settings written by the launcher"):
+        load_settings_env("not base64 !")
+    bad = base64.b64encode(gzip.compress(b'{"train": {"lr": "fast"}}')).decode()
+    with pytest.raises(SettingsError, match=r"train\.lr"):
+        load_settings_env(bad)
 
 
 def test_multi_node_app_uses_one_rendezvous_endpoint(tmp_path):
@@ -89,7 +102,7 @@ def test_torchxconfig_sections_reach_the_scheduler_cfg():
 
 def test_run_dir_flag_is_the_run_dir_recorded_in_settings_json(tmp_path, monkeypatch):
     """`dllmflow train --run-dir X`: settings.json (and so metrics and MLflow params) names X, where the
-    trainers write (the dir of the settings.json they are given)."""
+    trainers write (their --run-dir, and the run dir the settings they carry record)."""
     import json
 
     import torchx.runner
@@ -111,7 +124,9 @@ def test_run_dir_flag_is_the_run_dir_recorded_in_settings_json(tmp_path, monkeyp
     written = tmp_path / "elsewhere" / "x" / "settings.json"
     assert result.run_dir == written.parent
     assert json.loads(written.read_text())["run_dir"] == "elsewhere/x"
-    assert _flag(_cmd(submitted[0]), "--settings") == str(written)
+    assert _flag(_cmd(submitted[0]), "--run-dir") == str(written.parent)
+    carried = load_settings_env(submitted[0].roles[0].env[SETTINGS_ENV])
+    assert carried.to_dict() == json.loads(written.read_text())  # what the trainers get is what was recorded
     # already the recorded run dir (the flow's case): recorded as it was
     flow = load_settings(name="rd", run_dir="runs/rd/flow-1")
     launch_mod.launch(flow, run_dir=Path("runs/rd/flow-1").absolute(), wait=False)

@@ -6,7 +6,7 @@
     prompts.py     the prompt set (a prepared split, asked as evaluation asks), seeded order per epoch
     rollout.py     G rollouts per prompt with the project's samplers, seeded per prompt; policy entropy
     trainer.py     GRPOTrainer: the Trainer with a GRPO step (checkpoints, resume, logging unchanged)
-    main.py        the torchrun entry (`python -m dllmflow.rl --settings RUN/settings.json`)
+    main.py        the torchrun entry (`python -m dllmflow.rl --run-dir RUN`, settings in $DLLMFLOW_SETTINGS)
 
 Sits above training, the samplers and evaluation (it reuses the Trainer and the answer parser).
 """

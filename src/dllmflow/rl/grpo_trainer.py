@@ -5,7 +5,7 @@ export are the Trainer's and the Checkpointer's, unchanged.
     from dllmflow.rl.grpo_trainer import run_grpo
     result = run_grpo(settings, "runs/tiny_addition_grpo")     # in-process: one rank
     result = GRPOTrainer(settings, "runs/x", rewards=[my_reward, "format"]).run()   # rewards in code
-    # one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.rl --settings RUN/settings.json
+    # one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.rl --run-dir RUN   # settings: $DLLMFLOW_SETTINGS
 
 `settings.model.pretrained_model_name_or_path` is the starting model (`dllmflow rl` resolves
 `rl.init_from` to its export); `build` loads it as the policy (LoRA or full, DDP/FSDP2, as training

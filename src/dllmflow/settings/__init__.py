@@ -17,16 +17,19 @@ from .dllm import (
     register_mode_config,
 )
 from .loader import (
+    SETTINGS_ENV,
     Settings,
     SettingsError,
     deep_merge,
     importing_plugins,
     load_settings,
+    load_settings_env,
     load_settings_json,
     load_settings_text,
     load_settings_with_origins,
     parse_overrides,
     read_yaml,
+    settings_env_value,
 )
 from .pipeline import *  # noqa: F403 - eval, registry, flow, regenerate, listed in pipeline.__all__
 from .pipeline import __all__ as _PIPELINE
@@ -54,6 +57,9 @@ __all__ = (
         "deep_merge",
         "importing_plugins",
         "load_settings",
+        "SETTINGS_ENV",
+        "load_settings_env",
+        "settings_env_value",
         "load_settings_json",
         "load_settings_text",
         "load_settings_with_origins",

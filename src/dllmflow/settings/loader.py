@@ -13,8 +13,10 @@ Imports no torch.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import contextvars
+import gzip
 import importlib
 import json
 import os
@@ -49,6 +51,7 @@ from .sections import (
 
 ENV_PREFIX = "DLLMFLOW_"
 ENV_DELIMITER = "__"
+SETTINGS_ENV = "DLLMFLOW_SETTINGS"  # the trainers' settings, inline in their AppDef (settings_env_value)
 
 # The merged YAML of the load in progress; pydantic-settings asks sources for data with no arguments.
 _YAML_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_YAML_DATA", default=None)
@@ -338,11 +341,34 @@ def load_settings_json(path: str | os.PathLike, import_plugins: bool = False) ->
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise SettingsError(f"{path}: invalid JSON ({e})") from None
+    return _validate_recorded(data, str(path), import_plugins)
+
+
+def settings_env_value(settings: Settings) -> str:
+    """`settings` as one environment value (compact JSON, gzip, base64: a few KB): how the launcher hands
+    the trainers their settings inside the torchx AppDef, so no node reads a file another machine wrote."""
+    raw = json.dumps(settings.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+    return base64.b64encode(gzip.compress(raw, mtime=0)).decode("ascii")
+
+
+def load_settings_env(value: str | None, import_plugins: bool = False) -> Settings:
+    """The settings `settings_env_value` encoded (read from $DLLMFLOW_SETTINGS by the torchrun entry);
+    validated like a recorded settings.json, with the same rule for its `plugins`."""
+    if not value:
+        raise SettingsError(f"${SETTINGS_ENV} is not set: the trainer has no settings (pass --settings FILE)")
+    try:
+        data = json.loads(gzip.decompress(base64.b64decode(value, validate=True)))
+    except (ValueError, OSError, EOFError) as e:  # binascii.Error, gzip.BadGzipFile and JSON are ValueErrors
+        raise SettingsError(f"${SETTINGS_ENV}: not settings written by the launcher ({e})") from None
+    return _validate_recorded(data, f"${SETTINGS_ENV}", import_plugins)
+
+
+def _validate_recorded(data: Any, source: str, import_plugins: bool) -> Settings:
     try:
         with importing_plugins(import_plugins):
             return Settings.model_validate(data)
     except ValidationError as e:
-        message = format_validation_error(e, {k: str(path) for k in _flatten(data, False)})
+        message = format_validation_error(e, {k: source for k in _flatten(data, False)})
         plugins = data.get("plugins") if isinstance(data, dict) else None
         if plugins and not import_plugins:
             message += f" (its plugins {plugins} are not imported from a recorded file: import them yourself)"

@@ -1,6 +1,8 @@
-"""torchx component `dllmflow.train`: settings resolved once into RUN/settings.json, then `build_app`'s AppDef.
+"""torchx component `dllmflow.train`: settings resolved once, then `build_app`'s AppDef, which carries them.
 
-The AppDef runs torchrun -> `python -m dllmflow.training.main --settings RUN/settings.json`.
+The AppDef runs torchrun -> `python -m dllmflow.training.main --run-dir RUN`, the settings inline in its
+environment ($DLLMFLOW_SETTINGS): the submitting machine writes nothing, and rank 0 records them as
+RUN/settings.json on its own disk.
 
 torchx finds it through the package's entry point (pyproject.toml, group `torchx.components`:
 `dllmflow = dllmflow.training.component`), so it runs from any directory where dllmflow is installed.
@@ -14,8 +16,8 @@ the one named by $TORCHXCONFIG (infra/.torchxconfig is the project's), else ~/.t
         --nnodes 2 --nproc_per_node 8 --gpu 8 --image registry/dllmflow:tag \\
         --mounts type=volume,src=dllmflow-runs,dst=/app/runs --run_dir /app/runs/x
 
-Arguments left unset keep the recipe's `launch:` values. The submitting machine writes settings.json,
-so on a cluster `run_dir` must be on storage it shares with the nodes (the same PVC / NFS path).
+Arguments left unset keep the recipe's `launch:` values. No node reads a file the submitting machine
+wrote: with `checkpoint.remote_dir` set, `run_dir` may be each pod's own disk (infra/README.md).
 
 Annotations are `typing` generics on purpose: torchx 0.7's component linter reads the source and accepts
 only `Optional`/`Dict`/`List` (and `from __future__ import annotations` would hide the types from its
@@ -58,7 +60,7 @@ def train(
         memMB: memory per node in MB; unset = launch.resources.memory_mb
         env: extra environment, e.g. NCCL_DEBUG=INFO,HF_HOME=/cache/hf (added to launch.env)
         mounts: torchx mounts, e.g. type=volume,src=dllmflow-runs,dst=/app/runs (replace launch.mounts)
-        run_dir: where settings.json, checkpoints and logs go (shared storage on a cluster); unset = runs/<name>
+        run_dir: where settings.json, checkpoints and logs go (each node's own disk with checkpoint.remote_dir); unset = runs/<name>
         resume: continue from RUN/checkpoints/LATEST
         rdzv_endpoint: c10d host:port; unset = the rank-0 node's host on port 29500 when nnodes > 1
         max_restarts: torchrun restarts of a failed worker group; unset = launch.max_restarts
@@ -89,7 +91,6 @@ def train(
     }
     settings = load_settings(*params.split(","), **{**overrides, **launch})
     run = settings.resolved_run_dir.absolute()
-    settings.write_json(run / "settings.json")
     # The CLI does not tell a component its scheduler: use the rank-0 host, which every torchx
     # scheduler names (local_cwd: localhost), rather than a free port that only a local run could use.
     lc = settings.launch

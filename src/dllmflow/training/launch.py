@@ -9,7 +9,8 @@
 `build_app` is the one AppDef builder, in the style of `torchx.components.dist.ddp`: one role with
 `launch.nnodes` replicas, each running torchrun with `launch.nproc_per_node` workers and a c10d
 rendezvous (a free port on 127.0.0.1 for local schedulers unless `launch.rdzv_endpoint` is set; the
-rank-0 host for cluster schedulers). The torchx CLI component (`dllmflow.train`, in
+rank-0 host for cluster schedulers). The settings ride in the AppDef itself ($DLLMFLOW_SETTINGS, with
+`--run-dir`): no node reads a settings.json another machine wrote, so none needs a shared volume for it. The torchx CLI component (`dllmflow.train`, in
 training/component.py) wraps it. The scheduler is always named (`launch.scheduler`, default
 local_cwd), never torchx's default (local_docker). Scheduler settings come from `launch.scheduler_args`,
 then the .torchxconfig the torchx CLI would read ($TORCHXCONFIG, e.g. infra/.torchxconfig; else
@@ -117,8 +118,9 @@ def build_app(
     gets SIGTERM when it dies (`training/tether.py`), so a killed `dllmflow train` takes its ranks along."""
     from torchx import specs
 
+    from dllmflow.settings import SETTINGS_ENV, settings_env_value
+
     lc = settings.launch
-    settings_json = RunLayout(run_dir).settings_json
     endpoint = _Raw(endpoint or rdzv_endpoint(settings))
     cmd = [
         "torchrun",
@@ -132,7 +134,7 @@ def build_app(
     ]  # fmt: skip
     if lc.rdzv_backend == "static":
         cmd += ["--node_rank", specs.macros.replica_id]
-    cmd += ["-m", entry, "--settings", str(settings_json)]
+    cmd += ["-m", entry, "--run-dir", str(run_dir)]  # the settings travel in the env, not a shared file
     cmd += ["--resume"] if resume else ["--overwrite"] if overwrite else []
     if tether_to is not None:  # `exec`: the tether replaces bash, so its parent is the launcher itself
         cmd = ["exec", sys.executable, "-m", "dllmflow.training.tether", str(tether_to), "--", *cmd]
@@ -140,6 +142,7 @@ def build_app(
     script = " ".join(arg if isinstance(arg, _Raw) else shlex.quote(arg) for arg in cmd)
     env = {"LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"), "PYTHONUNBUFFERED": "1", **lc.env}
     env.update(tracking_env(settings, mlflow_run_id))
+    env[SETTINGS_ENV] = settings_env_value(settings.with_run_dir(run_dir))
     res = lc.resources
     return specs.AppDef(
         name=f"dllmflow-{settings.name}",

@@ -15,6 +15,7 @@ writes into the run dir before anything else; any other non-empty dir is refused
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator
 
@@ -80,7 +81,8 @@ def claim_run_dir(
     run: RunLayout, settings, info: DistInfo, *, resume: bool, overwrite: bool
 ) -> Iterator[None]:
     """Collective: lock the run dir on rank 0 (refused: DirLockedError on every rank), then, with
-    `overwrite`, clear the old run on every disk, and write settings.json where it is missing."""
+    `overwrite`, clear the old run on every disk, and record `settings` as settings.json where it is missing
+    or differs (the launcher hands them inline: a resume with changed settings records what now runs)."""
     with contextlib.ExitStack() as stack:
         refused = None
         if info.is_main:
@@ -95,14 +97,28 @@ def claim_run_dir(
         if refused is not None:
             raise DirLockedError(refused)
         if info.is_main:
+            _record(run, settings, overwrite)
+        if info.distributed:
             run.root.mkdir(parents=True, exist_ok=True)
-            if overwrite:
-                clear_run(run)
-            if overwrite or not run.settings_json.is_file():
-                settings.write_json(run.settings_json)
-        if overwrite and info.distributed:
-            run.root.mkdir(parents=True, exist_ok=True)
+            # A node with a disk of its own clears its copy too, and records the settings it was handed
+            # there: its dir then reads as a run dir when it resumes from its own checkpoints.
             if not shares_rank0_disk(run.root, info) and info.local_rank == 0:
-                clear_run(run)  # a node with a disk of its own clears its copy too
-            barrier()  # no rank looks at the run dir before it is cleared
+                _record(run, settings, overwrite)
+            barrier()  # no rank looks at the run dir before it is cleared and recorded
         yield
+
+
+def _record(run: RunLayout, settings, overwrite: bool) -> None:
+    run.root.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        clear_run(run)
+    if overwrite or _recorded(run.settings_json) != settings.to_dict():
+        settings.write_json(run.settings_json)
+
+
+def _recorded(path) -> dict | None:
+    """The settings a run dir records (None: none, or unreadable: then they are written afresh)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

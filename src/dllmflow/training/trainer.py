@@ -3,7 +3,7 @@
     from dllmflow.training.trainer import Trainer, run_training
     result = run_training(settings, "runs/tiny", resume=False)   # in-process: one rank
     result = Trainer(settings, "runs/tiny", hooks=[MyHook()]).run()
-    # or, one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.training.main --settings runs/tiny/settings.json
+    # or, one process per rank:  torchrun --nproc_per_node 2 -m dllmflow.training.main --run-dir runs/tiny
 
 `Trainer.run`: refuse a fresh run over checkpoints (run_dir.py) -> process group -> lock the run dir
 (rank 0 holds it until the end; a second writer is refused naming its pid) -> `build` (data,
