@@ -82,6 +82,8 @@ class FinetuneFlow(FlowSpec):
 
         self.merge_artifacts(inputs, include=["settings", "run_dir", "mlflow_run_id", "data_plan"])
         self.data = workflow.join_data(self.settings, self.data_plan)
+        # dataset.remote_dir: later steps and the trainers fetch exactly the set this join published
+        self.settings = workflow.pin_published(self.settings, self.data)
         current.run.add_tags(run_tags(self.settings, self.data))
         self.next(self.train)
 

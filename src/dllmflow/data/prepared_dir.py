@@ -37,6 +37,8 @@ _PREPARED_KEYS = frozenset({"format", "fingerprint", "splits", "content_hash"}) 
 _NEW_DATASET_KEYS = ("format", "fields", "mixture", "mixture_rows", "seed", "max_row_bytes", "task_rows")
 # Read at batch time (dllmflow.data.pack), not by prepare: never part of the fingerprint.
 _BATCH_TIME_KEYS = ("packing", "packing_overflow")
+# Where the data lives (this machine, the object store) or which published set to fetch: not what it is.
+_LOCATION_KEYS = ("prepared_dir", "remote_dir", "content_hash")
 
 
 def settings_used(settings) -> dict:
@@ -44,7 +46,7 @@ def settings_used(settings) -> dict:
     unset = {k for k in _NEW_DATASET_KEYS if getattr(dataset, k) == type(dataset).model_fields[k].get_default(
         call_default_factory=True)}  # fmt: skip
     used = {
-        "dataset": dataset.model_dump(mode="json", exclude={"prepared_dir", *_BATCH_TIME_KEYS, *unset}),
+        "dataset": dataset.model_dump(mode="json", exclude={*_LOCATION_KEYS, *_BATCH_TIME_KEYS, *unset}),
         "tokenizer": settings.tokenizer.model_dump(mode="json"),
     }
     if settings.tokenizer.name_or_path is None and settings.model.pretrained_model_name_or_path:

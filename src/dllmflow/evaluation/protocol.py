@@ -273,7 +273,9 @@ def resolve_prepared_dir(checkpoint: str | Path, settings: Any, prepared_dir: st
             raise UserError(
                 f"{checkpoint}: no settings.json next to the weights; pass --params or --prepared-dir"
             )
-        prepared_dir = settings.dataset.prepared_dir
+        from dllmflow.data.remote import local_prepared_dir
+
+        prepared_dir = local_prepared_dir(settings)  # fetched here first when dataset.remote_dir is set
     return Path(prepared_dir)
 
 

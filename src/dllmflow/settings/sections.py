@@ -183,6 +183,18 @@ class DatasetConfig(Section):
         "shard numbering, so it is part of the data's fingerprint.",
     )
     prepared_dir: str = "data/prepared/tiny"
+    remote_dir: str | None = Field(
+        None,
+        description="Object-store home of the prepared data (s3://bucket/prepared/<name>): prepare publishes "
+        "each set there (content-addressed, manifest last, one pointer), and every consumer fetches it into "
+        "its own prepared_dir, verified, so no step or node needs a shared volume (data/remote.py; endpoint "
+        "from DLLMFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL).",
+    )
+    content_hash: str | None = Field(
+        None,
+        description="With remote_dir: fetch exactly this prepared set (the flow pins what its prepare "
+        "published); unset = the set the remote's pointer names.",
+    )
     drop_truncated: bool = Field(True, description="Drop rows whose response does not fit seq_length.")
     max_row_bytes: PositiveInt = Field(
         8 << 20, description="A JSONL line longer than this is dropped as malformed before it is parsed."

@@ -27,6 +27,8 @@ FINGERPRINT_IGNORED = frozenset(
         "train.compile",
         "train.compile_backend",
         "dataset.prepared_dir",
+        "dataset.remote_dir",  # where the data is fetched from; its identity is checked by content hash
+        "dataset.content_hash",
         "rl.eval_every",  # the in-run held-out evaluation changes no training number
         "rl.eval_limit",
         "rl.max_reward_failures",

@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dllmflow.common.store import endpoint_url, remote_fs
 from dllmflow.errors import UserError
 from dllmflow.runs import (
     LATEST,
@@ -38,21 +39,7 @@ from dllmflow.runs import (
 from dllmflow.training.checkpoint import TRAINER_STATE, file_owner  # written and uploaded last: completeness
 from dllmflow.training.distributed import DistInfo, barrier, shares_rank0_disk
 
-ENDPOINT_ENVS = ("DLLMFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
-
-
-def remote_fs(url: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path without the scheme) of `url`; S3 gets the endpoint from the env."""
-    import fsspec
-
-    options: dict[str, Any] = {}
-    endpoint = next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), None)
-    if url.startswith(("s3://", "s3a://")) and endpoint:
-        options["client_kwargs"] = {"endpoint_url": endpoint}
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    fs.invalidate_cache()  # another process (another rank, the previous attempt) may have written
-    return fs, path.rstrip("/")
 
 
 # ---- upload ------------------------------------------------------------------------------------------
@@ -205,7 +192,7 @@ def _remote_steps(fs: Any, base: str) -> list[tuple[int, str]]:
 
 
 def _store_error(remote: str, what: str, e: Exception) -> UserError:
-    endpoint = next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), "the default endpoint")
+    endpoint = endpoint_url() or "the default endpoint"
     return UserError(
         f"checkpoint.remote_dir {remote}: {what} failed ({type(e).__name__}: {str(e)[:200]}) at "
         f"{endpoint}; the remote LATEST still names the last complete step dir and the local "

@@ -182,11 +182,13 @@ class Trainer:
         rank: seeded before building)."""
         from dllmflow.data.dataset import PreparedDataset
         from dllmflow.data.pack import build_collator
+        from dllmflow.data.remote import local_prepared_dir
         from dllmflow.data.tokenizer import load_tokenizer
         from dllmflow.training.data import GlobalBatches
 
         s, t, info = self.settings, self.settings.train, self.info
-        prepared = s.dataset.prepared_dir
+        # this node's copy: fetched (verified, one process per machine) when dataset.remote_dir is set
+        prepared = local_prepared_dir(s)
         self.tokenizer = load_tokenizer(prepared)
         self.dataset = PreparedDataset(prepared, "train")
         collator = build_collator(s, self.tokenizer)

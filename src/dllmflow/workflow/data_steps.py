@@ -7,7 +7,9 @@ Metaflow foreach tasks, a join that checks them and swaps the data into place (d
     data = prepare_data(settings)                    # the three in this process
 
 The staging dir the units write into sits next to `dataset.prepared_dir`: the tasks need a filesystem
-they all see (a local run, or a shared volume under @kubernetes).
+they all see (a local run, or a shared volume under @kubernetes). With `dataset.remote_dir` the join
+publishes the set to the object store (data/remote.py: only if the pointer is where the plan found it),
+and every later consumer fetches it into its own `prepared_dir`, pinned by `pin_published`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def plan_data(settings: SettingsLike, *, force: bool = False) -> dict[str, Any]:
     units for `prepare_unit` (one per flow foreach task) and `join_data` finishes."""
     from dllmflow.data.prepare_units import plan_prepare
     from dllmflow.data.prepared_dir import read_manifest
+    from dllmflow.data.remote import pointer_etag
 
     s = Settings.coerce(settings)
     via_dvc, dvc_skipped = None if force else _dvc_repro(s.dataset.prepared_dir)
@@ -53,6 +56,8 @@ def plan_data(settings: SettingsLike, *, force: bool = False) -> dict[str, Any]:
         "dvc_stage": via_dvc,
         "dvc_skipped": dvc_skipped,
         "before_hash": (before or {}).get("content_hash"),
+        # the published pointer as this plan found it: the join publishes only if no one moved it since
+        "remote_etag": pointer_etag(s.dataset.remote_dir) if s.dataset.remote_dir else None,
     }
 
 
@@ -71,10 +76,15 @@ def prepare_unit(settings: SettingsLike, planned: dict[str, Any], k: int) -> Non
 def join_data(settings: SettingsLike, planned: dict[str, Any]) -> dict[str, Any]:
     """Check every unit's shards, write the manifest, swap the data into place (`join_prepare`)."""
     from dllmflow.data.prepare_units import join_prepare
+    from dllmflow.data.remote import publish_prepared
 
     s = Settings.coerce(settings)
     manifest = join_prepare(s, planned["plan"])
     via_dvc = planned["dvc_stage"]
+    remote = s.dataset.remote_dir
+    published = (
+        publish_prepared(s.dataset.prepared_dir, remote, planned.get("remote_etag")) if remote else None
+    )
     return {
         "prepared_dir": s.dataset.prepared_dir,
         "content_hash": manifest["content_hash"],
@@ -86,6 +96,8 @@ def join_data(settings: SettingsLike, planned: dict[str, Any]) -> dict[str, Any]
         "dvc_rev": _git_rev() if via_dvc else None,
         "rows": {name: split["rows"] for name, split in manifest.get("splits", {}).items()},
         "units": manifest.get("units", 1),
+        # dataset.remote_dir: the set every later step and trainer fetches ({"content_hash", "set", ...})
+        "published": published,
     }
 
 
@@ -124,3 +136,13 @@ def _git_rev() -> str | None:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def pin_published(settings: SettingsLike, data: dict[str, Any]) -> dict[str, Any]:
+    """The settings with `dataset.content_hash` pinned to the set the join published (unchanged without
+    `dataset.remote_dir`): each trainer fetches that set, whatever the pointer names by then."""
+    s = Settings.coerce(settings)
+    if not s.dataset.remote_dir or not data.get("published"):
+        return settings if isinstance(settings, dict) else s.to_dict()
+    dataset = s.dataset.model_copy(update={"content_hash": data["content_hash"]})
+    return s.model_copy(update={"dataset": dataset}).to_dict()

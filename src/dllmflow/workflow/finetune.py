@@ -27,7 +27,14 @@ from dllmflow.settings import Settings, load_settings_text
 from dllmflow.settings.pipeline import AR_CONTROL, AR_EVALUATION
 from dllmflow.workflow import ar_control
 from dllmflow.workflow.card import comparison_table, results_table
-from dllmflow.workflow.data_steps import data_units, join_data, plan_data, prepare_data, prepare_unit  # noqa: F401 - steps
+from dllmflow.workflow.data_steps import (  # noqa: F401 - steps
+    data_units,
+    join_data,
+    pin_published,
+    plan_data,
+    prepare_data,
+    prepare_unit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +174,7 @@ def eval_samplers(settings: SettingsLike) -> list[str]:
         if unknown:
             raise UserError(f"eval.samplers: unknown sampler(s) {unknown}; choose from {sorted(SAMPLERS)}")
         return list(s.eval.samplers) + ar
-    unfit = s.dllm.unfit_samplers()  # e.g. selfspec for a block_causal model with bidirectional blocks
+    unfit = s.dllm.unfit_samplers()  # a plugin's hook: no built-in mode leaves out a sampler it lists
     return [n for n in spec.samplers if n not in unfit and _sampler_available(SAMPLERS, n)] + extra + ar
 
 
