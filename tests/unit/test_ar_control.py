@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dllmflow.evaluation.control import ArmProtocol, ProtocolMismatchError, compare_arms
+from dllmflow.evaluation.control import ProtocolMismatchError, compare_arms
+from dllmflow.evaluation.protocol import EvalProtocol
 from dllmflow.runs import training_summary
 from dllmflow.settings import SettingsError, load_settings
 from dllmflow.tracking.registry import control_decision, control_tags
@@ -126,7 +127,7 @@ def test_arms_asked_or_scored_differently_are_refused(field, value):
         ProtocolMismatchError, match=rf"llada and ar_control were not evaluated alike \({field}:"
     ):
         compare_arms("llada", _result(0.9), _result(0.8, **{field: value}))
-    assert field in {f for f in ArmProtocol.__dataclass_fields__}
+    assert field in EvalProtocol.ARMS and "sampler" not in EvalProtocol.ARMS  # the arms' samplers differ
 
 
 def test_the_side_by_side_and_its_gap():

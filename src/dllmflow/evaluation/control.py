@@ -10,16 +10,18 @@ Each arm's speed is timed by evaluation/speed.py (`speeds_of`), its training sum
 Both arms are evaluated from one eval section (the dLLM run's settings: the same prepared data, split,
 limit, n-shot, generation length and batch size; workflow/ar_control.py passes them to the control's
 evaluation), so they ask the same prompts by construction. `compare_arms` checks it again from what
-each evaluation recorded (`ArmProtocol`): the prompt ids' digest, the answer parser, the chat template,
+each evaluation recorded (`EvalProtocol.ARMS`, evaluation/protocol.py: the one protocol type the
+champion gate reads too): the prompt ids' digest, the answer parser, the chat template,
 the limit, ... and refuses a comparison where one differs, naming it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dllmflow.errors import UserError
+
+from .protocol import EvalProtocol
 
 # The figures shown side by side (key -> label), in order.
 SIDE_BY_SIDE = {
@@ -36,35 +38,17 @@ class ProtocolMismatchError(UserError):
     """Two arms evaluated on different prompts, limits, parsers, ...: their scores do not compare."""
 
 
-@dataclass(frozen=True)
-class ArmProtocol:
-    """What an arm's exact match was measured on; equal for both arms of a comparison."""
-
-    prepared_dir: str
-    split: str
-    limit: int | None
-    n_shot: int
-    max_new_tokens: int
-    chat_template_sha256: str
-    prompts_sha256: str
-    answer_parser: str
-    split_sha256: str
-
-    @classmethod
-    def of(cls, result: dict[str, Any]) -> ArmProtocol:
-        protocol = result.get("protocol", {})
-        return cls(**{f.name: protocol.get(f.name) for f in fields(cls)})
-
-    def check_same(self, other: ArmProtocol, names: tuple[str, str]) -> None:
-        """ProtocolMismatchError naming every field where `other` differs."""
-        mine, theirs = asdict(self), asdict(other)
-        differ = [k for k in mine if mine[k] != theirs[k]]
-        if differ:
-            what = "; ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in differ)
-            raise ProtocolMismatchError(
-                f"{names[0]} and {names[1]} were not evaluated alike ({what}); their exact match does not "
-                "compare: evaluate both from one eval section (eval.ar_control does)"
-            )
+def check_same_arms(dllm: dict[str, Any], control: dict[str, Any], names: tuple[str, str]) -> None:
+    """ProtocolMismatchError naming every part of the arms' view (`EvalProtocol.ARMS`) where the two
+    recorded protocols differ."""
+    mine, theirs = (EvalProtocol.of(r.get("protocol", {})) for r in (dllm, control))
+    differ = mine.differing(theirs, EvalProtocol.ARMS)
+    if differ:
+        what = "; ".join(f"{k}: {getattr(mine, k)!r} vs {getattr(theirs, k)!r}" for k in differ)
+        raise ProtocolMismatchError(
+            f"{names[0]} and {names[1]} were not evaluated alike ({what}); their exact match does not "
+            "compare: evaluate both from one eval section (eval.ar_control does)"
+        )
 
 
 def arm_figures(result: dict[str, Any]) -> dict[str, float | None]:
@@ -81,7 +65,7 @@ def compare_arms(
     "ar_control": figures, "sampler": name, "em_gap": dLLM EM - control EM}; with `identity` (a model
     whose answers must be the control's: uno's drafting adapter) also "identical": how many answers
     are the control's token for token, of "answers"."""
-    ArmProtocol.of(dllm).check_same(ArmProtocol.of(control), (name, "ar_control"))
+    check_same_arms(dllm, control, (name, "ar_control"))
     a, b = arm_figures(dllm), arm_figures(control)
     em_a, em_b = a["exact_match_flexible"], b["exact_match_flexible"]
     gap = em_a - em_b if em_a is not None and em_b is not None else None

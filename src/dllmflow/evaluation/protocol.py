@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dllmflow.data.task import task_chats
 from dllmflow.diffusion.samplers.eval_knobs import SAMPLER_SPECIFIC, cache_modes, eval_defaults, sampler_takes
@@ -24,12 +24,53 @@ from dllmflow.errors import UserError
 
 # ---- the protocol two figures must share to compare ---------------------------------------------
 
-# What decides an exact-match figure besides the model: the rows asked (the split's content and the
-# limit), how they are asked (n-shot), how answers are decoded (sampler, its whole setting, length)
-# and read (the parser). The champion gate compares figures only when all of these are equal.
-GATE_PROTOCOL = (
-    "split_sha256", "limit", "n_shot", "sampler", "sampler_settings", "max_new_tokens", "answer_parser",
-)  # fmt: skip
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """What an exact-match figure was measured on besides the model, as an evaluation records it
+    (`result["protocol"]`; a part it does not record is None). One type for both comparisons, each
+    a view of it:
+
+      GATE   the champion gate: the rows asked (the split's content, the limit), how they are asked
+             (n-shot), how answers are decoded (sampler, its whole setting, length) and read (the parser);
+      ARMS   the AR control beside its dLLM: the same prompts (their ids' digest, the chat template, the
+             prepared rows) scored alike; the samplers differ by design, so they are not part of it."""
+
+    split_sha256: str | None = None
+    limit: int | None = None
+    n_shot: int | None = None
+    sampler: str | None = None
+    sampler_settings: dict | None = None
+    max_new_tokens: int | None = None
+    answer_parser: str | None = None
+    prepared_dir: str | None = None
+    split: str | None = None
+    chat_template_sha256: str | None = None
+    prompts_sha256: str | None = None
+
+    GATE: ClassVar[tuple[str, ...]] = (
+        "split_sha256", "limit", "n_shot", "sampler", "sampler_settings", "max_new_tokens", "answer_parser",
+    )  # fmt: skip
+    ARMS: ClassVar[tuple[str, ...]] = (
+        "prepared_dir", "split", "limit", "n_shot", "max_new_tokens", "chat_template_sha256", "prompts_sha256",
+        "answer_parser", "split_sha256",
+    )  # fmt: skip
+
+    @classmethod
+    def of(cls, protocol: dict[str, Any]) -> EvalProtocol:
+        """The protocol part of a recorded protocol dict (anything else it holds, e.g. checkpoint or batch
+        size, is not part of it)."""
+        return cls(**{f.name: protocol.get(f.name) for f in fields(cls)})
+
+    def part(self, keys: tuple[str, ...]) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in keys}
+
+    def differing(self, other: EvalProtocol, keys: tuple[str, ...]) -> list[str]:
+        """The keys of the view `keys` where `other` differs, in the view's order."""
+        return [k for k in keys if getattr(self, k) != getattr(other, k)]
+
+
+GATE_PROTOCOL = EvalProtocol.GATE  # the gate's view, by its old name (the registry tag's keys)
 
 
 def split_sha256(prepared_dir: str | Path, split: str) -> str:
@@ -44,22 +85,21 @@ def split_sha256(prepared_dir: str | Path, split: str) -> str:
 
 
 def protocol_fingerprint(protocol: dict[str, Any]) -> dict[str, Any]:
-    """The `GATE_PROTOCOL` part of an evaluation's protocol (None for a part it does not record)."""
-    return {k: protocol.get(k) for k in GATE_PROTOCOL}
+    """The gate's view of an evaluation's protocol (None for a part it does not record)."""
+    return EvalProtocol.of(protocol).part(EvalProtocol.GATE)
 
 
 def protocol_differences(candidate: dict[str, Any], champion: dict[str, Any]) -> list[str]:
-    """'key: champion -> candidate' for every part of the two fingerprints that differs."""
-    a, b = protocol_fingerprint(candidate), protocol_fingerprint(champion)
+    """'key: champion -> candidate' for every part of the gate's view that differs."""
+    a, b = EvalProtocol.of(candidate), EvalProtocol.of(champion)
     out = []
-    for key in GATE_PROTOCOL:
-        if a[key] == b[key]:
-            continue
-        if isinstance(a[key], dict) and isinstance(b[key], dict):  # name the sampler options that differ
-            keys = sorted(k for k in {*a[key], *b[key]} if a[key].get(k) != b[key].get(k))
-            out += [f"{key}.{k}: {b[key].get(k)!r} -> {a[key].get(k)!r}" for k in keys]
+    for key in a.differing(b, EvalProtocol.GATE):
+        mine, theirs = getattr(a, key), getattr(b, key)
+        if isinstance(mine, dict) and isinstance(theirs, dict):  # name the sampler options that differ
+            keys = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+            out += [f"{key}.{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in keys]
         else:
-            out.append(f"{key}: {b[key]!r} -> {a[key]!r}")
+            out.append(f"{key}: {theirs!r} -> {mine!r}")
     return out
 
 
