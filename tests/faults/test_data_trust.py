@@ -268,8 +268,8 @@ def test_a_source_changed_before_the_join_is_refused_and_nothing_is_published(tm
     size = src.stat().st_size
     real = prepare_units.run_units
 
-    def run_then_append(settings, plan, workers=1):
-        real(settings, plan, workers)
+    def run_then_append(settings, plan, *args, **kwargs):
+        real(settings, plan, *args, **kwargs)
         with open(src, "a") as f:  # a writer still appending when the units finished
             f.write(
                 json.dumps(

@@ -166,3 +166,74 @@ def test_prepares_text_rows_get_the_tokenizers_ids(digits_tok):
     assert encode_rows(digits_tok, rows, SimpleNamespace(mask_history=True)) == [
         (w, [1] * len(w)) for w in want
     ]
+
+
+_UNICODE = [
+    "café", "naïve", "Ωmega", "中文", "🙂", "e\u0301", "٣", "½", "’", "–", "€5", "x\u00a0y",
+    "\u00a0", "\u2028", "\u3000", "\u200b", "\x85", " \u00a0", "\u00a0 ", "é<|eos|>", "<|e\u00e9",
+]  # fmt: skip
+
+
+class _Counting:
+    """A backend that counts the chars it is asked to encode."""
+
+    def __init__(self, backend):
+        self.backend, self.chars = backend, 0
+
+    def encode_batch(self, texts, add_special_tokens):
+        self.chars += sum(map(len, texts))
+        return self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+
+def _check_cuts(tok, texts: list[str], got) -> None:
+    """Ids as the tokenizer's; each (end, count) a place where the text up to `end` encodes to the
+    first `count` ids, after an added token."""
+    backend = tok.backend_tokenizer
+    assert [ids for ids, _, _ in got] == [
+        e.ids for e in backend.encode_batch(texts, add_special_tokens=False)
+    ]
+    heads, want = [], []
+    for text, (ids, ends, counts) in zip(texts, got):
+        assert ends == sorted(ends) and len(ends) == len(counts)
+        for end, count in zip(ends, counts):
+            heads.append(text[:end])
+            want.append(ids[:count])
+    assert [e.ids for e in backend.encode_batch(heads, add_special_tokens=False)] == want
+    assert len(heads) > 300  # many added tokens: the cuts are checked
+
+
+@pytest.mark.parametrize("which", ["digits_tok", "plain_tok"])
+def test_any_text_gets_the_tokenizers_ids_and_cuts(which, request):
+    """encode_cuts on text mixing the ASCII corners with non-ASCII letters, digits, spaces and marks: the
+    tokenizer's ids, only the non-ASCII pieces sent to it (cut between an ASCII non-space and space)."""
+    tok = request.getfixturevalue(which)
+    words = build_word_encoder(tok)
+    rng = random.Random(7)
+    pieces = _PIECES * 4 + _UNICODE  # a non-ASCII piece in ~10
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 50))) for _ in range(1500)]
+    texts += ["é", " é", "é ", "a é b", "1é2", "\u00a0 a", "a \u00a0", "x  é", "é\n\nx", "<|eos|>é<|eos|>"]
+    counting = _Counting(tok.backend_tokenizer)
+    got = words.encode_cuts(texts, counting)
+    _check_cuts(tok, texts, got)
+    unicode_chars = sum(len(t) for t in texts if not t.isascii())
+    assert sum(not t.isascii() for t in texts) > 1000 and counting.chars < 0.5 * unicode_chars
+
+
+def test_non_ascii_added_tokens_have_non_ascii_text_encoded_whole(digits_tok):
+    """An added token with a non-ASCII char can overlap an ASCII one (`é<|eos` vs `<|eos|>`): the
+    tokenizer matches the leftmost, so such a tokenizer's non-ASCII texts go to it whole, their
+    added tokens placed by its offsets."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(digits_tok.backend_tokenizer.to_str()))
+    tok.add_tokens(["é<|eos", "ß"])
+    words = build_word_encoder(tok)
+    rng = random.Random(8)
+    texts = [
+        "".join(rng.choice(_PIECES + _UNICODE + ["é<|eos|>", "ß"]) for _ in range(40)) for _ in range(500)
+    ]
+    counting = _Counting(tok.backend_tokenizer)
+    got = words.encode_cuts(texts, counting)
+    _check_cuts(tok, texts, got)
+    assert counting.chars == sum(len(t) for t in texts if not t.isascii())

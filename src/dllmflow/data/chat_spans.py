@@ -14,7 +14,8 @@ batched render per kind), each whole chat is encoded once, and a prefix's ids ar
   the tail after the prefix's last added token (`assistant\\n`) is encoded, once per distinct tail.
   That holds for the pipelines the word encoder mirrors (no normalizer, a ByteLevel pre-tokenizer
   without prefix space, optionally after Digits, BPE, added tokens matched as written), for any text:
-  a non-ASCII chat is encoded by the Rust tokenizer, whose offsets place its added tokens.
+  the word encoder's `encode_cuts` gives each chat's ids and its added tokens' places, the non-ASCII
+  pieces of a chat encoded by the Rust tokenizer.
 
 Everything else is encoded whole, in one batch, which is the prefix rule itself without the re-renders:
 a prefix render that is not a string prefix of the chat's render (a template that renders a turn
@@ -99,13 +100,19 @@ def _render(tok, conversations: list[list[dict]], add_generation_prompt: bool) -
     """What apply_chat_template renders (and then encodes) for each chat."""
     if not conversations:
         return []  # apply_chat_template refuses an empty batch
+    if all(len(m) == 2 and type(m.get("role")) is str and type(m.get("content")) is str
+           for c in conversations for m in c):  # fmt: skip
+        # prepare's rows ({role, content} strings): what transformers' renderer runs for each chat when
+        # nothing is to be normalised (no objects, None values or reasoning fields to alias), called
+        # directly: the rows are already the plain data it would copy them to
+        return _render_plain(tok, conversations, add_generation_prompt)
     if not all(type(m) is dict and all(type(v) is str for v in m.values()) for c in conversations for m in c):
         return tok.apply_chat_template(
             conversations, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-    # Messages of plain strings (prepare's rows): apply_chat_template's normalising (message objects to
-    # dicts, None values dropped) leaves them as they are, so its renderer is called directly (~25% less
-    # render time; encode_chats's tagged path calls it the same way).
+    # Messages of plain strings: apply_chat_template's normalising (message objects to dicts, None values
+    # dropped) leaves them as they are, so its renderer is called directly (~25% less render time;
+    # encode_chats's tagged path calls it the same way).
     from transformers.utils.chat_template_utils import render_jinja_template
 
     texts, _ = render_jinja_template(
@@ -117,21 +124,42 @@ def _render(tok, conversations: list[list[dict]], add_generation_prompt: bool) -
     return texts
 
 
-class _Chat:
-    """A rendered chat's ids and where its added tokens end: units (the word encoder's words, or the
-    Rust tokenizer's added tokens) with their end chars `ends` (ascending), the chat's tokens up to each
-    `counts`, and `added(j)`: unit j is an added token. No units: every prefix is encoded whole."""
+def _render_plain(tok, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+    """render_jinja_template's loop for chats of {role, content} strings: its compiled template (cached
+    by transformers) on its arguments, each chat's context made from one merge of the template's
+    globals and those arguments (what Template.render merges again for every chat); the sandbox
+    refuses a template's writes to the messages, so they need no copy. A render that fails is run
+    again through Template.render, which raises it as Jinja does."""
+    from transformers.utils import chat_template_utils as ctu
 
-    def __init__(self, text: str, ids: list[int], ends=(), counts=(), added=lambda j: True):
-        self.text, self.ids, self.ends, self.counts, self.added = text, ids, ends, counts, added
+    compiled = ctu._compile_jinja_template(tok.get_chat_template())
+    kwargs = ctu._plain_template_data(dict(tok.special_tokens_map))
+    kwargs.update(tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+    merged = {**compiled.globals, **kwargs}
+    out = []
+    for c in conversations:
+        try:
+            ctx = compiled.new_context({**merged, "messages": c}, shared=True)
+            out.append(compiled.environment.concat(compiled.root_render_func(ctx)))
+        except Exception:
+            out.append(compiled.render(messages=c, **kwargs))
+    return out
+
+
+class _Chat:
+    """A rendered chat's ids and where its added tokens end: their end chars `ends` (ascending) and the
+    chat's tokens up to each `counts`. No added tokens known: every prefix is encoded whole."""
+
+    __slots__ = ("text", "ids", "ends", "counts")
+
+    def __init__(self, text: str, ids: list[int], ends=(), counts=()):
+        self.text, self.ids, self.ends, self.counts = text, ids, ends, counts
 
     def split(self, prefix: str) -> tuple[int, str]:
         """(k, tail): encode(prefix) = ids[:k] + encode(tail), see the module docstring."""
         if not self.ends or not self.text.startswith(prefix):
             return 0, prefix  # encoded whole: no added token to cut at, or not a string prefix
-        j = bisect_right(self.ends, len(prefix)) - 1
-        while j >= 0 and not self.added(j):  # back to the prefix's last added token: a few words
-            j -= 1
+        j = bisect_right(self.ends, len(prefix)) - 1  # the prefix's last added token
         if j < 0:
             return 0, prefix
         return self.counts[j], prefix[self.ends[j] :]
@@ -141,24 +169,7 @@ def _encode_chats(tok, texts: list[str]) -> list[_Chat]:
     words = build_word_encoder(tok)
     if words is None:  # not a mirrored pipeline: ids only, each prefix is encoded whole
         return [_Chat(t, ids) for t, ids in zip(texts, encode_texts(tok, texts))]
-    out: list = [None] * len(texts)
-    rest = []
-    for n, text in enumerate(texts):
-        split = words.encode_words(text)
-        if split is None:
-            rest.append(n)
-            continue
-        ids, chat_words, ends, token_ends = split
-        out[n] = _Chat(text, ids, ends, token_ends, lambda j, w=chat_words: words.is_added(w[j]))
-    if rest:
-        # non-ASCII: the Rust tokenizer (the mirrored pipeline has no truncation or padding to undo)
-        added_text = {i: t.content for i, t in tok.backend_tokenizer.get_added_tokens_decoder().items()}
-        encodings = tok.backend_tokenizer.encode_batch([texts[n] for n in rest], add_special_tokens=False)
-        for n, enc in zip(rest, encodings):
-            text, ends, counts = texts[n], [], []
-            for j, (token, (b, e)) in enumerate(zip(enc.ids, enc.offsets)):
-                if token in added_text and text[b:e] == added_text[token]:
-                    ends.append(e)
-                    counts.append(j + 1)
-            out[n] = _Chat(text, enc.ids, ends, counts)
-    return out
+    # ASCII word by word, non-ASCII pieces through the Rust tokenizer (word_encode.encode_cuts; the
+    # mirrored pipeline has no truncation or padding to undo)
+    encoded = words.encode_cuts(texts, tok.backend_tokenizer)
+    return [_Chat(t, ids, ends, counts) for t, (ids, ends, counts) in zip(texts, encoded)]

@@ -22,7 +22,7 @@ from dllmflow.common.outputs import LOCK_FILE, hold_dir_lock
 
 from .formats import split_key
 from .gsm8k import split_of
-from .prepare_units import join_prepare, make_plan, run_units
+from .prepare_units import join_prepare, plan_with_tokenizer, run_units
 from .prepared_dir import SPLITS, check_prepared_dir
 
 # ---- splitting ----------------------------------------------------------------------------------
@@ -60,11 +60,11 @@ def prepare(settings, force: bool = False, workers: int = 1) -> dict:
 
 
 def _prepare_locked(settings, out_dir: Path, force: bool, workers: int) -> dict:
-    plan = make_plan(settings, out_dir, force)
+    plan, tok = plan_with_tokenizer(settings, out_dir, force)
     if plan["reused"] is not None:
         return plan["reused"]
     try:
-        run_units(settings, plan, workers)
+        run_units(settings, plan, workers, tok)
         return join_prepare(settings, plan, locked=True)
     except BaseException:
         shutil.rmtree(plan["staging"], ignore_errors=True)  # the previous dir stays as it was

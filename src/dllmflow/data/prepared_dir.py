@@ -87,23 +87,29 @@ def reusable(manifest: dict | None, fingerprint: str, out_dir: Path) -> bool:
     )
 
 
+# json.dumps(value, ensure_ascii=False) without building an encoder per call (json.dumps does, for any
+# non-default argument): the same encoder, the same text
+_dumps = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def fit_row(row: dict, ids: list[int], mask: list[int], seq_length: int, drop_truncated: bool) -> dict | None:
     """The shard row of `row` encoded as (ids, mask), or None when its response does not fit."""
-    if not any(mask):
+    if 1 not in mask:
         return None
-    prompt_length = mask.index(1)
-    last = len(mask) - 1 - mask[::-1].index(1)
+    prompt_length, last = mask.index(1), len(mask) - 1
+    while mask[last] != 1:  # the last supervised token: near the end
+        last -= 1
     if last >= seq_length and (drop_truncated or prompt_length >= seq_length):
         return None
-    ids, mask = ids[:seq_length], mask[:seq_length]
+    if len(ids) > seq_length:
+        ids, mask = ids[:seq_length], mask[:seq_length]
     return {
         "id": row["id"],
         "input_ids": ids,
         "loss_mask": mask,
         "prompt_length": prompt_length,
         # a text row is stored as one assistant turn (nothing to prompt with)
-        "messages": json.dumps(row.get("messages") or [{"role": "assistant", "content": row["text"]}],
-                               ensure_ascii=False),
+        "messages": _dumps(row.get("messages") or [{"role": "assistant", "content": row["text"]}]),
         "answer": row["messages"][-1]["content"] if "messages" in row else row["text"],
     }  # fmt: skip
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_right
+from itertools import chain
 from pathlib import Path
 
 from dllmflow.errors import UserError
@@ -57,17 +58,36 @@ def tokens_path(shard: str) -> str:
 
 class ShardWriter:
     """Rows of one split of one unit into shards of `shard_size` rows, numbered from `first`; at least
-    one shard (an empty one for a split without rows, as the split's only shard before units)."""
+    one shard (an empty one for a split without rows, as the split's only shard before units). A row's
+    values go straight into its shard's columns (the token lists into flat int32 / int8 buffers): the
+    table is built from them, not from one dict per row."""
 
     def __init__(self, split_dir: Path, first: int, shard_size: int):
         self.split_dir, self.next, self.shard_size = split_dir, first, shard_size
-        self.rows: list[dict] = []
         self.files: dict[str, dict] = {}
         self.written = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.rows = 0
+        self.ids, self.prompt_lengths, self.messages, self.answers = [], [], [], []
+        self.tokens: list[list[int]] = []  # each row's ids, flattened once per shard
+        self.mask = bytearray()  # every row's loss mask (0/1 bytes), end to end
+        self.ends = [0]  # where each row's tokens end, end to end (the list columns' offsets)
 
     def add(self, row: dict) -> None:
-        self.rows.append(row)
-        if len(self.rows) == self.shard_size:
+        """A shard row (prepared_dir.fit_row's keys)."""
+        if len(row["loss_mask"]) != len(row["input_ids"]):  # the two list columns share their offsets
+            raise ValueError(f"{self.split_dir}: row {row['id']}: loss mask and input ids differ in length")
+        self.ids.append(row["id"])
+        self.tokens.append(row["input_ids"])
+        self.mask += bytes(row["loss_mask"])
+        self.ends.append(len(self.mask))
+        self.prompt_lengths.append(row["prompt_length"])
+        self.messages.append(row["messages"])
+        self.answers.append(row["answer"])
+        self.rows += 1
+        if self.rows == self.shard_size:
             self._flush()
 
     def close(self) -> dict[str, dict]:
@@ -75,25 +95,42 @@ class ShardWriter:
             self._flush()
         return self.files
 
-    def _flush(self) -> None:
+    def _table(self):
+        """The shard's table (shard_schema), its values the same as Table.from_pylist of the rows."""
+        import numpy as np
         import pyarrow as pa
+
+        offsets = pa.array(self.ends, pa.int32())
+        schema = shard_schema()
+        columns = [
+            pa.array(self.ids, pa.string()),
+            pa.ListArray.from_arrays(
+                offsets,
+                np.fromiter(chain.from_iterable(self.tokens), np.int32, self.ends[-1]),
+                type=schema.field(1).type,
+            ),
+            pa.ListArray.from_arrays(offsets, np.frombuffer(self.mask, np.int8), type=schema.field(2).type),
+            pa.array(self.prompt_lengths, pa.int32()),
+            pa.array(self.messages, pa.string()),
+            pa.array(self.answers, pa.string()),
+        ]
+        return pa.Table.from_arrays(columns, schema=schema)
+
+    def _flush(self) -> None:
         import pyarrow.parquet as pq
 
         self.split_dir.mkdir(parents=True, exist_ok=True)
-        table = pa.Table.from_pylist(self.rows, schema=shard_schema())
+        table = self._table()
         name = f"{self.split_dir.name}/shard-{self.next:06d}.parquet"
         _write_atomic(self.split_dir.parent / name, lambda p: pq.write_table(table, p))
         tokens = table.select(list(TOKEN_COLUMNS))
         _write_atomic(self.split_dir.parent / tokens_path(name), lambda p: _write_ipc(tokens, p))
         for rel in (name, tokens_path(name)):
             path = self.split_dir.parent / rel
-            self.files[rel] = {
-                "sha256": sha256_file(path),
-                "rows": len(self.rows),
-                "bytes": path.stat().st_size,
-            }
+            self.files[rel] = {"sha256": sha256_file(path), "rows": self.rows, "bytes": path.stat().st_size}
         self.files[tokens_path(name)]["ids"] = id_range(tokens)
-        self.next, self.written, self.rows = self.next + 1, self.written + 1, []
+        self.next, self.written = self.next + 1, self.written + 1
+        self._reset()
 
 
 def id_range(tokens) -> list[int] | None:

@@ -3,7 +3,7 @@ recipes'): the text is split into words the way the tokenizer's pre-tokenizer sp
 distinct word is encoded once by the tokenizer's own BPE model and cached, so a chat costs a regex pass
 and a dict lookup per word instead of the whole Rust pipeline per token (~2.3x the rows per CPU-second
 of `encode_batch` on bench/data_scale.py's chats). Used by `tokenizer.encode_chats` (and, for templates
-without generation tags, chat_spans.py, which also cuts prefixes at its added-token words) and by
+without generation tags, chat_spans.py, which also cuts prefixes at its added tokens) and by
 prepare's text rows; the ids are the tokenizer's (tests/unit/test_word_encode.py compares them on random
 text, tests/unit/test_chat_spans.py on SmolLM2's tokenizer and GSM8K).
 
@@ -12,12 +12,16 @@ regex (optionally after `Digits(individual_digits=True)`), a BPE model without d
 matched as written (no lstrip/rstrip/single_word); and only ASCII text, where the regex's classes
 (letters, digits, whitespace) mean the same in Python's `re` as in the tokenizer's Oniguruma. Any other
 tokenizer gets None from `build_word_encoder`, any other text None from `encode`: the caller uses the
-tokenizer itself.
+tokenizer itself. `encode_cuts` takes any text: a non-ASCII text is cut where no word can span the cut
+(after an ASCII non-space char, before an ASCII space: `_CUT`), its ASCII pieces encoded word by word
+and only the pieces holding non-ASCII chars by the tokenizer, in one batch (GSM8K's non-ASCII chats,
+~9%, hold a few such chars each).
 
     words = build_word_encoder(tok)                   # None: not a pipeline it mirrors
     ids = words.encode(text)                          # None: not ASCII
     ids, mask = words.encode_spans(text, spans)       # None also when a span edge falls inside a word
-    ids, words, char_ends, token_ends = words.encode_words(text)    # per word (data/chat_spans.py)
+    pairs = words.encode_cuts(texts, tok.backend_tokenizer)   # [(ids, added-token end chars, tokens
+                                                              #   up to each)] (data/chat_spans.py)
     id_lists = encode_texts(tok, texts)               # any tokenizer: word by word where it applies
 """
 
@@ -40,6 +44,12 @@ _BYTE_LEVEL = re.compile(
 _DIGITS_BYTE_LEVEL = re.compile(
     rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+|[0-9]| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}0-9])|[{_WS}]+"
 )
+# Where a text can be cut and each side encoded on its own, for any regex flavour (Oniguruma's Unicode
+# classes included): after an ASCII non-space char, before an ASCII space char. A pre-tokenizer word holds
+# whitespace only as a run of it or as one leading space, so no word spans the cut; the regex never looks
+# back and looks ahead only at a whitespace run's end (never at the cut: the char before is not a space);
+# Digits isolates each digit wherever the text is cut.
+_CUT = re.compile(rf"(?<=[!-~])(?=[{_WS}])")
 _MAX_WORDS = 1 << 17  # cached words before the cache starts over (~25 MB): memory stays bounded
 _ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -63,8 +73,12 @@ _BYTE_CHARS = _byte_chars()
 class WordEncoder:
     """A tokenizer's ids for ASCII text, word by word (see the module docstring)."""
 
-    def __init__(self, model, added: dict[str, int], normalized: set[str], digits: bool):
+    def __init__(self, model, added: dict[str, int], normalized: set[str], digits: bool, added_text=None):
         self._model, self._regex = model, _DIGITS_BYTE_LEVEL if digits else _BYTE_LEVEL
+        # id -> content of every added token (None: only `added`, all ASCII); when all are ASCII, this
+        # splits them off a non-ASCII text too (the tokenizer would match the same ones)
+        self._added_text = added_text if added_text is not None else {v: k for k, v in added.items()}
+        self._cut = all(t.isascii() for t in self._added_text.values())
         self._added = {k: [v] for k, v in added.items()}
         # The tokenizer splits the added tokens it matches as written first, then, in what is left, the
         # ones it matches after normalizing (none here); each pass leftmost-longest. A pass with nothing
@@ -109,7 +123,7 @@ class WordEncoder:
 
     def encode_words(self, text: str) -> tuple[list[int], list[str], list[int], list[int]] | None:
         """(ids, words, each word's end char, the tokens up to each word's end) of `text`, or None for
-        non-ASCII text. Added tokens are words of their own (`is_added`)."""
+        non-ASCII text. Added tokens are words of their own."""
         if not text.isascii():
             return None
         words = self.words(text)
@@ -117,10 +131,112 @@ class WordEncoder:
         ends = list(accumulate(map(len, words)))
         return list(chain.from_iterable(per_word)), words, ends, list(accumulate(map(len, per_word)))
 
-    def is_added(self, word: str) -> bool:
-        """Whether a word of `words` is an added token (a regex word never is: the added tokens were
-        split off the text before the regex saw it)."""
-        return word in self._added
+    def _word_ids(self, text: str) -> list[list[int]]:
+        """Each word's ids of ASCII text without added tokens: a regex pass, a cache lookup per word."""
+        words = self._regex.findall(text)
+        per_word = list(map(self._cache.get, words))
+        if None in per_word:  # a word has at least one token: None only for a word the cache lacks
+            per_word = [ids or self._ids(w) for ids, w in zip(per_word, words)]
+        return per_word
+
+    def encode_cuts(self, texts: list[str], backend) -> list[tuple[list[int], list[int], list[int]]]:
+        """(ids, ends, counts) of each text (no special tokens added): its ids, and after each of its
+        added tokens that token's end char and the number of tokens up to it (where data/chat_spans.py
+        cuts a prefix). Any text: ASCII word by word; the pieces of a non-ASCII text that hold non-ASCII
+        chars (cut at `_CUT`) by the Rust tokenizer `backend`, in one call for all the texts. A tokenizer
+        with non-ASCII added tokens has a non-ASCII text encoded whole there, its added tokens placed by
+        the token offsets (a non-ASCII token could overlap an ASCII one where this splits them)."""
+        out: list = [None] * len(texts)
+        rest: list = []  # (text's index, chunks: [[ids per word] | index into rust], cuts: [(char, chunks)])
+        rust: list[str] = []  # pieces, and texts encoded whole (a `rest` entry without chunks)
+        one_pass = len(self._passes) == 1
+        for n, text in enumerate(texts):
+            if one_pass and text.isascii():  # most texts: the tokens flattened as the pieces come
+                out[n] = self._ascii_cuts(text)
+            elif self._cut or text.isascii():
+                chunks: list = []
+                cuts: list[tuple[int, int]] = []
+                self._chunks(text, 0, 0, chunks, cuts, rust)
+                rest.append((n, chunks, cuts))
+            else:
+                rest.append((n, len(rust), None))
+                rust.append(text)
+        encoded = backend.encode_batch(rust, add_special_tokens=False) if rust else []
+        for n, chunks, cuts in rest:
+            if cuts is None:
+                out[n] = self._offset_cuts(texts[n], encoded[chunks])
+                continue
+            ids: list[int] = []
+            counts, c = [], 0
+            for k, chunk in enumerate(chunks, 1):
+                if type(chunk) is int:
+                    ids += encoded[chunk].ids
+                else:
+                    ids.extend(chain.from_iterable(chunk))
+                while c < len(cuts) and cuts[c][1] == k:
+                    counts.append(len(ids))
+                    c += 1
+            out[n] = (ids, [end for end, _ in cuts], counts)
+        return out
+
+    def _ascii_cuts(self, text: str) -> tuple[list[int], list[int], list[int]]:
+        """encode_cuts of ASCII text, for a tokenizer whose added tokens split off in one pass."""
+        ids: list[int] = []
+        ends, counts, pos = [], [], 0
+        for i, part in enumerate(self._passes[0].split(text)):
+            pos += len(part)
+            if i % 2:  # an added token (the split's capture group)
+                ids += self._added[part]
+                ends.append(pos)
+                counts.append(len(ids))
+            elif part:
+                words, start = self._regex.findall(part), len(ids)
+                try:  # the cache holds every word but a few: their ids straight off it
+                    ids.extend(chain.from_iterable(map(self._cache.get, words)))
+                except TypeError:  # a word it lacks (None): this piece again, word by word
+                    del ids[start:]
+                    ids.extend(chain.from_iterable(self._word_ids(part)))
+        return ids, ends, counts
+
+    def _offset_cuts(self, text: str, enc) -> tuple[list[int], list[int], list[int]]:
+        ends, counts = [], []
+        for j, (token, (b, e)) in enumerate(zip(enc.ids, enc.offsets)):
+            if token in self._added_text and text[b:e] == self._added_text[token]:
+                ends.append(e)
+                counts.append(j + 1)
+        return enc.ids, ends, counts
+
+    def _chunks(self, text: str, depth: int, pos: int, chunks: list, cuts: list, rust: list[str]) -> int:
+        """`text` (at char `pos` of its whole) into `chunks` and `cuts` (see encode_cuts), its added
+        tokens split off pass by pass as the tokenizer does; returns the char after it."""
+        if depth < len(self._passes):
+            for i, part in enumerate(self._passes[depth].split(text)):
+                if i % 2:  # an added token (the split's capture group)
+                    chunks.append([self._added[part]])
+                    pos += len(part)
+                    cuts.append((pos, len(chunks)))
+                elif part:
+                    pos = self._chunks(part, depth + 1, pos, chunks, cuts, rust)
+            return pos
+        if text.isascii():
+            chunks.append(self._word_ids(text))
+            return pos + len(text)
+        ascii_run = ""  # ASCII pieces next to each other: one run of words
+        for piece in _CUT.split(text) if self._cut else [text]:
+            if piece.isascii():
+                ascii_run += piece
+                continue
+            if ascii_run:
+                chunks.append(self._word_ids(ascii_run))
+                ascii_run = ""
+            if chunks and type(chunks[-1]) is int:
+                rust[chunks[-1]] += piece  # next to the previous Rust piece: one piece
+            else:
+                chunks.append(len(rust))
+                rust.append(piece)
+        if ascii_run:
+            chunks.append(self._word_ids(ascii_run))
+        return pos + len(text)
 
     def encode_spans(
         self, text: str, spans: list[tuple[int, int]], last_only: bool = False
@@ -236,4 +352,5 @@ def _build(tok) -> WordEncoder | None:
     # ASCII text only: a non-ASCII added token never occurs in it
     ascii_added = {i: a for i, a in added.items() if a.content and a.content.isascii()}
     normalized = {a.content for a in ascii_added.values() if a.normalized}
-    return WordEncoder(model, {a.content: i for i, a in ascii_added.items()}, normalized, digits)
+    added_text = {i: a.content for i, a in added.items()}
+    return WordEncoder(model, {a.content: i for i, a in ascii_added.items()}, normalized, digits, added_text)
