@@ -166,6 +166,26 @@ def test_finetune_gpus_follow_the_trainers(s3_env, tmp_path):
     assert templates(wf)["train"]["retryStrategy"]["limit"] == 2
 
 
+def test_shared_nothing_finetune_mounts_no_volume(s3_env, tmp_path):
+    """The shared-nothing setup (infra/argo.md): prepared data and checkpoints in the bucket, trainers on a
+    cluster scheduler with their settings in the pod spec. No step mounts a volume claim."""
+    bucket = f"s3://{BUCKET}"
+    shared_nothing = recipe(
+        "tiny_mdlm.yaml",
+        name="tiny_mdlm_shared_nothing",
+        dataset={"remote_dir": f"{bucket}/prepared/tiny"},
+        checkpoint={"remote_dir": f"{bucket}/runs/tiny"},
+        launch={"scheduler": "kubernetes", "mounts": []},
+    )
+    wf = compile_flow("finetune.py", shared_nothing, s3_env, tmp_path)
+    assert "persistentVolumeClaim" not in json.dumps(wf)
+    volumes = [v for t in templates(wf).values() for v in t.get("volumes") or []]
+    assert volumes and all(set(v) == {"name", "emptyDir"} for v in volumes), (
+        volumes
+    )  # Metaflow's pod scratch only
+    assert {"prepare-plan", "prepare-unit", "prepare", "train", "evaluate"} <= set(templates(wf))
+
+
 def test_regenerate_flow_compiles_with_and_without_cron(s3_env, tmp_path):
     plain = compile_flow("regenerate.py", recipe("tiny_dflash_regen.yaml"), s3_env, tmp_path)
     assert list(dag_tasks(plain, "RegenerateFlow")) == ["start", "regenerate", "end"]

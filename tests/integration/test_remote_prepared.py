@@ -161,3 +161,44 @@ def test_a_trainer_fetches_the_set_and_trains_the_same_losses(s3, prep, tmp_path
     fetched = losses(tmp_path / "run", prepared_dir=str(node), remote_dir=url)
     assert sorted(reference) == [1, 2, 3] and fetched == reference
     assert _files(node) == _files(prep)
+
+
+def test_the_prepare_fan_out_shares_nothing_but_the_bucket(s3, tmp_path):
+    """The flow's data steps, each a "pod" with a disk of its own (the plan's gone before the units run):
+    the units fetch the plan's tokenizer from the bucket's staging and upload their shards there, a
+    retried unit rewrites the same objects, and the join downloads, checks, publishes and clears the
+    staging. The published set is the one a one-machine prepare makes, byte for byte."""
+    import shutil
+
+    from dllmflow.data.prepare import prepare
+    from dllmflow.settings import load_settings
+    from dllmflow.workflow.data_steps import data_units, join_data, plan_data, prepare_unit
+
+    url = f"s3://{s3.bucket}/prepared/fan"
+
+    def settings(pod: str, **dataset):
+        return load_settings(RECIPE, dataset={"task_rows": 500, "prepared_dir": str(tmp_path / pod / "prepared"),
+                                              **dataset})  # fmt: skip
+
+    planned = plan_data(settings("plan", remote_dir=url))
+    units = data_units(planned)
+    assert planned["remote_staging"].startswith(f"{url}/staging/") and len(units) == 3
+    shutil.rmtree(tmp_path / "plan")  # that pod is gone, its disk with it
+    for k in units:
+        prepare_unit(settings(f"unit{k}", remote_dir=url), planned, k)
+    staged = {
+        k: s3.client().head_object(Bucket=s3.bucket, Key=k)["ETag"] for k in s3.keys("prepared/fan/staging/")
+    }
+    prepare_unit(settings("unit1-retry", remote_dir=url), planned, 1)  # a unit killed and retried elsewhere
+    assert {
+        k: s3.client().head_object(Bucket=s3.bucket, Key=k)["ETag"] for k in s3.keys("prepared/fan/staging/")
+    } == staged
+    assert [p.name for p in tmp_path.glob("unit*/*")] == []  # a unit staged on its own disk, then cleared it
+
+    data = join_data(settings("join", remote_dir=url), planned)
+    assert data["published"]["content_hash"] == data["content_hash"] and not s3.keys("prepared/fan/staging/")
+    one_machine = prepare(settings("ref"))
+    assert data["content_hash"] == one_machine["content_hash"]
+    assert _files(tmp_path / "join" / "prepared") == _files(tmp_path / "ref" / "prepared")
+    fetched = fetch_prepared(url, tmp_path / "trainer" / "prepared", data["content_hash"])
+    assert fetched["content_hash"] == data["content_hash"] and not fetched["reused"]

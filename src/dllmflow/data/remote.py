@@ -52,6 +52,7 @@ from .prepared_dir import (
 )
 
 SETS = "sets"
+STAGING = "staging"  # <remote>/staging/<plan>/: the fan-out's unit shards and records before the join
 OBJECTS = "objects.json"
 POINTER = MANIFEST  # <remote>/manifest.json: where a reader starts
 RETRY_ATTEMPTS = 5  # an unreachable store: tries before the one-line error
@@ -201,6 +202,54 @@ def _read_json_retried(remote: str, fs: Any, path: str) -> dict | None:
 def _pointer(remote: str) -> dict | None:
     fs, base = remote_fs(remote, single_try=True)
     return _read_json_retried(remote, fs, f"{base}/{POINTER}")
+
+
+# ---- the fan-out's staging: each unit task in its own pod ------------------------------------------------
+
+
+def staging_url(remote: str, plan: dict) -> str:
+    """Where a plan's units put their shards and records: `<remote>/staging/<the plan's staging name>`
+    (unique per plan: a mkdtemp name), so two flows never write into each other's staging."""
+    return f"{remote.rstrip('/')}/{STAGING}/{Path(plan['staging']).name}"
+
+
+def upload_staged(local: str | Path, url: str, names: list[str]) -> int:
+    """Upload `names` (paths relative to `local`, a unit's shards then its record last: a record in the
+    store means the unit's files are up) to `url`. Returns the bytes sent."""
+    fs, base = remote_fs(url, single_try=True)
+    sent = 0
+    for rel in names:
+        _retried(
+            url, f"upload of {rel}", lambda rel=rel: fs.put_file(str(Path(local) / rel), f"{base}/{rel}")
+        )
+        sent += (Path(local) / rel).stat().st_size
+    return sent
+
+
+def download_staged(url: str, local: str | Path, prefix: str = "") -> int:
+    """Everything under `url/prefix` into `local/prefix` (the unit tasks' staging, for the join; the
+    plan's tokenizer, for a unit). Returns the bytes received."""
+    fs, base = remote_fs(url, single_try=True)
+    root = f"{base}/{prefix}".rstrip("/")
+    try:
+        found = _retried(url, f"listing {prefix or 'the staging'}", lambda: fs.find(root, detail=True))
+    except FileNotFoundError:
+        found = {}
+    got = 0
+    for key, meta in sorted(found.items()):
+        rel = key[len(base) + 1 :]
+        dest = Path(local) / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _retried(url, f"download of {rel}", lambda key=key, dest=dest: fs.get_file(key, str(dest)))
+        got += int(meta.get("size") or 0)
+    return got
+
+
+def remove_staged(url: str) -> None:
+    """The staging objects of a joined plan (its shards now live in the published set)."""
+    fs, base = remote_fs(url, single_try=True)
+    with contextlib.suppress(FileNotFoundError):
+        _retried(url, "removing the staging", lambda: fs.rm(base, recursive=True))
 
 
 # ---- fetch ---------------------------------------------------------------------------------------------

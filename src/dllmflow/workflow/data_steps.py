@@ -6,17 +6,21 @@ Metaflow foreach tasks, a join that checks them and swaps the data into place (d
     data = join_data(settings, planned)              # {"content_hash", "reused", "rows", ...}
     data = prepare_data(settings)                    # the three in this process
 
-The staging dir the units write into sits next to `dataset.prepared_dir`: the tasks need a filesystem
-they all see (a local run, or a shared volume under @kubernetes). With `dataset.remote_dir` the join
-publishes the set to the object store (data/remote.py: only if the pointer is where the plan found it),
-and every later consumer fetches it into its own `prepared_dir`, pinned by `pin_published`.
+Without `dataset.remote_dir` the staging dir the units write into sits next to `dataset.prepared_dir`:
+the tasks need a filesystem they all see (a local run, or a shared volume under @kubernetes). With it
+they share nothing but the store (data/remote.py): the plan puts its tokenizer in the store's staging,
+each unit stages in a dir of its own and uploads its shards and record there, the join downloads them,
+checks them, publishes the set (only if the pointer is where the plan found it) and clears the staging,
+and every later consumer fetches the set into its own `prepared_dir`, pinned by `pin_published`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,33 +36,53 @@ def prepare_data(settings: SettingsLike, *, force: bool = False) -> dict[str, An
     the units as foreach tasks). Returns the data hash and how it was obtained."""
     from dllmflow.data.prepare_units import run_units
 
-    planned = plan_data(settings, force=force)
+    planned = plan_data(settings, force=force, fan_out=False)  # one process: its own staging dir
     if planned["plan"]["reused"] is None:
         run_units(Settings.coerce(settings), planned["plan"])
     return join_data(settings, planned)
 
 
-def plan_data(settings: SettingsLike, *, force: bool = False) -> dict[str, Any]:
+def plan_data(settings: SettingsLike, *, force: bool = False, fan_out: bool = True) -> dict[str, Any]:
     """The prepare plan (`dllmflow.data.prepare_units`), after DVC had its say: when
     `dataset.prepared_dir` is the output of a `dvc.yaml` stage, `dvc repro` runs it (DVC skips it when
     its params and deps hashes are unchanged; it prepares in one process), and the plan then finds
     the result reusable when it was prepared with exactly these settings. Else the plan lists the
-    units for `prepare_unit` (one per flow foreach task) and `join_data` finishes."""
+    units for `prepare_unit` (one per flow foreach task) and `join_data` finishes.
+
+    With `dataset.remote_dir` and `fan_out` (the flow's steps, each in a pod of its own), the units
+    share nothing with this step: the plan's tokenizer goes to the store's staging (`remote_staging`),
+    each unit fetches it and uploads its shards and record there, and the join downloads them. A set
+    reused here is published from here (this step holds it)."""
     from dllmflow.data.prepare_units import plan_prepare
     from dllmflow.data.prepared_dir import read_manifest
-    from dllmflow.data.remote import pointer_etag
+    from dllmflow.data.remote import pointer_etag, publish_prepared, staging_url, upload_staged
 
     s = Settings.coerce(settings)
+    remote = s.dataset.remote_dir
     via_dvc, dvc_skipped = None if force else _dvc_repro(s.dataset.prepared_dir)
     before = read_manifest(s.dataset.prepared_dir)
-    return {
+    planned = {
         "plan": plan_prepare(s, force=force),
         "dvc_stage": via_dvc,
         "dvc_skipped": dvc_skipped,
         "before_hash": (before or {}).get("content_hash"),
         # the published pointer as this plan found it: the join publishes only if no one moved it since
-        "remote_etag": pointer_etag(s.dataset.remote_dir) if s.dataset.remote_dir else None,
+        "remote_etag": pointer_etag(remote) if remote else None,
+        "remote_staging": None,
+        "published": None,
     }
+    plan = planned["plan"]
+    if remote and plan["reused"] is not None:
+        planned["published"] = publish_prepared(s.dataset.prepared_dir, remote, planned["remote_etag"])
+    elif remote and fan_out:
+        url = staging_url(remote, plan)
+        staging = Path(plan["staging"])
+        upload_staged(
+            staging, url, sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+        )
+        shutil.rmtree(staging, ignore_errors=True)  # the units and the join stage in dirs of their own
+        planned["remote_staging"] = url
+    return planned
 
 
 def data_units(planned: dict[str, Any]) -> list[int]:
@@ -67,24 +91,52 @@ def data_units(planned: dict[str, Any]) -> list[int]:
 
 
 def prepare_unit(settings: SettingsLike, planned: dict[str, Any], k: int) -> None:
-    """One unit's shards (a foreach task; a retry rewrites only this unit's files)."""
-    from dllmflow.data.prepare_units import run_unit
+    """One unit's shards (a foreach task; a retry rewrites only this unit's files). With a store's
+    staging, in a temporary dir of this task's own, uploaded there (the record last)."""
+    from dllmflow.data.prepare_units import UNITS_DIR, run_unit
+    from dllmflow.data.remote import download_staged, upload_staged
 
-    run_unit(Settings.coerce(settings), planned["plan"], k)
+    s, url = Settings.coerce(settings), planned.get("remote_staging")
+    if url is None:
+        run_unit(s, planned["plan"], k)
+        return
+    home = Path(s.dataset.prepared_dir).parent  # this task's disk, where its prepared dir would be
+    home.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{Path(s.dataset.prepared_dir).name}.unit-", dir=home) as tmp:
+        download_staged(url, tmp, "tokenizer")
+        rec = run_unit(s, {**planned["plan"], "staging": tmp}, k)
+        if rec is not None:
+            upload_staged(tmp, url, [*sorted(rec["files"]), f"{UNITS_DIR}/unit-{k:06d}.json"])
 
 
 def join_data(settings: SettingsLike, planned: dict[str, Any]) -> dict[str, Any]:
-    """Check every unit's shards, write the manifest, swap the data into place (`join_prepare`)."""
+    """Check every unit's shards, write the manifest, swap the data into place (`join_prepare`); with
+    `dataset.remote_dir`, publish it (from a store's staging: downloaded into a staging dir of this
+    step's own first, removed from the store once published)."""
     from dllmflow.data.prepare_units import join_prepare
-    from dllmflow.data.remote import publish_prepared
+    from dllmflow.data.remote import download_staged, publish_prepared, remove_staged
 
     s = Settings.coerce(settings)
-    manifest = join_prepare(s, planned["plan"])
+    remote, url, plan = s.dataset.remote_dir, planned.get("remote_staging"), planned["plan"]
+    if url is not None:
+        out_dir = Path(s.dataset.prepared_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        plan = {**plan, "staging": str(staging), "out_dir": str(out_dir)}
+        try:
+            download_staged(url, staging)
+            manifest = join_prepare(s, plan)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    else:
+        manifest = join_prepare(s, plan)
+    published = planned.get("published")
+    if remote and published is None:
+        published = publish_prepared(s.dataset.prepared_dir, remote, planned.get("remote_etag"))
+    if url is not None:
+        remove_staged(url)
     via_dvc = planned["dvc_stage"]
-    remote = s.dataset.remote_dir
-    published = (
-        publish_prepared(s.dataset.prepared_dir, remote, planned.get("remote_etag")) if remote else None
-    )
     return {
         "prepared_dir": s.dataset.prepared_dir,
         "content_hash": manifest["content_hash"],
