@@ -248,7 +248,7 @@ MODE_EVALS = {
     "scdd": {"scdd", "llada"},
     "hybrid": {"nemotron", "llada"},
     "idlm": {"idlm", "ar_control"},  # with eval.ar_control: the AR arm beside a curriculum
-    "block_causal": {"llada2", "selfspec"},  # causal blocks (below): selfspec decodes them too
+    "causal_blocks": {"llada2", "selfspec"},  # selfspec decodes them too (block_causal's llada2: unit tests)
     "block_diffusion": {"gemma"},
     "dflash": {"acceptance"},
     "ar": {"ar"},  # the AR control's mode on its own: trained, decoded greedily, registered like the rest
@@ -269,9 +269,8 @@ def test_every_mode_trains_evaluates_and_registers_through_the_flow(tmp_path, mo
     data["train"].update(max_steps=2, global_batch_size=4, local_batch_size=4, warmup_steps=0)
     data["checkpoint"] = {"every_steps": 2}
     data["eval"] = {"limit": 1, "max_new_tokens": 8, "steps": 8, "batch_size": 1}
-    if mode == "block_causal":  # llada2 decodes the blocks it was trained on; causal ones: selfspec too
+    if mode == "causal_blocks":  # llada2 decodes the blocks it was trained on
         data["eval"]["block_size"] = data["dllm"]["block_size"]
-        data["dllm"].update(block_attention="causal", mask_pattern="suffix")
     data["flow"] = {"train_retries": 0}
     data.setdefault("registry", {})["model_name"] = f"e2e-{mode}"
     if mode == "uno":

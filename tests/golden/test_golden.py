@@ -59,6 +59,8 @@ CASES = {
     # Halves of 320 tokens > split_attention.MASKED_MAX_LEN: the mask-free block-shifted kernel runs.
     "idlm_shifted": Case("idlm", seq_length=320),
     "block_causal": Case("block_causal"),
+    # next-token + lookahead: recorded before causal blocks left block_causal (block_attention: causal)
+    "causal_blocks": Case("causal_blocks"),
     "ar": Case("ar"),  # the AR control's causal next-token SFT
     "uno": Case("uno"),  # the drafting adapter on a frozen tiny causal LM
 }

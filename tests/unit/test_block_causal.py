@@ -1,7 +1,8 @@
 """`block_causal` (diffusion/strategies/block_causal.py, docs/strategies.md §2.8): the one-block corruption
 kernel, the loss against a per-row reference built with explicit loops (its own mask, its own forward,
 the hand-shifted raw logits), the training view of a block against what llada2 computes for the same
-block while decoding (cached), the causal-prompt flag through an export, and the settings' refusals."""
+block while decoding (cached), the causal-prompt flag through an export, and the settings' refusals.
+Causal blocks, once `block_attention: causal` here, are `causal_blocks`: tests/unit/test_causal_blocks.py."""
 
 from __future__ import annotations
 
@@ -129,26 +130,6 @@ def _reference_sum(model, batch, block_size, causal_prompt):
     return total
 
 
-def _reference_lookahead(model, batch):
-    """Causal blocks, one row and one target at a time with HF's own causal forward (no 4D mask): the
-    clean row's next-token CE at every supervised position, and for the drawn suffix k..k+m-1, x[k+t]
-    (t >= 1) from the last logit of x[:k] followed by t masks."""
-    ar = ahead = 0.0
-    x = batch["input_ids"]
-    with torch.no_grad():
-        for r in range(x.shape[0]):
-            raw = model(input_ids=x[r : r + 1]).logits[0]
-            for i in range(1, x.shape[1]):
-                if batch["loss_mask"][r, i] and batch["attention_mask"][r, i]:
-                    ar += F.cross_entropy(raw[i - 1], x[r, i]).item()
-            masked = batch["noise_mask"][r].nonzero().squeeze(1).tolist()
-            for t in range(1, len(masked)):
-                k = masked[0]
-                ids = torch.cat([x[r, :k], torch.full((t,), M)])[None]
-                ahead += F.cross_entropy(model(input_ids=ids).logits[0, -1], x[r, k + t]).item()
-    return ar, ahead
-
-
 @pytest.mark.parametrize("causal_prompt, pattern", [(True, "random"), (False, "random"), (True, "suffix")])
 def test_the_loss_matches_a_per_row_reference(causal_prompt, pattern):
     dllm = {"mode": "block_causal", "mask_token_id": M, "block_size": 4, "causal_prompt": causal_prompt,
@@ -168,27 +149,6 @@ def test_the_loss_matches_a_per_row_reference(causal_prompt, pattern):
     want = _reference_sum(model, batch, 4, causal_prompt)
     assert math.isclose(out.sums["diffusion"].item(), want, rel_tol=1e-5)
     out.sums["diffusion"].backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
-
-
-def test_causal_blocks_add_the_lookahead_loss_to_the_next_token_loss_of_the_clean_row():
-    dllm = {"mode": "block_causal", "mask_token_id": M, "block_size": 4, "mask_pattern": "suffix",
-            "block_attention": "causal", "lookahead_weight": 0.25}  # fmt: skip
-    strategy = build_strategy(load_settings(dllm=dllm, eval={"block_size": 4}))
-    model = apply_logit_shift(_tiny_qwen3())
-    batch = _rows()
-    batch.update(strategy.corrupt(batch, seeds=[10, 11, 12]))
-    m = batch["noise_mask"].sum(1)
-    assert m[0] >= 2 or m[1] >= 2  # some lookahead target to score
-    counts = strategy.token_counts(batch)
-    assert counts["ar"] == 11 + 4  # every supervised token of rows 0 and 1 (row 2 supervises none)
-    assert counts["diffusion"] == (m - 1).clamp_min(0).sum()
-    out = strategy.loss(model, batch)
-    want_ar, want_ahead = _reference_lookahead(model, batch)
-    assert math.isclose(out.sums["ar"].item(), want_ar, rel_tol=1e-5)
-    assert math.isclose(out.sums["diffusion"].item(), want_ahead, rel_tol=1e-5)
-    assert out.weight("diffusion") == 0.25 and out.weight("ar") == 1.0
-    sum(out.sums.values()).backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
@@ -239,60 +199,18 @@ def test_a_causal_prompt_model_decodes_as_without_a_cache_and_keeps_its_flag_thr
     assert run(loaded, "exact") == run(loaded, "none") == run(model, "exact")
 
 
-def test_causal_blocks_are_a_plain_causal_forward_and_llada2_decodes_them_so(tmp_path):
-    """block_attention: causal trains a causal LM (the training logits are HF's own causal forward, read
-    one position early); the mode's builder flags it, the flag travels in config.json and llada2 then
-    decodes causally, cached or not."""
-    from dllmflow.diffusion.modes import build_mode_model
-    from dllmflow.models.causal_prompt import CAUSAL_BLOCKS_ATTR, has_causal_blocks
-
-    dllm = {"mode": "block_causal", "mask_token_id": M, "block_size": 4, "block_attention": "causal",
-            "mask_pattern": "suffix"}  # fmt: skip
-    tiny = {"hidden_size": 32, "intermediate_size": 64}
-    settings = load_settings(dllm=dllm, eval={"block_size": 4}, model={"tiny": tiny})
-    torch.manual_seed(0)
-    model = build_mode_model(settings, _Tok()).eval()
-    assert has_causal_blocks(model) and has_causal_prompt(model)
-    batch = _rows()
-    batch.update(build_strategy(settings).corrupt(batch, seeds=[1, 2, 3]))
-    cols = torch.arange(1, 16)
-    with torch.no_grad():
-        got = block_causal_logits(model, batch, cols, 1, True, M)  # [3, 15, V]
-        raw = model(input_ids=batch["noisy_input_ids"][:, :16]).logits  # HF's causal mask, no 4D mask
-    torch.testing.assert_close(got[0], raw[0, cols - 1], rtol=1e-5, atol=1e-5)  # row 0: no padding before 16
-    model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())[CAUSAL_BLOCKS_ATTR] is True
-    loaded = type(model).from_pretrained(tmp_path).eval()
-
-    def run(m, cache):
-        over = {"max_new_tokens": 8, "steps": 4, "block_size": 4, "threshold": 0.5, "cache": cache}
-        config = build_sampler_config("llada2", over)
-        return (
-            SAMPLERS["llada2"](m, _Tok(), config, mask_id=M)
-            .generate([[5, 6, 7], [9, 10, 11, 12, 13]])
-            .sequences
-        )
-
-    assert run(loaded, "exact") == run(loaded, "none")
-
-
 def test_settings_refuse_what_the_mode_cannot_do():
     with pytest.raises(SettingsError, match=r"dllm\.block_size"):
         load_settings(dllm={"mode": "block_causal", "block_size": 0})
     with pytest.raises(SettingsError, match="packing"):
         load_settings(dllm={"mode": "block_causal"}, dataset={"packing": True})
-    with pytest.raises(SettingsError, match="mask_pattern: suffix"):
-        load_settings(dllm={"mode": "block_causal", "block_attention": "causal"})  # random masks
-    with pytest.raises(SettingsError, match="logit_shift: true"):
-        load_settings(dllm={"mode": "block_causal", "block_attention": "causal", "mask_pattern": "suffix",
-                            "logit_shift": False})  # fmt: skip
     ok = load_settings(dllm={"mode": "block_causal"}, eval={"ar_control": {"enabled": True}})
     assert ok.eval.ar_control.enabled
 
 
 def test_llada2_must_decode_the_trained_block_size():
     from dllmflow.diffusion.samplers.configs import LLaDA2Config
-    from dllmflow.settings.dllm import LLADA2_PRESET_BLOCK_SIZE
+    from dllmflow.settings.block_modes import LLADA2_PRESET_BLOCK_SIZE
 
     assert LLaDA2Config().block_size == LLADA2_PRESET_BLOCK_SIZE  # the settings' copy of the preset
     with pytest.raises(SettingsError, match=r"eval\.block_size.*dllm\.block_size=8.*blocks of 32"):

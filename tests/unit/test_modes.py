@@ -36,7 +36,7 @@ from dllmflow.workflow import finetune
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TINY_RECIPES = sorted((ROOT / "params").glob("tiny_*.yaml"))
-BUILT_IN = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm", "block_causal")
+BUILT_IN = ("mdlm", "scdd", "hybrid", "block_diffusion", "dflash", "idlm", "block_causal", "causal_blocks")
 
 
 # ---- every table is derived from MODES --------------------------------------------------------------
@@ -67,7 +67,7 @@ def test_eval_samplers_and_build_strategy_come_from_the_spec(path):
     # (a GRPO recipe, `rl:`, has no control arm even when it shares the fine-tune's eval section)
     control = s.eval.ar_control is not None and s.eval.ar_control.enabled and s.rl is None
     ar_rows = ["ar"] * bool(s.eval.ar_baseline) + ["ar_control"] * control
-    fits = [n for n in spec.samplers if n not in s.dllm.unfit_samplers()]  # e.g. selfspec: causal blocks only
+    fits = [n for n in spec.samplers if n not in s.dllm.unfit_samplers()]  # a plugin's hook; built-ins: none
     assert finetune.eval_samplers(s) == fits + list(spec.extra_evaluations) + ar_rows
     assert type(build_strategy(s)) is spec.strategy_class()
     assert type(s.dllm) is spec.config

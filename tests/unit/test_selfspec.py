@@ -1,5 +1,5 @@
-"""`selfspec` (diffusion/samplers/selfspec.py): lossless self-speculative decoding of a causal-blocks
-`block_causal` model. The reference is the `ar` sampler's greedy decoding of the same model: the tokens
+"""`selfspec` (diffusion/samplers/selfspec.py): lossless self-speculative decoding of a `causal_blocks`
+model. The reference is the `ar` sampler's greedy decoding of the same model: the tokens
 must be equal while drafts cut the forwards. The model is a tiny causal-blocks Qwen3 trained for a few
 seconds (the mode's own corruption and loss) on arithmetic progressions, so its [MASK]-slot drafts are
 right often but not always: full and partial acceptance both happen."""
@@ -9,21 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 from test_block_causal import M, _Tok
+from test_mdlm import _tiny_qwen3
 from test_sampler_stepper import stepped
 
-from dllmflow.diffusion.modes import build_mode_model
+from dllmflow.diffusion.modes import SamplerMisfitError, build_mode_model, check_sampler
 from dllmflow.diffusion.samplers import SAMPLERS
 from dllmflow.diffusion.samplers.base import build_sampler_config
 from dllmflow.diffusion.samplers.configs import SamplerSettingError
 from dllmflow.diffusion.samplers.selfspec import accepted_drafts
 from dllmflow.diffusion.strategies import build_strategy
-from dllmflow.errors import UserError
 from dllmflow.settings import load_settings
 from dllmflow.settings.loader import SettingsError
 
 PROMPTS = [[3, 5, 7, 9], [10, 11, 12], [20, 22], [30, 31, 32, 33, 34]]
-CAUSAL = {"mode": "block_causal", "mask_token_id": M, "block_size": 4, "block_attention": "causal",
-          "mask_pattern": "suffix"}  # fmt: skip
+CAUSAL = {"mode": "causal_blocks", "mask_token_id": M, "block_size": 4}
 
 
 def _progressions(n: int, g: torch.Generator) -> dict:
@@ -37,7 +36,7 @@ def _progressions(n: int, g: torch.Generator) -> dict:
 
 @pytest.fixture(scope="module")
 def drafter():
-    """A causal-blocks block_causal model after 300 steps of its mode's loss (next-token + lookahead)."""
+    """A causal_blocks model after 300 steps of its mode's loss (next-token + lookahead)."""
     settings = load_settings(dllm=CAUSAL, eval={"block_size": 4}, dataset={"seq_length": 16},
                              model={"tiny": {"hidden_size": 64, "intermediate_size": 128}})  # fmt: skip
     torch.manual_seed(0)
@@ -50,7 +49,7 @@ def drafter():
         batch = _progressions(32, g)
         batch.update(strategy.corrupt(batch, seeds=list(range(32 * step, 32 * step + 32))))
         sums, counts = strategy.loss(model, batch).sums, strategy.token_counts(batch)
-        loss = sums["ar"] / counts["ar"] + sums["diffusion"] / counts["diffusion"].clamp_min(1)
+        loss = sums["ar"] / counts["ar"] + sums["lookahead"] / counts["lookahead"].clamp_min(1)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -188,24 +187,36 @@ def test_accepted_drafts_counts_the_leading_matches():
 
 
 def test_what_it_refuses():
-    dllm = {**CAUSAL, "block_attention": "bidirectional", "mask_pattern": "random"}
-    bidirectional = load_settings(dllm=dllm, eval={"block_size": 4})
-    torch.manual_seed(0)
-    model = build_mode_model(bidirectional, _Tok()).eval()
-    with pytest.raises(UserError, match="block_attention: causal"):
-        _decode(model, "selfspec", PROMPTS)
+    """Which models it decodes is the registry's word (check_sampler), not the sampler's: causal_blocks
+    and uno, not block_causal; the sampler itself refuses only a cache it cannot keep exact."""
+    check_sampler("causal_blocks", "selfspec")
+    check_sampler("uno", "selfspec")
+    with pytest.raises(
+        SamplerMisfitError, match=r"block_causal; sampler 'selfspec'.*fit it\. Samplers that fit: llada2$"
+    ):
+        check_sampler("block_causal", "selfspec")
+    with pytest.raises(SamplerMisfitError, match="Samplers that fit: llada2, selfspec$"):
+        check_sampler("causal_blocks", "idlm")
     with pytest.raises(SamplerSettingError, match="takes cache exact, not 'none'"):
         build_sampler_config("selfspec", {"cache": "none"})
-    with pytest.raises(SettingsError, match=r"eval\.samplers: selfspec.*block_attention: causal"):
-        load_settings(dllm=dllm, eval={"block_size": 4, "samplers": ["selfspec"]})
 
 
-def test_the_flow_evaluates_it_only_for_causal_blocks_and_gates_the_recipes_first_sampler():
+def test_any_causal_lm_decodes_to_its_greedy_answer():
+    """No flag is asked of the model (the runtime refusal went with the registry's word): an untrained
+    causal LM's drafts are poor, but every committed token is still its greedy choice."""
+    torch.manual_seed(0)
+    model = _tiny_qwen3().eval()
+    ar = _decode(model, "ar", PROMPTS)
+    spec = _decode(model, "selfspec", PROMPTS, block_size=4)
+    assert spec.sequences == ar.sequences
+
+
+def test_the_flow_evaluates_it_for_causal_blocks_only_and_gates_the_recipes_first_sampler():
     from dllmflow.workflow.finetune import _gated_sampler, eval_samplers
 
-    bidirectional = {**CAUSAL, "block_attention": "bidirectional", "mask_pattern": "random"}
     causal = load_settings(dllm=CAUSAL, eval={"block_size": 4})
     assert eval_samplers(causal) == ["llada2", "selfspec"]
+    bidirectional = {"mode": "block_causal", "mask_token_id": M, "block_size": 4}
     assert eval_samplers(load_settings(dllm=bidirectional, eval={"block_size": 4})) == ["llada2"]
     evals = {"llada2": {}, "selfspec": {}, "ar_control": {}}
     assert _gated_sampler(causal, evals) == "llada2"  # the mode's default

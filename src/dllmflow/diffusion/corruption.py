@@ -17,7 +17,8 @@ Kernels (all tensors `[B, L]`; `noisy_ids` keeps the dtype of `input_ids`, `nois
   corrupt_scdd            scdd: t on the discrete grid, channel masses from the SCDD schedule
   corrupt_uniform_random  block diffusion: random replacement tokens over the full vocabulary
   corrupt_all_masked      idlm: every supervised position becomes [MASK] (deterministic)
-  corrupt_one_block       block_causal: one block of the response per row, masked as mdlm's kernel
+  corrupt_one_block       block_causal, causal_blocks: one block of the response per row, masked as
+                          mdlm's kernel or as a suffix
                           (two more outputs: the block's positions [B, L] and the prompt length [B])
 """
 

@@ -27,9 +27,9 @@ from typing import Any
 
 from dllmflow.common.lazy import load_object
 from dllmflow.errors import UserError
+from dllmflow.settings.block_modes import BlockCausalConfig, CausalBlocksConfig
 from dllmflow.settings.dllm import (
     ARConfig,
-    BlockCausalConfig,
     BlockDiffusionConfig,
     DFlashConfig,
     DLLMBaseConfig,
@@ -250,8 +250,17 @@ for _spec in (
         "block_causal",
         BlockCausalConfig,
         f"{_S}.block_causal:BlockCausalStrategy",
-        samplers=("llada2", "selfspec"),
+        samplers=("llada2",),
         model_builder="dllmflow.models.causal_prompt:build_block_causal_model",
+    ),
+    # A causal LM that also guesses ahead from [MASK] slots: llada2 decodes it causally (dllm_causal_blocks
+    # in config.json), selfspec losslessly, its slots' guesses checked by its own next-token choices.
+    ModeSpec(
+        "causal_blocks",
+        CausalBlocksConfig,
+        f"{_S}.causal_blocks:CausalBlocksStrategy",
+        samplers=("llada2", "selfspec"),
+        model_builder="dllmflow.models.causal_prompt:build_causal_blocks_model",
     ),
     # A drafting adapter on a frozen causal LM: selfspec decodes the LM's own greedy answers with its
     # drafts, ar the LM alone (the same answers), llada2 lossily from [MASK] blocks.

@@ -62,7 +62,7 @@ class DraftGate:
 
 def apply_drafting_gate(model: nn.Module, mask_id: int) -> nn.Module:
     """Gate every LoRA adapter of `model` (already injected) to the [MASK] positions, in place, and flag
-    its config (`dllm_causal_blocks`: selfspec decodes it; `dllm_drafting_adapter`). Idempotent."""
+    its config (`dllm_causal_blocks`: llada2 decodes it causally; `dllm_drafting_adapter`). Idempotent."""
     from peft.tuners.lora import LoraLayer
 
     from .lora import ADAPTER

@@ -170,14 +170,23 @@ def render_evaluations(evals: dict[str, Any]) -> str:
 # ---- reading -------------------------------------------------------------------------------------
 
 
+# models/causal_prompt.py CAUSAL_BLOCKS_ATTR (it imports torch; a test keeps the two equal).
+CAUSAL_BLOCKS_FLAG = "dllm_causal_blocks"
+
+
 def read_dllm_block(export_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The export's `dllm` block (config.json first, then generation_config.json), or None."""
+    """The export's `dllm` block (config.json first, then generation_config.json), or None. An export
+    of causal blocks written before they became their own mode says `block_causal` next to the causal
+    blocks flag: its mode reads as `causal_blocks`, the mode its recorded settings.json loads as."""
     for name in CONFIG_FILES:
         try:
-            block = json.loads((Path(export_dir) / name).read_text()).get(DLLM_KEY)
+            config = json.loads((Path(export_dir) / name).read_text())
+            block = config.get(DLLM_KEY)
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(block, dict):
+            if block.get("mode") == "block_causal" and config.get(CAUSAL_BLOCKS_FLAG):
+                return {**block, "mode": "causal_blocks"}
             return block
     return None
 

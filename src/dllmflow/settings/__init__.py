@@ -1,10 +1,10 @@
 """Validated, frozen run settings (pydantic-settings). See `loader.py` for precedence and errors."""
 
+from .block_modes import BlockCausalConfig, CausalBlocksConfig  # registers both modes' sections
 from .dllm import (
     MODE_CONFIGS,
     MODE_NAMES,
     ARConfig,
-    BlockCausalConfig,
     BlockDiffusionConfig,
     DFlashConfig,
     DFlashSection,
@@ -44,6 +44,7 @@ __all__ = (
         "ARConfig",
         "BlockCausalConfig",
         "BlockDiffusionConfig",
+        "CausalBlocksConfig",
         "DFlashConfig",
         "DFlashSection",
         "DLLMBaseConfig",

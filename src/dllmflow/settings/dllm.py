@@ -9,8 +9,9 @@ path of the field (see `dllmflow.settings.loader`). Imports no torch.
 
 `MODE_CONFIGS` (mode name -> config class) is open: `dllmflow.diffusion.modes.register_mode` adds the
 config class of a mode defined outside this package, and the `dllm` field dispatches on `mode` through
-it (a discriminated union that grows at run time). The built-in classes register themselves here so
-settings load without importing the (torch-side) mode registry.
+it (a discriminated union that grows at run time). The built-in classes register themselves here (the
+two block-causal modes in `block_modes.py`) so settings load without importing the (torch-side) mode
+registry.
 """
 
 from __future__ import annotations
@@ -68,12 +69,20 @@ class DLLMBaseConfig(_Section):
 
     def unfit_samplers(self) -> dict[str, str]:
         """Samplers of the mode that cannot decode this configuration of it -> why (left out of the
-        flow's default evaluations; refused in `eval.samplers`); the default: none."""
+        flow's default evaluations; refused in `eval.samplers`); the default: none. No built-in mode
+        overrides it: a configuration that changes which samplers fit is a mode of its own."""
         return {}
 
     def check_sections(self, settings: Any) -> None:
         """Refuse other sections this mode cannot train with (raise ValueError naming the field); the
         default accepts every one."""
+
+    @classmethod
+    def upgrade_recorded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """A section of this mode as an older dllmflow recorded it (a settings.json dump), as it validates
+        today, possibly under another mode (`block_modes.py`: causal blocks left `block_causal`); the
+        default: as is. A recipe's section passes as is, so a recipe still meets its refusals."""
+        return value
 
 
 # mode name -> its `dllm:` config class, in registration order (the order error messages list them).
@@ -221,81 +230,6 @@ class IDLMConfig(DLLMBaseConfig):
     auto_balance_clean_loss: bool = Field(False, description="alpha = stopgrad(CE_noisy / CE_clean).")
 
 
-# llada2's preset block size (samplers/configs.py LLaDA2Config.block_size; settings import no sampler).
-LLADA2_PRESET_BLOCK_SIZE = 32
-
-
-@register_mode_config
-class BlockCausalConfig(DLLMBaseConfig):
-    """Block-causal A2D (docs/strategies.md §2.8): a causal LM trained to decode as llada2 does, blocks
-    after the prompt, attention causal across blocks and bidirectional inside one (SDAR, Fast-dLLM v2)."""
-
-    mode: Literal["block_causal"]
-    rl_refusal: ClassVar[str | None] = (
-        "GRPO's estimators score a bidirectional denoiser, not one block at a time"
-    )
-    packing_refusal: ClassVar[str | None] = "each row's blocks start where its own prompt ends"
-    block_size: PositiveInt = Field(
-        32,
-        description="Tokens per block, counted from the prompt's end; decode with llada2 at this block_size.",
-    )
-    mask_pattern: Literal["random", "suffix"] = Field(
-        "random",
-        description="Which positions of the drawn block are masked: random (MDLM: each with p = eps + "
-        "(1-eps) t) or suffix (a clean prefix of random length, the rest masked: the views a left-to-right "
-        "fill meets; every masked position weighted 1).",
-    )
-    block_attention: Literal["bidirectional", "causal"] = Field(
-        "bidirectional",
-        description="Attention inside a block: bidirectional (SDAR, Fast-dLLM v2) or causal (the whole model "
-        "stays a causal LM: each [MASK] predicts ahead from the clean tokens before it, and every clean "
-        "supervised token with a clean history also gets the next-token loss); recorded in config.json "
-        "(dllm_causal_blocks), which llada2 reads.",
-    )
-    lookahead_weight: float = Field(
-        1.0,
-        gt=0.0,
-        description="Causal blocks: weight of the lookahead (masked suffix) loss beside the next-token loss.",
-    )
-    logit_shift: bool = Field(
-        True,
-        description="Position i's logit is read from position i-1, the alignment of the causal LM it starts "
-        "from (models/logit_shift.py); a block's first token is then predicted from the position before it.",
-    )
-    causal_prompt: bool = Field(
-        True,
-        description="The prompt attends causally, as in the causal LM it starts from (else bidirectionally, "
-        "llada2's preset); recorded in the export's config.json, which llada2 reads.",
-    )
-
-    @model_validator(mode="after")
-    def _causal_blocks_need_a_suffix_and_the_shift(self) -> BlockCausalConfig:
-        if self.block_attention == "causal" and (self.mask_pattern != "suffix" or not self.logit_shift):
-            raise ValueError(
-                "block_attention: causal appends a masked suffix after the clean row and reads each logit "
-                "one position early; set mask_pattern: suffix and logit_shift: true"
-            )
-        return self
-
-    def unfit_samplers(self) -> dict[str, str]:
-        if self.block_attention == "causal":
-            return {}
-        return {"selfspec": "it checks [MASK]-slot drafts with causal predictions: set "
-                            "dllm.block_attention: causal"}  # fmt: skip
-
-    def check_eval(self, eval_section: Any) -> None:
-        """llada2 must decode the blocks the model was trained on: `eval.block_size` unset means llada2's
-        preset, LLADA2_PRESET_BLOCK_SIZE (samplers/configs.py, a test keeps the two equal)."""
-        given = eval_section.block_size
-        decoded = LLADA2_PRESET_BLOCK_SIZE if given is None else given
-        if decoded != self.block_size:
-            raise ValueError(
-                f"eval.block_size: the block_causal model is trained on blocks of dllm.block_size="
-                f"{self.block_size}, but llada2 would decode blocks of {decoded}; set eval.block_size: "
-                f"{self.block_size}"
-            )
-
-
 @register_mode_config
 class UnoConfig(DLLMBaseConfig):
     """A drafting adapter on a frozen causal LM (docs/strategies.md §2.9, NeMo AutoModel's `uno`): a
@@ -404,7 +338,8 @@ def _validate_dllm(value: Any, handler: ValidatorFunctionWrapHandler) -> DLLMBas
             "module that registers it in `plugins`)",
             {"mode": repr(mode), "choices": _choices()},
         )
-    return MODE_CONFIGS[mode].model_validate(value)
+    value = MODE_CONFIGS[mode].upgrade_recorded(value)
+    return MODE_CONFIGS[value["mode"]].model_validate(value)
 
 
 def _choices() -> str:

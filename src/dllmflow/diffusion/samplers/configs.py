@@ -220,7 +220,7 @@ class ARConfig(SamplerConfig):
 
 
 class SelfSpecConfig(SamplerConfig):
-    """Lossless self-speculative decoding of a causal-blocks `block_causal` model (docs/strategies.md
+    """Lossless self-speculative decoding of a `causal_blocks` (or `uno`) model (docs/strategies.md
     §3.10): a forward commits the model's next greedy token and the leading drafts it confirms, and
     drafts `block_size - 1` more from [MASK] slots. Preset: blocks of 8, 128 new tokens; `steps` is not
     read. The answer is the `ar` sampler's on the same model."""

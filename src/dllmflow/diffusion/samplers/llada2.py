@@ -9,7 +9,7 @@ A checkpoint that ships its own remote-code `generate(inputs, gen_length, block_
 * each forward covers the prompt and the blocks up to the current one under the block-causal mask
   (`dllmflow.diffusion.masks.block_causal`: prompt bidirectional, or causal for a `block_causal` model
   trained so (models/causal_prompt.py); a block sees the prompt, earlier blocks and itself, causally
-  for a `block_causal` model with causal blocks);
+  for a `causal_blocks` model);
 * per step, the block's masks with confidence >= `threshold` (preset 0.5) are committed, and at
   least the schedule's count (the most confident ones); the block's last step commits the rest;
 * editing (LLaDA2.1, `editing_threshold` > 0; preset 0 = off): a committed token of the current block
@@ -252,7 +252,7 @@ class LLaDA2Sampler(Sampler):
         # A Dream-style A2D model (mdlm with dllm.logit_shift) reads each position's logit one earlier.
         shift = int(self.model is not None and is_logit_shifted(self.model))
         # A block_causal model is decoded under the mask it was trained with (models/causal_prompt.py): a
-        # causal prompt, and with causal blocks a causal mask throughout (blocks of 1 in the mask only).
+        # causal prompt, and a causal_blocks model a causal mask throughout (blocks of 1 in the mask only).
         causal_blocks = self.model is not None and has_causal_blocks(self.model)
         causal = causal_blocks or (self.model is not None and has_causal_prompt(self.model))
         mask_block = 1 if causal_blocks else geometry.block_size

@@ -1,10 +1,8 @@
-"""`selfspec`: lossless self-speculative decoding of a causal-blocks `block_causal` model
-(docs/strategies.md §3.10).
+"""`selfspec`: lossless self-speculative decoding of a `causal_blocks` model (docs/strategies.md §3.10).
 
-A `block_causal` model trained with `dllm.block_attention: causal` (§2.8) is a causal LM that also
-guesses ahead from [MASK] slots appended after a clean prefix: slot t's logit guesses the token t + 1
-places past the first slot (the lookahead loss). So one causal forward both checks the last drafts
-and drafts the next ones:
+A `causal_blocks` model (§2.10) is a causal LM that also guesses ahead from [MASK] slots appended after
+a clean prefix: slot t's logit guesses the token t + 1 places past the first slot (the lookahead loss).
+So one causal forward both checks the last drafts and drafts the next ones:
 
     input  = [last committed token | drafts d_1..d_D | D [MASK] slots]     positions n, n+1, ...
     e_i    = argmax of the logit after the committed token and d_1..d_i     (the model's own greedy choice)
@@ -41,8 +39,6 @@ import torch
 from torch import Tensor
 
 from dllmflow.diffusion.masks.causal import causal_mask
-from dllmflow.errors import UserError
-from dllmflow.models.causal_prompt import has_causal_blocks
 
 from .base import Sampler
 from .configs import SelfSpecConfig
@@ -94,12 +90,6 @@ class SelfSpecSampler(Sampler):
     def _iter_generate(self, prompt_ids: list[list[int]]) -> BlockLoop:
         """The decoding, paused before each forward after the first (a `loop.BlockLoop`: what a row has
         committed is final, so a server streams it and may drop rows there)."""
-        if self.model is None or not has_causal_blocks(self.model):
-            raise UserError(
-                "sampler selfspec checks [MASK]-slot drafts with the model's causal predictions: it needs a "
-                "block_causal model trained with dllm.block_attention: causal (dllm_causal_blocks in its "
-                "config.json); decode this one with llada2"
-            )
         G, D = self.config.max_new_tokens, self.config.block_size - 1
         self._span = D  # drafts (and slots) per row of the next forward; `draft_schedule: adaptive` moves it
         c = build_left_padded_canvas(

@@ -19,10 +19,8 @@ sampler's canvas holds them before the EOS stop; positions after block j cannot 
 so the forward stops at the batch's last drawn block. A step costs one forward over L positions, as a
 plain AR step (`bench/train_step.py`); one block per row is drawn instead of all of them at 2L.
 
-`dllm.block_attention: causal` (with the suffix pattern) keeps the model a causal LM everywhere: the
-drawn block's masked suffix k..k+m-1 is appended after the clean row at its own positions, so one causal
-forward over L + m positions gives the `ar` mode's next-token loss on every supervised token and a
-lookahead loss on the masks (`lookahead_loss`; llada2 then decodes with a causal mask throughout).
+Causal blocks, the model a causal LM everywhere with a lookahead loss, are their own mode:
+`causal_blocks` (strategies/causal_blocks.py), which draws its blocks with `draw_blocks` here.
 
 Run: `dllmflow train --params params/tiny_block_causal.yaml`.
 """
@@ -33,11 +31,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from dllmflow.diffusion.corruption import corrupt_one_block, per_sample
-from dllmflow.diffusion.losses import loss_columns, mdlm_loss_sum, per_token_ce, shifted_supervision
-from dllmflow.diffusion.masks.block_causal import block_causal_mask, lookahead_mask
+from dllmflow.diffusion.losses import loss_columns, mdlm_loss_sum
+from dllmflow.diffusion.masks.block_causal import block_causal_mask
 from dllmflow.errors import UserError
 from dllmflow.models.attention import NATIVELY_BIDIRECTIONAL, mask_dtype, model_logits
 from dllmflow.models.wrappers import unwrap
@@ -50,42 +47,17 @@ class BlockCausalStrategy(Strategy):
 
     def setup(self, model: nn.Module, tokenizer: Any, device: torch.device) -> None:
         super().setup(model, tokenizer, device)
-        model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
-        if model_type in NATIVELY_BIDIRECTIONAL:
-            raise UserError(
-                f"dllm.mode=block_causal: the {model_type} model attends through its own mask and takes no "
-                "4D block-causal mask; pick a causal LM (Llama, Qwen3, SmolLM2, ...) or dllm.mode: mdlm"
-            )
+        refuse_natively_bidirectional(model, self.name)
 
     def corrupt(self, batch: Batch, seeds: list[int]) -> Batch:
-        z, noise, p, block, prefix = per_sample(
-            corrupt_one_block,
-            seeds,
-            batch["input_ids"],
-            batch["loss_mask"],
-            draw_length=self.settings.dataset.seq_length,  # the noise does not depend on the padding
-            mask_token_id=int(self.mask_token_id),
-            block_size=self.cfg.block_size,
-            eps=self.cfg.eps,
-            suffix=self.cfg.mask_pattern == "suffix",
-        )
-        return {"noisy_input_ids": z, "noise_mask": noise, "p_mask": p, "block": block, "prefix_len": prefix}
-
-    @property
-    def causal_blocks(self) -> bool:
-        return self.cfg.block_attention == "causal"
+        suffix = self.cfg.mask_pattern == "suffix"
+        return draw_blocks(batch, seeds, self.cfg, mask_token_id=int(self.mask_token_id),
+                           draw_length=self.settings.dataset.seq_length, suffix=suffix)  # fmt: skip
 
     def token_counts(self, batch: Batch) -> dict[str, Tensor]:
-        if self.causal_blocks:  # every next-token target, and each drawn mask but the first (§2.8)
-            lookahead = (batch["noise_mask"].sum(1) - 1).clamp_min(0).sum()
-            return {"ar": next_token_targets(batch).sum(), "diffusion": lookahead}
         return {"diffusion": (batch["block"] & (batch["loss_mask"] != 0)).sum()}
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
-        if self.causal_blocks:
-            out = lookahead_loss(model, batch, int(self.mask_token_id))
-            out.weights["diffusion"] = self.cfg.lookahead_weight
-            return out
         cols = loss_columns(batch["noise_mask"] & (batch["loss_mask"] != 0))  # [n]
         cfg = self.cfg
         logits = block_causal_logits(
@@ -97,44 +69,34 @@ class BlockCausalStrategy(Strategy):
         return LossOutput(sums={"diffusion": total})
 
 
-def next_token_targets(batch: Batch) -> Tensor:
-    """[B, L] bool: the `ar` mode's targets (docs/strategies.md §2.7) at the target's own position."""
-    return F.pad(shifted_supervision(batch["loss_mask"], batch.get("attention_mask")), (1, 0))
+def refuse_natively_bidirectional(model: nn.Module, mode: str) -> None:
+    """UserError for a model that takes no 4D mask (both block modes attend through one)."""
+    model_type = getattr(getattr(unwrap(model), "config", None), "model_type", None)
+    if model_type in NATIVELY_BIDIRECTIONAL:
+        raise UserError(
+            f"dllm.mode={mode}: the {model_type} model attends through its own mask and takes no 4D "
+            "block-causal mask; pick a causal LM (Llama, Qwen3, SmolLM2, ...) or dllm.mode: mdlm"
+        )
 
 
-def lookahead_loss(model: nn.Module, batch: Batch, mask_token_id: int) -> LossOutput:
-    """Causal blocks (docs/strategies.md §2.8): the clean row, then the row's drawn masks appended at
-    their own positions k..k+m-1, one causal forward. The clean part gives the next-token loss on every
-    supervised token (the `ar` mode's); appended slot t sees the clean tokens before k and the slots
-    before it, as llada2 sees a block's masks, and slot t-1's logit predicts x[k+t] (t >= 1; t = 0 is
-    the clean position k-1's, already an `ar` target)."""
-    x, noise = batch["input_ids"], batch["noise_mask"]  # [B, L]
-    B, L = x.shape
-    dev = x.device
-    m = noise.sum(1)  # [B] masks drawn per row (a suffix of one block)
-    W = max(int(m.max()), 1)
-    k = torch.where(m > 0, noise.float().argmax(1), 0)  # [B] the first masked position
-    slot = torch.arange(W, device=dev)  # [W]
-    slot_valid = slot[None] < m[:, None]  # [B, W]
-    ids = torch.cat([x, torch.full((B, W), mask_token_id, dtype=x.dtype, device=dev)], 1)  # [B, L+W]
-    positions = torch.cat([torch.arange(L, device=dev).expand(B, L), k[:, None] + slot[None]], 1)  # [B, L+W]
-    valid = torch.cat([batch.get("attention_mask", torch.ones_like(x)).bool(), slot_valid], 1)  # [B, L+W]
-    mask = lookahead_mask(valid, k, L, mask_dtype(model, dev))  # [B, 1, L+W, L+W]
-    ar = next_token_targets(batch)  # [B, L]
-    ahead = slot_valid & (slot[None] >= 1)  # [B, W]: slot t's target x[k + t], read off slot t-1
-    cols = loss_columns(torch.cat([ar, ahead], 1))  # [n], canvas columns (the shift reads col - 1)
-    logits = model_logits(
-        model, cols, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+def draw_blocks(
+    batch: Batch, seeds: list[int], cfg: Any, *, mask_token_id: int, draw_length: int, suffix: bool
+) -> Batch:
+    """One block per row (`corrupt_one_block` with `cfg.block_size` and `cfg.eps`), masked at random or
+    as a suffix: the noisy ids, noise mask, p_mask, the block's positions and each row's prompt length.
+    `draw_length` is the recipe's seq_length, so the noise does not depend on the padding."""
+    z, noise, p, block, prefix = per_sample(
+        corrupt_one_block,
+        seeds,
+        batch["input_ids"],
+        batch["loss_mask"],
+        draw_length=draw_length,
+        mask_token_id=mask_token_id,
+        block_size=cfg.block_size,
+        eps=cfg.eps,
+        suffix=suffix,
     )
-    gather = (k[:, None] + slot[None]).clamp_max(L - 1)  # [B, W]
-    targets = torch.cat([x, x.gather(1, gather)], 1)[:, cols]  # [B, n]
-    sel_ar, sel_ahead = F.pad(ar, (0, W))[:, cols], F.pad(ahead, (L, 0))[:, cols]  # [B, n] each
-    return LossOutput(
-        sums={
-            "ar": per_token_ce(logits[sel_ar], targets[sel_ar]).sum(),
-            "diffusion": per_token_ce(logits[sel_ahead], targets[sel_ahead]).sum(),
-        }
-    )
+    return {"noisy_input_ids": z, "noise_mask": noise, "p_mask": p, "block": block, "prefix_len": prefix}
 
 
 def block_causal_logits(
