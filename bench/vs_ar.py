@@ -42,10 +42,10 @@ EM >= AR EM - 0.01, latency <= 0.5x AR, throughput >= 1.0x AR, ideally at one se
 figures of both arms beside them: steps, s/step (median over logged steps), training wall seconds
 and tokens (bench/real_model.py's `train_figures`). `--output FILE` writes everything as JSON.
 
-The dLLM here is the `block_causal` recipe with causal blocks (docs/strategies.md §2.8): a causal LM
-that also guesses ahead from [MASK] slots. `selfspec` (§3.10) decodes it losslessly: each forward checks
-the last drafts against the model's own greedy choices and drafts the next ones, so its answers are the
-model's greedy answers in fewer forwards. `llada2` decodes it block by block, committing every token at
+The dLLM here is the `causal_blocks` recipe (docs/strategies.md §2.10): a causal LM that also guesses
+ahead from [MASK] slots. `selfspec` (§3.10) decodes it losslessly: each forward checks the last drafts
+against the model's own greedy choices and drafts the next ones, so its answers are the model's greedy
+answers in fewer forwards. `llada2` decodes it block by block, committing every token at
 confidence >= threshold (lossy). Both keep an exact KV cache and stop a row at its EOS, so a 256-token
 budget costs what the answer costs.
 
