@@ -67,8 +67,7 @@ def test_eval_samplers_and_build_strategy_come_from_the_spec(path):
     # (a GRPO recipe, `rl:`, has no control arm even when it shares the fine-tune's eval section)
     control = s.eval.ar_control is not None and s.eval.ar_control.enabled and s.rl is None
     ar_rows = ["ar"] * bool(s.eval.ar_baseline) + ["ar_control"] * control
-    fits = [n for n in spec.samplers if n not in s.dllm.unfit_samplers()]  # a plugin's hook; built-ins: none
-    assert finetune.eval_samplers(s) == fits + list(spec.extra_evaluations) + ar_rows
+    assert finetune.eval_samplers(s) == list(spec.samplers) + list(spec.extra_evaluations) + ar_rows
     assert type(build_strategy(s)) is spec.strategy_class()
     assert type(s.dllm) is spec.config
 
@@ -240,3 +239,19 @@ def test_toy_mode_trains_under_torchrun_and_evaluates(tmp_path, monkeypatch):
     prepare(s)
     training = finetune.train(s, str(tmp_path / "run"))
     _check_run_and_evaluate(s, Path(training["run_dir"]))
+
+
+def test_an_evaluated_sampler_the_mode_does_not_list_fails_at_the_recipe_parse():
+    """Which samplers decode a mode is the registry's alone (no per-config hook): a recipe asking for
+    another one is refused when the flow parses it, naming the field and the samplers that fit."""
+    import yaml
+
+    from dllmflow.settings import SettingsError
+
+    data = yaml.safe_load((ROOT / "params" / "tiny_mdlm.yaml").read_text())
+    data["eval"]["samplers"] = ["llada", "selfspec"]
+    with pytest.raises(SettingsError, match=r"eval\.samplers: selfspec does not decode dllm\.mode=mdlm; "
+                                            r"samplers that fit: llada, llada2"):  # fmt: skip
+        finetune.parse_params_config(yaml.safe_dump(data))
+    data["eval"]["samplers"] = ["llada2", "llada"]
+    assert finetune.parse_params_config(yaml.safe_dump(data))["eval"]["samplers"] == ["llada2", "llada"]

@@ -67,12 +67,6 @@ class DLLMBaseConfig(_Section):
         """Refuse an `eval:` section that cannot decode what this mode trains (raise ValueError naming
         the field); the default accepts every one."""
 
-    def unfit_samplers(self) -> dict[str, str]:
-        """Samplers of the mode that cannot decode this configuration of it -> why (left out of the
-        flow's default evaluations; refused in `eval.samplers`); the default: none. No built-in mode
-        overrides it: a configuration that changes which samplers fit is a mode of its own."""
-        return {}
-
     def check_sections(self, settings: Any) -> None:
         """Refuse other sections this mode cannot train with (raise ValueError naming the field); the
         default accepts every one."""

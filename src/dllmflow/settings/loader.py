@@ -170,11 +170,6 @@ class Settings(BaseSettings):
         self.dataset.check_packing(self.dllm)
         self.dllm.check_eval(self.eval)
         self.dllm.check_sections(self)
-        unfit = self.dllm.unfit_samplers()
-        for name in [n for n in self.eval.samplers or () if n in unfit]:
-            raise ValueError(
-                f"eval.samplers: {name} cannot decode this dllm.mode={self.dllm.mode} model: {unfit[name]}"
-            )
         if self.eval.ar_control is not None:
             self.eval.ar_control.check(self.dllm, self.model)
         if self.eval.ar_baseline and self.dllm.mode == "ar":

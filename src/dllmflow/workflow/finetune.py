@@ -53,8 +53,20 @@ def parse_params_config(text: str) -> dict[str, Any]:
 def _checked(s: Settings) -> Settings:
     """The eval section's sampler settings against the mode's samplers (`check_eval_settings`, torch-free:
     the sampler configs, not the samplers), at the parse and again before training (`eval_samplers`)."""
+    from dllmflow.diffusion.modes import MODES, SamplerMisfitError, check_sampler
+    from dllmflow.diffusion.samplers import SAMPLERS
     from dllmflow.evaluation.protocol import check_eval_settings
+    from dllmflow.settings import SettingsError
 
+    extra = MODES[s.dllm.mode].extra_evaluations if s.dllm.mode in MODES else ()
+    for name in [n for n in s.eval.samplers or () if n in SAMPLERS and n not in extra]:
+        try:  # which samplers decode a mode is the registry's: refused here, before anything trains
+            check_sampler(s.dllm.mode, name)
+        except SamplerMisfitError:
+            fits = ", ".join(MODES[s.dllm.mode].samplers) if s.dllm.mode in MODES else "none"
+            raise SettingsError(
+                f"eval.samplers: {name} does not decode dllm.mode={s.dllm.mode}; samplers that fit: {fits}"
+            ) from None
     check_eval_settings(s)
     return s
 
@@ -174,8 +186,8 @@ def eval_samplers(settings: SettingsLike) -> list[str]:
         if unknown:
             raise UserError(f"eval.samplers: unknown sampler(s) {unknown}; choose from {sorted(SAMPLERS)}")
         return list(s.eval.samplers) + ar
-    unfit = s.dllm.unfit_samplers()  # a plugin's hook: no built-in mode leaves out a sampler it lists
-    return [n for n in spec.samplers if n not in unfit and _sampler_available(SAMPLERS, n)] + extra + ar
+    # which samplers decode a mode is the registry's (one ModeSpec per objective), never a config's
+    return [n for n in spec.samplers if _sampler_available(SAMPLERS, n)] + extra + ar
 
 
 def _sampler_available(registry, name: str) -> bool:
