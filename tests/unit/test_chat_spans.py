@@ -324,3 +324,22 @@ def test_the_comparison_catches_a_broken_mask_or_cut(smol, monkeypatch):
         chat_spans._Chat, "split", lambda self, p: (lambda k, t: (k + 1, t))(*real_split(self, p))
     )
     assert len(mismatches(smol, chats)) == len(chats)
+
+
+def test_a_template_that_raises_raises_as_apply_chat_template_does(smol_copy):
+    """The direct render (`_render_plain`) of a template that calls raise_exception: Jinja's error, as
+    apply_chat_template raises it; the chats it accepts encode as before."""
+    from jinja2.exceptions import TemplateError
+
+    tok = smol_copy()
+    tok.chat_template = (
+        "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('start with a user turn') }}"
+        "{% endif %}" + SMOLLM2
+    )
+    chats = gsm8k_chats(20)
+    assert mismatches(tok, chats) == []
+    bad = [{"role": "assistant", "content": "hi"}, *chats[0]]
+    with pytest.raises(TemplateError, match="start with a user turn"):
+        tok.apply_chat_template(bad, tokenize=False)
+    with pytest.raises(TemplateError, match="start with a user turn"):
+        encode_chats(tok, [chats[1], bad])
