@@ -127,8 +127,8 @@ def test_sweep_loads_once_and_each_point_is_the_standalone_evaluation(export, mo
 
     ckpt, _ = export
     loads, timed = [], []
-    real = generate.load_for_generation
-    monkeypatch.setattr(generate, "load_for_generation", lambda *a, **k: loads.append(a) or real(*a, **k))
+    real = generate.load_export  # what every evaluation load goes through, the checkpoint resolved once
+    monkeypatch.setattr(generate, "load_export", lambda *a, **k: loads.append(a) or real(*a, **k))
     real_speeds = speed.measure_speeds
     monkeypatch.setattr(speed, "measure_speeds", lambda r, p: timed.append(r) or real_speeds(r, p))
     # block_size None is llada's preset 128: the same effective setting as 128, run once

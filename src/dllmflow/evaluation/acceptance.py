@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from dllmflow.diffusion.masks.dflash import dflash_dense_mask
 from dllmflow.errors import UserError
+from dllmflow.inference.resolved import ResolvedCheckpoint, resolve
 from dllmflow.models.mask_id import find_mask_id
 
 
@@ -181,7 +182,7 @@ def acceptance_metrics(
 
 
 def load_dflash_pair(
-    checkpoint: str | Path,
+    checkpoint: str | Path | ResolvedCheckpoint,
     target: str | None = None,
     device: str | None = None,
     trust_remote_code: bool = False,
@@ -189,6 +190,10 @@ def load_dflash_pair(
     """-> (draft, target, tokenizer, training Settings or None, draft config). Both in eval mode.
     `trust_remote_code` is the caller's (its settings or the registered model's record), never the
     checkpoint's own settings.json."""
+    return _load_pair(resolve(checkpoint), target, device, trust_remote_code)
+
+
+def _load_pair(resolved: ResolvedCheckpoint, target: str | None, device: str | None, trust: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dllmflow.data.tokenizer import check_tokenizer_files, check_tokenizer_fits
@@ -197,13 +202,10 @@ def load_dflash_pair(
     from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
     from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
     from dllmflow.models.limits import vocab_rows
-    from dllmflow.runs import recorded_settings, resolve_checkpoint
 
-    ckpt = resolve_checkpoint(checkpoint)
-    settings = recorded_settings(ckpt)
+    ckpt, settings = resolved.path, resolved.settings
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    trust = trust_remote_code
     check_tokenizer_files(ckpt)
     header = check_checkpoint_files(ckpt)  # damaged weight files: one line naming the file/tensor
     draft = load_draft(ckpt, trust_remote_code=trust, dtype=dtype)  # untrusted: weights into our class
@@ -227,7 +229,7 @@ def load_dflash_pair(
             raise
         raise UserError(remote_code_refusal(target_id)) from None
     check_loaded_weights(tgt, info, header, target_id)
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.tokenizer_dir)
     rows = vocab_rows(tgt)
     if rows is not None and getattr(cfg, "own_mask_embedding", False):
         rows += 1  # the draft embeds the mask itself: the one id past the target's rows (models/dflash_draft)
@@ -236,7 +238,7 @@ def load_dflash_pair(
 
 
 def evaluate_dflash(
-    checkpoint: str | Path,
+    checkpoint: str | Path | ResolvedCheckpoint,
     settings: Any = None,
     split: str = "eval",
     limit: int | None = None,
@@ -251,7 +253,8 @@ def evaluate_dflash(
     from dllmflow.evaluation.protocol import checkpoint_record, split_sha256
 
     trust = bool(settings and settings.model.trust_remote_code)  # the caller's settings only
-    draft, tgt, tokenizer, trained, cfg = load_dflash_pair(checkpoint, target, trust_remote_code=trust)
+    checkpoint = resolve(checkpoint)  # once: the load and the protocol's record read it
+    draft, tgt, tokenizer, trained, cfg = _load_pair(checkpoint, target, None, trust)
     settings = settings or trained
     if prepared_dir is None:
         if settings is None:

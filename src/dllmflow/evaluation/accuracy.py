@@ -16,7 +16,9 @@ forward, positions and ratio. The protocol (sampler and all
 its settings, generation length, n-shot, chat template hash, limit, split, seed) is returned with the
 metrics and the predictions. In Python: `evaluate(checkpoint, settings, sampler="llada", limit=8)`.
 `--harness gsm8k` scores the same rows through lm-evaluation-harness instead (harness.py). The prompts
-and the checkpoint loading both share live in protocol.py, the answer extraction in data/task.py.
+and the checkpoint loading both share live in protocol.py, the answer extraction in data/task.py. The
+checkpoint is resolved once per evaluation (`inference.resolved.resolve`, or by the caller) and that
+resolution is what the steps below are handed.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dllmflow.evaluation.protocol import (
     split_sha256,
     template_hash,
 )
+from dllmflow.inference.resolved import ResolvedCheckpoint, resolve
 
 # ---- evaluation ---------------------------------------------------------------------------------
 
@@ -50,7 +53,7 @@ RESULT_KEYS = ("metrics", "protocol")  # what every `evaluate --output` JSON hol
 
 
 def evaluate(
-    checkpoint: str | Path,
+    checkpoint: str | Path | ResolvedCheckpoint,
     settings: Any = None,
     sampler: str | None = None,
     split: str = "eval",
@@ -66,7 +69,7 @@ def evaluate(
     -> {"metrics", "protocol", "predictions"}.
     """
     loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
-    return evaluate_loaded(loaded, checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
+    return evaluate_loaded(loaded, loaded.checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
 
 
 @dataclass
@@ -80,7 +83,11 @@ class Asked:
 
 
 def asked_of(
-    loaded: EvalRunner, checkpoint: str | Path, split: str, limit: int | None, prepared_dir: str | Path | None
+    loaded: EvalRunner,
+    checkpoint: str | Path | ResolvedCheckpoint,
+    split: str,
+    limit: int | None,
+    prepared_dir: str | Path | None,
 ) -> Asked:
     """The prompts `evaluate_loaded` asks (limit and shots from the eval section where unset): one
     place, so a sweep's timing pass asks what its evaluations asked."""
@@ -93,7 +100,7 @@ def asked_of(
 
 def evaluate_loaded(
     loaded: EvalRunner,
-    checkpoint: str | Path,
+    checkpoint: str | Path | ResolvedCheckpoint,
     *,
     split: str = "eval",
     limit: int | None = None,
@@ -143,7 +150,7 @@ def evaluate_loaded(
 
 
 def run_sweep(
-    checkpoint: str | Path,
+    checkpoint: str | Path | ResolvedCheckpoint,
     settings: Any,
     sampler: str,
     axes: dict[str, list],
@@ -172,6 +179,7 @@ def run_sweep(
     requested = sampler_points(sampler, axes, strict=strict)
     base = dict(overrides or {})
     loaded = build_eval_runner(checkpoint, settings, sampler, {**base, **requested[0]})
+    checkpoint = loaded.checkpoint  # resolved once: every point's record reads it
     sampler_options = {k: v for k, v in base.items() if k not in ("mask_id", "adapter", "trust_remote_code")}
     points, results, runners, seen = [], [], [], set()
     for i, point in enumerate(requested):
@@ -369,12 +377,14 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.output:  # before the model loads: replaced only if it is an evaluation result already
         check_output_file(args.output, kind="dllmflow evaluation result", keys=RESULT_KEYS, field="--output")
     settings = load_settings(args.params) if args.params else None
+    checkpoint = args.checkpoint  # resolved once: here when the default sampler needs it, else at the load
     if args.sampler is None:  # from the checkpoint's mode and the recipe, before anything loads
-        args.sampler = default_eval_sampler(args.checkpoint, settings)
+        checkpoint = resolve(args.checkpoint)
+        args.sampler = default_eval_sampler(checkpoint, settings)
     overrides = {**sampler_overrides(args), "mask_id": args.mask_id, "adapter": args.adapter,
                  "trust_remote_code": getattr(args, "trust_remote_code", False)}  # fmt: skip
     if args.sweep or args.sweep_file:
-        return _cli_sweep(args, settings, overrides)
+        return _cli_sweep(args, checkpoint, settings, overrides)
     run = evaluate
     if args.harness:
         try:
@@ -386,7 +396,7 @@ def cli_main(args: argparse.Namespace) -> int:
         check_harness_task(args.harness)
         run = partial(run_harness, task=args.harness)
     results = run(
-        args.checkpoint, settings, sampler=args.sampler, split=args.split, limit=args.limit,
+        checkpoint, settings, sampler=args.sampler, split=args.split, limit=args.limit,
         overrides=overrides, prepared_dir=args.prepared_dir,
     )  # fmt: skip
     print_results(results)
@@ -395,7 +405,9 @@ def cli_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cli_sweep(args: argparse.Namespace, settings: Any, overrides: dict[str, Any]) -> int:
+def _cli_sweep(
+    args: argparse.Namespace, checkpoint: str | ResolvedCheckpoint, settings: Any, overrides: dict[str, Any]
+) -> int:
     from dllmflow.evaluation.sweep import build_grid, sweep_table
 
     if args.harness:
@@ -407,7 +419,7 @@ def _cli_sweep(args: argparse.Namespace, settings: Any, overrides: dict[str, Any
     if not 0 <= tolerance <= 1:
         raise UserError(f"--sweep-tolerance must be in [0, 1], got {tolerance}")
     results = run_sweep(
-        args.checkpoint, settings, args.sampler, axes, split=args.split, limit=args.limit,
+        checkpoint, settings, args.sampler, axes, split=args.split, limit=args.limit,
         overrides=overrides, prepared_dir=args.prepared_dir, tolerance=tolerance,
     )  # fmt: skip
     print(sweep_table(results))

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from dllmflow.data.task import gold_answer, gsm8k_extract_flexible, gsm8k_extract_strict, task_chats
 from dllmflow.errors import UserError
+from dllmflow.inference.resolved import ResolvedCheckpoint
 
 from .protocol import build_eval_runner, checkpoint_record, resolve_prepared_dir, template_hash
 
@@ -94,7 +95,7 @@ class DLLMFlowLM(LM):
 
     def __init__(
         self,
-        checkpoint: str,
+        checkpoint: str | ResolvedCheckpoint,
         sampler: str = "llada",
         settings: Any = None,
         n_mc: int = 32,
@@ -298,7 +299,7 @@ def check_harness_task(name: str) -> None:
 
 
 def run_harness(
-    checkpoint: str | Path,
+    checkpoint: str | Path | ResolvedCheckpoint,
     settings: Any = None,
     *,
     task: str = "gsm8k",
@@ -318,7 +319,8 @@ def run_harness(
 
     # 1) the model (one load) and what to score
     check_harness_task(task)
-    lm = lm or DLLMFlowLM(str(checkpoint), sampler=sampler, settings=settings, **(overrides or {}))
+    lm = lm or DLLMFlowLM(checkpoint, sampler=sampler, settings=settings, **(overrides or {}))
+    checkpoint = lm.loaded.checkpoint or checkpoint  # resolved once, by the load
     prepared_dir = resolve_prepared_dir(checkpoint, lm.settings, prepared_dir)
     limit = limit if limit is not None else getattr(lm.loaded.eval_cfg, "limit", None)
 

@@ -4,6 +4,7 @@ figures must share to compare. How a question is asked and an answer read is the
 (data/task.py), which RL shares; which eval knob a sampler takes is diffusion/samplers/eval_knobs.py.
 
     loaded = build_eval_runner(checkpoint, settings, sampler="llada")    # model, tokenizer, sampler, settings
+    loaded.checkpoint                    # what it resolved to, once (inference/resolved.py): pass it on
     asked = eval_prompts(loaded.tokenizer, prepared_dir, "eval", limit, n_shot)   # ids, in length order
 
 Both evaluators import from here, never from each other.
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 from dllmflow.data.task import task_chats
 from dllmflow.diffusion.samplers.eval_knobs import SAMPLER_SPECIFIC, cache_modes, eval_defaults, sampler_takes
 from dllmflow.errors import UserError
+from dllmflow.inference.resolved import ResolvedCheckpoint, resolve
 
 # ---- the protocol two figures must share to compare ---------------------------------------------
 
@@ -106,16 +108,19 @@ def protocol_differences(candidate: dict[str, Any], champion: dict[str, Any]) ->
 # ---- the weights an evaluation ran ----------------------------------------------------------------
 
 
-def checkpoint_record(checkpoint: str | Path) -> dict[str, str | None]:
+def checkpoint_record(checkpoint: str | Path | ResolvedCheckpoint) -> dict[str, str | None]:
     """What an evaluation's protocol records of the weights it ran, so `dllmflow register` can bind it
     to a run's export: `checkpoint` as given, `checkpoint_dir` (the export it resolved to) and
     `checkpoint_sha256` (`weights_sha256` of that export)."""
     from dllmflow.runs import resolve_checkpoint
 
     try:
-        export = resolve_checkpoint(checkpoint).resolve()
+        found = (
+            checkpoint.path if isinstance(checkpoint, ResolvedCheckpoint) else resolve_checkpoint(checkpoint)
+        )
     except UserError:  # not a local dir (a registered model's URI): recorded as given
         return {"checkpoint": str(checkpoint)}
+    export = found.resolve()
     return {
         "checkpoint": str(checkpoint),
         "checkpoint_dir": str(export),
@@ -167,6 +172,7 @@ class EvalRunner:
     settings: Any
     sampler: str
     trained: Any = None  # the checkpoint's own training Settings (settings.json), what samplers match
+    checkpoint: ResolvedCheckpoint | None = None  # what was loaded, resolved once (`build_eval_runner`)
 
     @property
     def eval_cfg(self) -> Any:
@@ -201,18 +207,19 @@ def build_runner(
     )
 
 
-def default_eval_sampler(checkpoint: str | Path, settings: Any = None) -> str:
+def default_eval_sampler(checkpoint: str | Path | ResolvedCheckpoint, settings: Any = None) -> str:
     """What `evaluate` decodes with when no sampler is asked for: the first of the recipe's
     `eval.samplers` that fits the checkpoint's mode (its recorded settings.json, else the recipe's),
     else the checkpoint's own default (its export's, else its mode's first sampler). A recipe whose
     `eval.samplers` has none that fits is refused, naming them and the samplers that fit."""
+    return _default_sampler(resolve(checkpoint), settings)
+
+
+def _default_sampler(resolved: ResolvedCheckpoint, settings: Any) -> str:
     from dllmflow.diffusion.modes import MODES, SamplerMisfitError, check_sampler
     from dllmflow.diffusion.samplers import SAMPLERS
-    from dllmflow.inference.generate import resolve_default_sampler
-    from dllmflow.runs import recorded_settings, resolve_checkpoint
 
-    ckpt = resolve_checkpoint(checkpoint)
-    trained = recorded_settings(ckpt)
+    ckpt, trained = resolved.path, resolved.settings
     mode = (trained or settings).dllm.mode if (trained or settings) is not None else None
     asked = [n for n in (getattr(getattr(settings, "eval", None), "samplers", None) or []) if n in SAMPLERS]
     for name in asked:
@@ -229,11 +236,11 @@ def default_eval_sampler(checkpoint: str | Path, settings: Any = None) -> str:
         )
     if trained is None and mode in MODES and MODES[mode].default_sampler:  # the recipe's mode
         return MODES[mode].default_sampler
-    return resolve_default_sampler(ckpt)
+    return resolved.default_sampler
 
 
 def build_eval_runner(
-    checkpoint: str | Path,
+    checkpoint: str | Path | ResolvedCheckpoint,
     settings: Any = None,
     sampler: str | None = None,
     overrides: dict[str, Any] | None = None,
@@ -242,15 +249,18 @@ def build_eval_runner(
     """Load `checkpoint` (on `device`, None = cuda if available) and build `sampler` (None:
     `default_eval_sampler`) from its preset < settings.eval < `overrides` (one the sampler does not take
     is an error; `mask_id` picks the mask token). A sampler that does not decode the checkpoint's mode
-    is refused before the load, as the server and the pyfunc refuse it."""
+    is refused before the load, as the server and the pyfunc refuse it. `checkpoint` is resolved once
+    (a `ResolvedCheckpoint` is used as it is) and kept as `EvalRunner.checkpoint`."""
     from dllmflow.diffusion.modes import check_sampler
-    from dllmflow.inference.generate import load_for_generation, validate_sampler_request
-    from dllmflow.runs import recorded_settings, resolve_checkpoint
+    from dllmflow.inference.generate import load_export, validate_sampler_request
 
-    sampler = sampler or default_eval_sampler(checkpoint, settings)
-    validate_sampler_request(sampler)
-    trained_first = recorded_settings(resolve_checkpoint(checkpoint))
-    check_sampler(getattr(getattr(trained_first or settings, "dllm", None), "mode", None), sampler)
+    if sampler:  # an asked sampler is named before the checkpoint is looked for
+        validate_sampler_request(sampler)
+    ckpt = resolve(checkpoint)
+    if not sampler:
+        sampler = _default_sampler(ckpt, settings)
+        validate_sampler_request(sampler)
+    check_sampler(getattr(getattr(ckpt.settings or settings, "dllm", None), "mode", None), sampler)
     overrides = dict(overrides or {})
     if settings is not None:  # before the load: a cache no sampler of the mode can use is refused
         check_eval_settings(settings)
@@ -258,8 +268,8 @@ def build_eval_runner(
     trust = bool(overrides.pop("trust_remote_code", False)) or bool(
         settings and settings.model.trust_remote_code
     )
-    model, tokenizer, trained = load_for_generation(
-        checkpoint,
+    model, tokenizer, trained = load_export(
+        ckpt,
         mask_id=overrides.pop("mask_id", None),
         adapter=overrides.pop("adapter", None),
         device=device,
@@ -267,7 +277,7 @@ def build_eval_runner(
     )
     settings = settings or trained
     runner = build_runner(model, tokenizer, settings, sampler, overrides, trained)
-    return EvalRunner(model, tokenizer, runner, settings, sampler, trained)
+    return EvalRunner(model, tokenizer, runner, settings, sampler, trained, ckpt)
 
 
 def evaluated_samplers(settings: Any) -> list[str]:
@@ -307,7 +317,9 @@ def check_eval_settings(settings: Any) -> None:
         )
 
 
-def resolve_prepared_dir(checkpoint: str | Path, settings: Any, prepared_dir: str | Path | None) -> Path:
+def resolve_prepared_dir(
+    checkpoint: str | Path | ResolvedCheckpoint, settings: Any, prepared_dir: str | Path | None
+) -> Path:
     if prepared_dir is None:
         if settings is None:
             raise UserError(

@@ -8,7 +8,8 @@ sampler, driven by the same round-robin `scheduler.Scheduler` as the causal engi
 
 What is served: `ServedModel` (a local checkpoint dir, its sampler and recorded settings, lineage for
 `/v1/models`). `resolve_served` finds the HF dir a `--model-path` stands for, once per start, and whether
-it is a dLLM; `served_from_path` reads what to serve from a run or export dir: the sampler the run was
+it is a dLLM, and reads its records once (`inference/resolved.py`, kept as `ServedModel.resolved` for
+the engine's load); `served_from_path` reads what to serve from a run or export dir: the sampler the run was
 evaluated and gated with (`eval/<sampler>.json`, the sweep's chosen setting included), else the
 export's own (`config.json` `dllm` block). A registered model (`models:/<name>@<alias>`) is resolved
 in `inference/registered.py` to the same `ServedModel`.
@@ -45,8 +46,9 @@ from typing import Any
 from dllmflow.errors import UserError
 from dllmflow.inference.engine import ChatRequest
 from dllmflow.inference.requests import RequestError
+from dllmflow.inference.resolved import ResolvedCheckpoint, of_export, resolve
 from dllmflow.inference.scheduler import DecodeAborted
-from dllmflow.runs import HF_CONFIG, find_export, recorded_settings, resolve_checkpoint
+from dllmflow.runs import HF_CONFIG, find_export
 
 EVAL_DIR = "eval"  # runs.RunLayout.eval_dir: eval/<sampler>.json, what the register step gates with
 
@@ -62,6 +64,8 @@ class ServedModel:
     mode: str | None = None
     lineage: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
+    # `checkpoint` as resolved with its records (None: read from `checkpoint` at the load)
+    resolved: ResolvedCheckpoint | None = field(default=None, compare=False, repr=False)
 
 
 def resolve_served(path: str | os.PathLike) -> tuple[Path | None, ServedModel | None]:
@@ -79,18 +83,14 @@ def resolve_served(path: str | os.PathLike) -> tuple[Path | None, ServedModel | 
     return ckpt, served_from_path(path, ckpt) if is_dllm else None
 
 
-def served_from_path(path: str | os.PathLike, ckpt: Path | None = None) -> ServedModel:
+def served_from_path(path: str | os.PathLike, ckpt: Path | ResolvedCheckpoint | None = None) -> ServedModel:
     """A run/export dir -> what to serve: the sampler and settings it was gated with when a run dir
     holds `eval/<sampler>.json` (the sweep's chosen point), else the export's `dllm` block. `ckpt`: the
     HF dir `path` resolves to, when the caller resolved it already."""
-    from dllmflow.inference.generate import resolve_default_sampler
-    from dllmflow.models.model_card import read_dllm_block
-
-    ckpt = ckpt or resolve_checkpoint(path)
-    block = read_dllm_block(ckpt) or {}
-    sampler = resolve_default_sampler(ckpt)
-    settings = recorded_settings(ckpt)
-    mode = block.get("mode") or (settings.dllm.mode if settings is not None else None)
+    resolved = of_export(ckpt, given=path) if ckpt is not None else resolve(path)
+    ckpt, block = resolved.path, resolved.dllm
+    sampler = resolved.default_sampler
+    mode = block.get("mode") or resolved.mode
     sampler_settings = dict(block.get("sampler_settings") or {})
     lineage: dict[str, Any] = {"source": str(Path(path).resolve())}
     evaluation = _gating_eval(Path(path), ckpt, sampler)
@@ -100,7 +100,7 @@ def served_from_path(path: str | os.PathLike, ckpt: Path | None = None) -> Serve
         sweep = evaluation.get("sweep")
         if sweep:
             lineage["setting"] = sweep["points"][sweep["chosen"]]["setting"]
-    return ServedModel(ckpt, sampler, sampler_settings, mode, lineage)
+    return ServedModel(ckpt, sampler, sampler_settings, mode, lineage, resolved=resolved)
 
 
 def with_server_settings(recorded: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
@@ -168,11 +168,12 @@ class DllmEngine:
         from dllmflow.diffusion.samplers.asked import AskLimits, build_asked_config
         from dllmflow.diffusion.samplers.base import stop_token_ids
         from dllmflow.diffusion.samplers.configs import SamplerSettingError, build_sampler_config
-        from dllmflow.inference.generate import load_export, resolve_default_sampler
+        from dllmflow.inference.generate import load_export
         from dllmflow.models.limits import max_positions
 
         self.served = served
-        self.sampler = served.sampler or resolve_default_sampler(served.checkpoint)
+        checkpoint = served.resolved or of_export(served.checkpoint)  # a registered model's: read here
+        self.sampler = served.sampler or checkpoint.default_sampler
         try:
             check_sampler(served.mode, self.sampler)
         except SamplerMisfitError as e:
@@ -200,7 +201,7 @@ class DllmEngine:
         served = self.served = dataclasses.replace(served, sampler_settings=recorded)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer, self.trained = load_export(
-            served.checkpoint, device=device, dtype=getattr(torch, dtype),
+            checkpoint, device=device, dtype=getattr(torch, dtype),
             trust_remote_code=served.trust_remote_code,
         )  # fmt: skip
         if not getattr(self.tokenizer, "chat_template", None):

@@ -11,7 +11,8 @@ at export), else the first sampler of its recorded mode (`diffusion/modes.py`).
 
 `--checkpoint` takes a consolidated HF dir, a step dir, the checkpoint root (through `LATEST`), a
 run dir (`checkpoints/LATEST/...`), a curriculum run (its last stage) or a recipe dir such as
-`runs/tiny_mdlm` (its newest flow run); `dllmflow.runs.resolve_checkpoint` owns the order. Each
+`runs/tiny_mdlm` (its newest flow run); `dllmflow.runs.resolve_checkpoint` owns the order, and
+`inference/resolved.py` resolves it once into what every step below reads. Each
 sampler's preset is its config class (`LLaDAConfig` in `samplers/llada.py`, ...); flags override it,
 and a flag the sampler does not take is an error. In Python: `model, tok, settings =
 load_for_generation(path)` then `SAMPLERS[name](model, tok, build_sampler_config(name, overrides),
@@ -33,7 +34,8 @@ from typing import Any
 
 from dllmflow.common.cli_args import add_flag
 from dllmflow.errors import UserError
-from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint
+from dllmflow.inference.resolved import ResolvedCheckpoint, of_export, resolve
+from dllmflow.runs import HF_CONFIG, recorded_settings, resolve_checkpoint  # noqa: F401 - its home is runs
 from dllmflow.settings.pipeline import CACHE_MODES
 
 INFILL_SPAN = 20  # [MASK] in an --infill prompt becomes this many mask tokens (docs/strategies.md §3.0)
@@ -52,7 +54,7 @@ def resolve_generation_mask_id(explicit: int | None, settings: Any, tokenizer: A
 
 
 def load_for_generation(
-    path: str | Path,
+    path: str | Path | ResolvedCheckpoint,
     mask_id: int | None = None,
     device: str | None = None,
     dtype=None,
@@ -63,19 +65,19 @@ def load_for_generation(
     `model.config.mask_token_id`; UserError if none resolves. `adapter`: a peft LoRA dir loaded onto
     the checkpoint (`dllmflow.models.lora.load_adapter`). `trust_remote_code`: the caller's decision
     (a checkpoint that needs its own code without it is refused with an error naming the flag)."""
-    return load_export(resolve_checkpoint(path), mask_id, device, dtype, adapter, trust_remote_code)
+    return load_export(resolve(path), mask_id, device, dtype, adapter, trust_remote_code)
 
 
 def load_export(
-    ckpt: Path,
+    resolved: ResolvedCheckpoint,
     mask_id: int | None = None,
     device: str | None = None,
     dtype=None,
     adapter=None,
     trust_remote_code: bool = False,
 ):
-    """`load_for_generation` of a resolved HF dir `ckpt` (`runs.resolve_checkpoint`'s answer): for a
-    caller that resolved it already (`dllmflow serve`)."""
+    """`load_for_generation` of a checkpoint resolved already (`inference.resolved`: `resolve`, or
+    `of_export` of a dir found to be the export): its recorded settings are the ones read there."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,9 +85,10 @@ def load_export(
     from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
     from dllmflow.models.limits import vocab_rows
 
+    ckpt = resolved.path
     # With an adapter, its run's settings (next to it in the export) say how it was trained.
     settings = recorded_settings(Path(adapter).parent) if adapter else None
-    settings = settings or recorded_settings(ckpt)
+    settings = settings or resolved.settings
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     loader = _MODEL_LOADERS.get(_model_type(ckpt))
@@ -95,7 +98,7 @@ def load_export(
     header = check_checkpoint_files(ckpt)  # a cut-short or corrupt weight file: one line, before loading
     info = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.tokenizer_dir, trust_remote_code=trust_remote_code)
         if loader is not None:  # families AutoModelForCausalLM does not know (encoder + canvas decoders)
             model = loader(ckpt, dtype=dtype, device=device)
         else:  # the load report names missing/unexpected/reshaped tensors (models/integrity.py)
@@ -196,26 +199,11 @@ def check_sampler_fits(sampler: str, settings: Any) -> str | None:
     return None
 
 
-def resolve_default_sampler(ckpt: str | Path) -> str:
-    """The sampler an export decodes with when none is asked for: its `dllm.default_sampler`
-    (config.json, written at export), else the first sampler of its recorded mode, else llada (an
-    export from before either was recorded)."""
-    from dllmflow.diffusion.modes import MODES
-    from dllmflow.models.model_card import default_sampler
-
-    recorded = default_sampler(ckpt)
-    if recorded:
-        return recorded
-    settings = recorded_settings(ckpt)
-    if settings is None:
-        return "llada"
-    mode = settings.dllm.mode
-    if MODES[mode].default_sampler is None:
-        raise UserError(
-            f"checkpoint {ckpt} was trained with dllm.mode={mode}; no sampler decodes it alone "
-            "(evaluate a DFlash draft with its target: the flow's acceptance evaluation); or pass --sampler"
-        )
-    return MODES[mode].default_sampler
+def resolve_default_sampler(ckpt: str | Path | ResolvedCheckpoint) -> str:
+    """The sampler an export decodes with when none is asked for (`ResolvedCheckpoint.default_sampler`):
+    its `dllm.default_sampler`, else the first sampler of its recorded mode, else llada. `ckpt`: a
+    resolved checkpoint, or the export dir itself."""
+    return of_export(ckpt).default_sampler
 
 
 # ---- prompts and responses ----------------------------------------------------------------------
@@ -395,18 +383,19 @@ def cli_main(args: argparse.Namespace) -> int:
     from dllmflow.diffusion.samplers import SAMPLERS
 
     # every check that needs no model first (the load is the slow part)
+    ckpt = None
     if args.sampler is None:
         try:
-            ckpt = resolve_checkpoint(args.checkpoint)
+            ckpt = resolve(args.checkpoint)
         except UserError:  # reported below, after the flag checks (as with --sampler given)
             ckpt = None
-        args.sampler = resolve_default_sampler(ckpt) if ckpt is not None else "llada"
+        args.sampler = ckpt.default_sampler if ckpt is not None else "llada"
     validate_sampler_request(args.sampler, args.infill)
     config = flag_config(args.sampler, sampler_overrides(args))  # EOS "tokenizer": the sampler's
-    resolve_checkpoint(args.checkpoint)
+    ckpt = resolve(ckpt or args.checkpoint)
     torch.manual_seed(args.seed)
     model, tokenizer, settings = load_for_generation(
-        args.checkpoint,
+        ckpt,
         mask_id=args.mask_id,
         adapter=args.adapter,
         trust_remote_code=getattr(args, "trust_remote_code", False),

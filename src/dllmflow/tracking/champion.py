@@ -78,6 +78,7 @@ def remeasure(settings: Any, champion: Any, protocol: dict[str, Any], metric: st
     and setting); UserError when that cannot be done here or does not reproduce the protocol."""
     from dllmflow.evaluation.accuracy import evaluate
     from dllmflow.evaluation.protocol import protocol_differences
+    from dllmflow.inference.resolved import resolve
 
     missing = [k for k in ("prepared_dir", "split", "sampler", "sampler_settings") if not protocol.get(k)]
     if missing:
@@ -85,7 +86,7 @@ def remeasure(settings: Any, champion: Any, protocol: dict[str, Any], metric: st
     if protocol["sampler"] in ("acceptance", "ar"):
         raise UserError(f"a {protocol['sampler']} figure is not re-measured by the gate")
     with tempfile.TemporaryDirectory(prefix="dllmflow-champion-") as tmp:
-        checkpoint = download_checkpoint(champion.name, champion.version, tmp)
+        checkpoint = resolve(download_checkpoint(champion.name, champion.version, tmp))
         result = evaluate(
             checkpoint, settings, sampler=protocol["sampler"], split=protocol["split"],
             limit=protocol.get("limit"), overrides=dict(protocol["sampler_settings"]),

@@ -46,24 +46,24 @@ class DllmGenerator(PythonModel):
 
     def load_context(self, context):
         from dllmflow.inference.registered import check_recorded_trust
+        from dllmflow.inference.resolved import resolve
         from dllmflow.tracking.pyfunc_runtime import TRUST_ENV, caller_trusts
 
         self.generation = json.loads(Path(context.artifacts["generation"]).read_text())
         trust = caller_trusts(getattr(context, "model_config", None))
         how = f'load it with model_config={{"trust_remote_code": True}} (or {TRUST_ENV}=1)'
         check_recorded_trust(self.generation, trust, "registered model", how)
+        checkpoint = resolve(context.artifacts["checkpoint"])  # once, whichever loader reads it
         if self.generation["sampler"] == SPECULATIVE:  # a DFlash draft + its frozen target
             from dllmflow.evaluation.acceptance import load_dflash_pair
 
             target = context.artifacts.get("target") or self.generation.get("target")
-            self.pair = load_dflash_pair(
-                context.artifacts["checkpoint"], target=target, trust_remote_code=trust
-            )
+            self.pair = load_dflash_pair(checkpoint, target=target, trust_remote_code=trust)
         else:
             from dllmflow.inference.generate import load_for_generation
 
             self.model, self.tokenizer, self.trained = load_for_generation(
-                context.artifacts["checkpoint"], trust_remote_code=trust
+                checkpoint, trust_remote_code=trust
             )
 
     def predict(self, context, model_input, params=None):

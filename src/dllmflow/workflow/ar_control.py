@@ -89,8 +89,9 @@ def evaluate_control(settings: Settings, run_dir: str) -> dict[str, Any]:
     """The `ar_control` evaluation: the control's export decoded by the `ar` sampler, asked and scored
     with the run's own eval section (so as the dLLM is), its training beside (its speed: `comparison`)."""
     from dllmflow.evaluation.accuracy import evaluate
+    from dllmflow.inference.resolved import resolve_run
 
-    checkpoint = runs.find_consolidated(control_dir(run_dir))
+    checkpoint = resolve_run(control_dir(run_dir))
     result = evaluate(checkpoint, settings=settings, sampler="ar", limit=settings.eval.limit)
     result["training"] = training_of(control_dir(run_dir))
     result["model"] = (

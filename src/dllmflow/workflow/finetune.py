@@ -23,6 +23,7 @@ from typing import Any
 from dllmflow import runs
 from dllmflow.common.files import atomic_write_json
 from dllmflow.errors import UserError
+from dllmflow.inference.resolved import ResolvedCheckpoint
 from dllmflow.settings import Settings, load_settings_text
 from dllmflow.settings.pipeline import AR_CONTROL, AR_EVALUATION
 from dllmflow.workflow import ar_control
@@ -202,41 +203,53 @@ def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict
     """One sampler's evaluation of the run's export (at each sweep point, when `eval.sweep` is set), kept
     as the run dir's eval file. It reaches MLflow at `register`, which logs every sampler's result into
     the flow's run: the branches do not each pay MLflow's import and store open (~3 s a process)."""
-    from dllmflow.evaluation.accuracy import evaluate
+    from dllmflow.inference.resolved import resolve_run
 
     s = Settings.coerce(settings)
     other = OTHER_EVALUATIONS.get(sampler)
     if other is not None:
         result = other(s, run_dir)
-    else:
-        checkpoint = runs.find_consolidated(run_dir)
-        setting = None
-        if s.eval.sweep is not None:  # the model is registered (and gated) at the chosen point
-            from dllmflow.evaluation.accuracy import run_sweep
-            from dllmflow.evaluation.sweep import chosen_setting, sweep_table
-
-            result = run_sweep(
-                checkpoint, s, sampler, s.eval.sweep.axes(), limit=s.eval.limit, strict=False,
-                tolerance=s.eval.sweep_tolerance, metric=sweep_metric(s),
-            )  # fmt: skip
-            setting = chosen_setting(result)
-            print(sweep_table(result), flush=True)
-        else:
-            result = evaluate(checkpoint, settings=s, sampler=sampler, limit=s.eval.limit)
-        baseline = untrained_baseline(s, sampler, setting)
-        if baseline is not None:
-            result["baseline"] = baseline
-        if ar_control.enabled(s) and sampler == _gated_sampler(s, dict.fromkeys(eval_samplers(s))):
-            result["training"] = ar_control.training_of(run_dir)  # its side (its speed: at register)
+    else:  # the run's export, resolved once: what the evaluation is handed
+        checkpoint = resolve_run(run_dir)
+        export_evaluation = EXPORT_EVALUATIONS.get(sampler, _evaluate_export)
+        result = export_evaluation(s, run_dir, checkpoint, sampler)
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
     return result
 
 
-def _evaluate_acceptance(s: Settings, run_dir: str) -> dict[str, Any]:
+def _evaluate_export(
+    s: Settings, run_dir: str, checkpoint: ResolvedCheckpoint, sampler: str
+) -> dict[str, Any]:
+    """`sampler` decoding the run's export: at the sweep's chosen point when `eval.sweep` is set, beside
+    the untrained baseline and, for the gated sampler against the AR control, the run's training."""
+    from dllmflow.evaluation.accuracy import evaluate, run_sweep
+    from dllmflow.evaluation.sweep import chosen_setting, sweep_table
+
+    setting = None
+    if s.eval.sweep is not None:  # the model is registered (and gated) at the chosen point
+        result = run_sweep(
+            checkpoint, s, sampler, s.eval.sweep.axes(), limit=s.eval.limit, strict=False,
+            tolerance=s.eval.sweep_tolerance, metric=sweep_metric(s),
+        )  # fmt: skip
+        setting = chosen_setting(result)
+        print(sweep_table(result), flush=True)
+    else:
+        result = evaluate(checkpoint, settings=s, sampler=sampler, limit=s.eval.limit)
+    baseline = untrained_baseline(s, sampler, setting)
+    if baseline is not None:
+        result["baseline"] = baseline
+    if ar_control.enabled(s) and sampler == _gated_sampler(s, dict.fromkeys(eval_samplers(s))):
+        result["training"] = ar_control.training_of(run_dir)  # its side (its speed: at register)
+    return result
+
+
+def _evaluate_acceptance(
+    s: Settings, run_dir: str, checkpoint: ResolvedCheckpoint, sampler: str
+) -> dict[str, Any]:
     """DFlash: the exported draft's acceptance length against its frozen target."""
     from dllmflow.evaluation.acceptance import evaluate_dflash
 
-    return evaluate_dflash(runs.find_consolidated(run_dir), settings=s, limit=s.eval.limit)
+    return evaluate_dflash(checkpoint, settings=s, limit=s.eval.limit)
 
 
 def _evaluate_ar(s: Settings, run_dir: str) -> dict[str, Any]:
@@ -246,12 +259,14 @@ def _evaluate_ar(s: Settings, run_dir: str) -> dict[str, Any]:
     return evaluate_ar(s, limit=s.eval.limit)
 
 
-# Evaluations that are not a sampler decoding the run's checkpoint: name -> (settings, run dir) -> result
+# Evaluations that do not decode the run's export: name -> (settings, run dir) -> result
 OTHER_EVALUATIONS = {
-    "acceptance": _evaluate_acceptance,
     AR_EVALUATION: _evaluate_ar,
     AR_CONTROL: ar_control.evaluate_control,
 }
+# Evaluations of the run's export that are not a sampler decoding it:
+# name -> (settings, run dir, export, name) -> result
+EXPORT_EVALUATIONS = {"acceptance": _evaluate_acceptance}
 
 
 def sweep_metric(settings: Settings) -> str:

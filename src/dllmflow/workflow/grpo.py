@@ -26,6 +26,7 @@ from typing import Any
 
 from dllmflow import runs
 from dllmflow.errors import UserError
+from dllmflow.inference.resolved import ResolvedCheckpoint, resolve
 from dllmflow.settings import Settings
 
 SettingsLike = Settings | dict[str, Any]
@@ -34,15 +35,15 @@ SettingsLike = Settings | dict[str, Any]
 # ---- the starting model ----------------------------------------------------------------------------------
 
 
-def resolve_init_from(init_from: str, settings: Settings) -> tuple[Path, dict[str, str]]:
-    """(local export dir, lineage) of a run dir / export dir / models:/ URI."""
+def resolve_init_from(init_from: str, settings: Settings) -> tuple[ResolvedCheckpoint, dict[str, str]]:
+    """(local export, resolved once, lineage) of a run dir / export dir / models:/ URI."""
     if init_from.startswith("models:/"):
         return _registered_export(init_from, settings)
-    export = runs.resolve_checkpoint(init_from)
-    return export, {"parent_init_from": init_from, "parent_export": str(export.absolute())}
+    export = resolve(init_from)
+    return export, {"parent_init_from": init_from, "parent_export": str(export.path.absolute())}
 
 
-def _registered_export(uri: str, settings: Settings) -> tuple[Path, dict[str, str]]:
+def _registered_export(uri: str, settings: Settings) -> tuple[ResolvedCheckpoint, dict[str, str]]:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -65,10 +66,10 @@ def _registered_export(uri: str, settings: Settings) -> tuple[Path, dict[str, st
             f"rl.init_from={uri!r}: no such registered model version ({str(e).splitlines()[0]}); "
             "write models:/<name>@<alias> or models:/<name>/<version>"
         ) from None
-    export = runs.resolve_checkpoint(checkpoint)
+    export = resolve(checkpoint)
     return export, {
         "parent_init_from": uri,
-        "parent_export": str(export),
+        "parent_export": str(export.path),
         "parent_model": f"{name}/{version.version}",
         "parent_run_id": version.run_id or "",
     }
@@ -88,14 +89,18 @@ def starting_settings(
             "rl.init_from: no starting model; pass --init-from <run dir | export | models:/name@alias>"
         )
     export, parent = resolve_init_from(init, s)
-    trained = runs.recorded_settings(export)
+    trained = export.settings
     if trained is not None and trained.dllm.mode != s.dllm.mode:
         raise UserError(
             f"rl.init_from={init!r} was trained with dllm.mode={trained.dllm.mode}; the recipe says "
             f"{s.dllm.mode}: use a recipe of that mode"
         )
     data = s.to_dict()
-    data["model"] = {**data["model"], "pretrained_model_name_or_path": str(export.absolute()), "tiny": None}
+    data["model"] = {
+        **data["model"],
+        "pretrained_model_name_or_path": str(export.path.absolute()),
+        "tiny": None,
+    }
     data["rl"] = {**data["rl"], "init_from": init}
     return Settings.coerce(data), parent
 
