@@ -22,22 +22,30 @@ the median of the per-round ratios). TOKENIZERS_PARALLELISM=false: the library o
 CPU-efficient setting. Checked every run: prepare's ids and masks equal the prefix rule's through
 `apply_chat_template` (encode_chat) on every distinct chat, and its ids equal encode_batch's on every row.
 
-Measured 2026-12-07 on 2 cores shared with two other sessions' jobs (load average 6.7), `--repeat 8
---rounds 3 --prepare` (the run before it, same code, load 7.2: first 1.28x, scale 1.20x, rounds
-1.08-1.20x):
-  first     library encode_batch 4,086 rows/CPU-s, prepare's encode_chats 5,145: 1.26x (goal >= 1.0);
-            the old path (a render and an encode per prefix) 1,148: 0.28x library, the new one 4.5x it
-  scale     10,552 rows: library 4,401, encode_chats 5,242: 1.15x (rounds 1.15, 1.20, 1.12); the
-            library's own render + encode (apply_chat_template batched) 3,506
-  prepare   end to end, 10,552 rows: 2,226 rows/CPU-s = 0.51x library; per added row 3,026 = 0.69x
+Measured 2026-12-07 on the 2 cores shared with two other sessions' jobs and a long benchmark (load
+average 4.4-4.6), after prepare's speed-up (the tokenizer loaded once, non-ASCII chats cut into ASCII
+pieces for the word encoder, the template rendered directly, columnar shard writing, GC paused per chunk):
+  --repeat 8 --rounds 3 --prepare (load 4.6)
+  first     library encode_batch 4,493 rows/CPU-s, prepare's encode_chats 7,237: 1.61x (goal >= 1.0);
+            the old path (a render and an encode per prefix) 1,166: encode_chats 6.2x it
+  scale     10,552 rows: library 5,141, encode_chats 12,102: 2.40x (rounds 2.40, 2.42, 2.28); the
+            library's own render + encode (apply_chat_template batched) 4,084
+  prepare   end to end, 10,552 rows: 5,510 rows/CPU-s = 1.07x library (goal >= 1.0); per added row
+            6,694 = 1.30x. Runs the same day with all but the last small changes: 1.00-1.10x / 1.18-1.39x.
+  --repeat 40 --rounds 3 --prepare (load 4.4): scale 52,760 rows: library 5,269, encode_chats 10,626:
+            2.02x; prepare end to end 5,580 rows/CPU-s = 1.06x, per added row 5,775 = 1.10x (a rerun
+            with --rounds 1: 1.18x / 1.35x).
   ids and masks identical to the prefix rule on all 1,319 distinct chats; ids identical to
-  encode_batch's on every row.
-What bounds it: encode_chats spends ~45% of its time in the two template renders per chat (transformers'
-renderer and Jinja: the chat, and its prefix with the generation prompt), ~40% encoding word by word and
-the rest in the Rust encode of the non-ASCII chats (~9%) and the masks. `prepare` end to end adds what is
-not encoding (profiled at 5k rows: JSON parsing ~0.1 ms a row, shard writing ~30% of the run, the
-tokenizer loaded twice and the imports as fixed costs): that, not the chats' encoding, holds it at
-0.5-0.7x the library's bare encode_batch.
+  encode_batch's on every row; the prepared bytes identical to before the speed-up.
+Before it (same day, load 6.7): encode_chats 1.15-1.26x; prepare end to end 0.51x, per added row 0.69x.
+What bounds it: encode_chats spends ~20% of its time in the two template renders per chat (~9 us each:
+Jinja's own work), ~65% encoding (half of it the word regex, ~150 words a chat) and the rest in the
+masks and the ~9% non-ASCII chats' pieces the Rust tokenizer encodes. `prepare` end to end adds, per
+row: parquet writing ~18 us (its bytes are the format's: not changed), the shard table ~6 us, JSONL
+reading and row checks ~9 us, fit_row ~8 us; and once a run the tokenizer's load (~0.16 s, 15 us a
+row at 10k rows) and the source and shard hashes. Measured inside this process after the library's
+rounds (a heap of ~6 x 10^5 objects), prepare runs ~20% slower than in a fresh process (x40: 6,900
+rows/CPU-s there): the end-to-end ratio here is the conservative one.
 """
 
 from __future__ import annotations

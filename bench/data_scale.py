@@ -3,6 +3,8 @@ loader speed, on synthetic GSM8K-length chats (user ~60 words, assistant ~180 wo
 
     python bench/data_scale.py --rows 60000                          # minutes on 2 cores
     nohup python bench/data_scale.py --rows 1000000 --baseline-rows 0 > /tmp/ds1m.log 2>&1 &
+    python bench/data_scale.py --rows 1000000 --baseline-rows 0 --workers 1 --skip-step --real-repeat 0 \
+        --epoch [--cold 1]                                             # verification vs a whole epoch
     python bench/data_scale.py --rows 60000 --baseline-src /tmp/main/src   # old code path from main
 
 What runs, each in a fresh child process (peak RSS = the largest VmHWM of any one process, the child's
@@ -15,6 +17,11 @@ own and its workers', from getrusage):
             after - before) and peak added (VmHWM);
   loader    samples/s through `GlobalBatches` + the tiny_mdlm collator, against what one tiny_mdlm
             training step consumes (global batch / step time of a 4-step run on this machine);
+  epoch     (`--epoch`) as a training rank does it (world 1), in one child: open the train split,
+            verify it, then load one whole epoch, every step in order through `GlobalBatches` + the
+            tiny_mdlm collator; wall and CPU seconds of each, RSS added by open + verify and peak added
+            by the epoch. `--cold 1`: the split's token files dropped from the page cache first
+            (posix_fadvise, theirs only), so verification reads them from disk;
   real      a real tokenizer, template and text beside the synthetic rows: bench/chat_encode.py in a
             child (SmolLM2's tokenizer and template, the embedded GSM8K chats x `--real-repeat`):
             prepare's encode_chats against the library's encode_batch (issue 50: >= 1.0x).
@@ -23,13 +30,27 @@ rows/s of one worker is rows/s per core; rows per CPU-second (user + sys of ever
 too. The tokenizer is a byte-level BPE of 4,096 fitted once on 5,000 of the rows and given as
 `tokenizer.name_or_path` (a real recipe's is the model's): prepare measures tokenising, not fitting.
 
-Goals (issue 50): verification <= 5% of one epoch's data loading (the split's rows at the loader's
-samples/s), and opening + verifying a split adds <= 100 MB of RSS.
+Goals (issue 50): verification <= 5% of one epoch's data loading, and opening + verifying a split
+adds <= 100 MB of RSS.
+Measured 2026-12-07 at 1M rows (`--rows 1000000 --baseline-rows 0 --workers 1 --skip-step --real-repeat
+0 --epoch`, and `--cold 1`; the 2 cores shared with other sessions' jobs, load average 4-6): 979,856
+train rows, 1.52 GB of token files; one whole epoch (122,482 steps of 8) loaded in 157-195 s wall,
+108-120 CPU-s (6,166-6,235 samples/s; the 60-step `loader` row's 2,667-4,895/s undercounts it: its
+steps start on shards whose layout is not read yet). Open 4-11 ms.
+  page cache warm   verify 2.36 s (1.58 CPU-s): open + verify = 1.51% of the epoch's wall time, 1.32%
+                    of its CPU; a second run (load ~5) 3.18 s (1.82 CPU-s): 1.63% / 1.52% (goal <= 5%)
+  page cache cold   verify 3.72 s (1.92 CPU-s; 0.41 GB/s read and hashed): 2.34% / 1.78%
+  RSS               +0.3 MB after open + verify (peak +0.8: hashing reads 1 MiB at a time and the
+                    read pages are page cache, not RSS; goal <= 100); the epoch's peak +76.6 MB (its
+                    980k-row permutation as Python ints, batches), +30.0 MB with 1,000 random rows.
+Verification is per process: each rank hashes every token file of the split, so W ranks on one node
+spend W x ~1.8 CPU-s against the same epoch (its rows shared among them): ~5% at W = 4 on this CPU
+(sha256 ~0.85 GB/s on one core). Verifying once per machine (a marker keyed by the files' stat,
+under a lock) would keep it at one rank's cost.
 Measured 2026-12-07, 60k rows (`--rows 60000 --baseline-rows 0 --workers 1 --skip-step`, load ~3 on
 the 2 shared cores): 0.091 GB of token files hashed in 0.25 s (sha256 at 0.37 GB/s, page cache warm)
-+ open 5 ms, against 19 s of loading the epoch (3,137 samples/s): 1.35%. Both grow with the bytes per
-row, so the ratio holds at 1M rows (1.55 GB of token files: ~4.2 s against ~290 s at the 1M loader's
-3,429 samples/s, ~1.4%). RSS: +0.0 MB after open + verify (hashing reads 1 MiB at a time; the read
++ open 5 ms, against 19 s of loading the epoch (3,137 samples/s, extrapolated from the loader row):
+1.35%. RSS: +0.0 MB after open + verify (hashing reads 1 MiB at a time; the read
 pages are page cache, not RSS), peak +29.3 MB with the 1,000 random rows, as before verification.
 
 Goals (issue 40): prepare peak RSS of any process <= 1.5 GB at 1M rows; per-core rows/s >= 3x the
@@ -235,6 +256,53 @@ def child_loader(a) -> dict:
     return {"samples_s": len(steps) * t.global_batch_size / (time.perf_counter() - t0)}
 
 
+def child_epoch(a) -> dict:
+    """As a training rank does it (world 1): open the train split, verify it, then one whole epoch of
+    data loading, every step in order through GlobalBatches + the tiny_mdlm collator. Wall and CPU
+    seconds of each part; RSS added (VmRSS) by open + verify, and the peak added (VmHWM) by the epoch."""
+    import torch  # noqa: F401 - imported before the first RSS reading, as in a trainer
+
+    from dllmflow.data.dataset import PreparedDataset
+    from dllmflow.data.pack import build_collator
+    from dllmflow.data.tokenizer import load_tokenizer
+    from dllmflow.settings import load_settings
+    from dllmflow.training.data import GlobalBatches
+
+    s = load_settings(RECIPE, dataset={"seq_length": SEQ, "prepared_dir": a.out})
+    collate = build_collator(s, load_tokenizer(a.out))  # loaded before the first reading, as a trainer does
+    if a.cold:  # the token files out of the page cache (only theirs): verification reads them from disk
+        for f in Path(a.out).glob("train/*.tokens.arrow"):
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    before, peak_before = _rss_mb(), _hwm_mb()
+
+    def timed(fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        return out, time.perf_counter() - t0, time.process_time() - c0
+
+    ds, open_s, open_cpu = timed(lambda: PreparedDataset(a.out, "train"))
+    _, verify_s, verify_cpu = timed(ds.verify)
+    verified_rss, verified_peak = _rss_mb() - before, _hwm_mb() - peak_before
+    t = s.train
+    batches = GlobalBatches(ds, collate, t.global_batch_size, t.local_batch_size, 0, 1, t.seed)
+    steps = len(ds) // t.global_batch_size
+    steps = min(steps, a.epoch_steps) if a.epoch_steps else steps
+
+    def epoch() -> None:
+        for k in range(steps):
+            batches.step(k)  # collated micro-batches, dropped as a training step drops them
+
+    _, epoch_s, epoch_cpu = timed(epoch)
+    return {"rows": len(ds), "steps": steps, "samples": steps * t.global_batch_size,
+            "token_gb": sum(ds.manifest["files"][p]["bytes"] for p in ds._store.paths) / 2**30,
+            "open_s": open_s, "open_cpu": open_cpu, "verify_s": verify_s, "verify_cpu": verify_cpu,
+            "epoch_s": epoch_s, "epoch_cpu": epoch_cpu, "rss_after_verify_mb": verified_rss,
+            "peak_after_verify_mb": verified_peak, "epoch_peak_added_mb": _hwm_mb() - peak_before}  # fmt: skip
+
+
 def child_step(a) -> dict:
     """One tiny_mdlm step's consumption: global batch / median step time of a 4-step run."""
     import statistics
@@ -255,7 +323,8 @@ def child_step(a) -> dict:
             "consumed_samples_s": s.train.global_batch_size / step_s}  # fmt: skip
 
 
-CHILDREN = {"prepare": child_prepare, "dataset": child_dataset, "loader": child_loader, "step": child_step}
+CHILDREN = {"prepare": child_prepare, "dataset": child_dataset, "loader": child_loader, "step": child_step,
+            "epoch": child_epoch}  # fmt: skip
 
 
 def run_child(kind: str, src: str | None = None, **kw) -> dict:
@@ -299,6 +368,18 @@ def main() -> None:
     )
     p.add_argument("--skip-step", action="store_true", help="Skip the tiny_mdlm step timing.")
     p.add_argument("--real-repeat", type=int, default=8, help="GSM8K chats x this, SmolLM2 (0: skip).")
+    p.add_argument("--epoch", action="store_true",
+                   help="Also open + verify the train split and load one whole epoch as training does, in one child: "
+                        "verification against the epoch's measured data-loading time (issue 50: <= 5%%).")  # fmt: skip
+    p.add_argument(
+        "--epoch-steps", type=int, default=0, help="With --epoch: stop after this many steps (0: the epoch)."
+    )
+    p.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        help="With --epoch: 1 = the token files dropped from the page cache first.",
+    )
     p.add_argument("--child", choices=sorted(CHILDREN))
     p.add_argument("--chats"), p.add_argument("--tok"), p.add_argument("--out")
     a = p.parse_args()
@@ -312,6 +393,20 @@ def main() -> None:
     finally:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def report_epoch(a, out: Path) -> dict:
+    """The `epoch` child on the prepared dir `out`, printed as verification against the epoch."""
+    e = run_child("epoch", out=out, epoch_steps=a.epoch_steps, cold=a.cold)
+    v, v_cpu = e["open_s"] + e["verify_s"], e["open_cpu"] + e["verify_cpu"]
+    print(f"epoch{' (page cache cold)' if a.cold else ''}: {e['rows']:,} train rows ({e['token_gb']:.2f} GB of token files) opened in {e['open_s']:.2f} s, "
+          f"verified in {e['verify_s']:.2f} s ({e['verify_cpu']:.2f} CPU-s); {e['samples']:,} samples in "
+          f"{e['steps']:,} steps loaded in {e['epoch_s']:.0f} s ({e['epoch_cpu']:.0f} CPU-s, "
+          f"{e['samples'] / e['epoch_s']:.0f} samples/s): open + verify = {100 * v / e['epoch_s']:.2f}% of the "
+          f"epoch's wall time, {100 * v_cpu / e['epoch_cpu']:.2f}% of its CPU (goal <= 5%); RSS added by "
+          f"open + verify {e['rss_after_verify_mb']:.1f} MB (peak {e['peak_after_verify_mb']:.1f}; goal <= 100), "
+          f"peak added by the epoch {e['epoch_peak_added_mb']:.1f} MB", flush=True)  # fmt: skip
+    return e
 
 
 def measure(a, work: Path) -> None:
@@ -363,6 +458,8 @@ def measure(a, work: Path) -> None:
           f"epoch's data loading {epoch_s:.0f} s ({d['rows']} rows at {lo['samples_s']:.0f}/s): "
           f"{100 * (d['verify_s'] + d['open_s']) / epoch_s:.2f}% (goal <= 5%); RSS added after open + verify "
           f"{d['rss_after_verify_mb']:.1f} MB, peak added {d['peak_added_mb']:.1f} MB (goal <= 100)")  # fmt: skip
+    if a.epoch:
+        results["epoch"] = report_epoch(a, out)
     line = f"loader: {lo['samples_s']:.0f} samples/s through GlobalBatches + collator"
     if not a.skip_step:
         st = run_child("step")
