@@ -138,7 +138,8 @@ def test_next_steps_message_shows_untrained_vs_trained_the_decision_and_commands
         ("dllm: {mode: idlm, mask_token_id: 2}\neval: {cache: dual}\n", ("eval.cache", "'dual'", "idlm")),
         ("dllm: {mode: idlm, mask_token_id: 2}\neval: {sweep: {cache: [none, prefix]}}\n",
          ("eval.sweep.cache", "'prefix'", "idlm takes cache: none")),
-        ("eval: {samplers: [nemotron], cache: prefix}\n", ("eval.cache", "nemotron takes cache: none")),
+        ("dllm: {mode: hybrid}\neval: {samplers: [nemotron], cache: prefix}\n",
+         ("eval.cache", "nemotron takes cache: none")),
     ],
 )  # fmt: skip
 def test_a_cache_no_evaluated_sampler_can_use_is_refused_at_parse_time(text, needles):
@@ -166,8 +167,9 @@ def test_eval_cache_applies_to_the_samplers_that_take_it(monkeypatch):
 
 
 def test_a_sweep_key_no_evaluated_sampler_takes_is_refused_before_training():
-    # cache None: the recipe's eval.cache (dual) would be refused for gemma first
-    s = load_settings(TINY, eval={"samplers": ["gemma"], "cache": None, "sweep": {"threshold": [None, 0.9]}})
+    # gemma decodes block_diffusion (the recipe's mode): with no threshold option, a threshold sweep is refused
+    s = load_settings(TINY.with_name("tiny_block_diffusion.yaml"),
+                      eval={"samplers": ["gemma"], "cache": None, "sweep": {"threshold": [None, 0.9]}})  # fmt: skip
     with pytest.raises(
         SettingsError, match=r"eval.sweep.threshold: 0.9 .* \(gemma\): none of them has a threshold"
     ):
