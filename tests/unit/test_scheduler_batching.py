@@ -78,12 +78,14 @@ def test_a_full_batch_starts_without_waiting_out_the_window():
 
 
 def test_requests_arriving_apart_within_the_window_share_a_batch():
+    # A 30 s window the three fill (max_batch_size 3), so the batch leaves when the third arrives: how
+    # late a loaded machine runs the sleeps below cannot push a request out of it (a 0.3 s window could).
     engine = RecordingEngine()
-    scheduler = Scheduler(engine, max_batch_size=8, batch_wait_s=0.3)
+    scheduler = Scheduler(engine, max_batch_size=3, batch_wait_s=30.0)
     reqs = [_req() for _ in range(3)]
 
     async def body():
-        for r in reqs:  # 0.05 s apart: each arrives inside the window the one before opened
+        for r in reqs:  # 0.05 s apart: each arrives inside the window the first one opened
             scheduler.submit(r)
             await asyncio.sleep(0.05)
         for r in reqs:
