@@ -202,3 +202,24 @@ def test_the_prepare_fan_out_shares_nothing_but_the_bucket(s3, tmp_path):
     assert _files(tmp_path / "join" / "prepared") == _files(tmp_path / "ref" / "prepared")
     fetched = fetch_prepared(url, tmp_path / "trainer" / "prepared", data["content_hash"])
     assert fetched["content_hash"] == data["content_hash"] and not fetched["reused"]
+
+
+def test_dllmflow_prepare_publishes_when_remote_dir_is_set(s3, tmp_path, capsys):
+    import argparse
+
+    import yaml
+
+    from dllmflow.data.prepare import cli_main
+
+    url = f"s3://{s3.bucket}/prepared/cli"
+    recipe = tmp_path / "remote.yaml"
+    recipe.write_text(
+        yaml.safe_dump({"dataset": {"limit": 16, "prepared_dir": str(tmp_path / "p"), "remote_dir": url}})
+    )
+    assert cli_main(argparse.Namespace(params=[str(RECIPE), str(recipe)], force=False, workers=1)) == 0
+    digest = read_manifest(tmp_path / "p")["content_hash"]
+    assert f"published {url}/sets/{digest}" in capsys.readouterr().out.replace("\n", "")  # rich wraps lines
+    pointer = json.loads(
+        s3.client().get_object(Bucket=s3.bucket, Key="prepared/cli/manifest.json")["Body"].read()
+    )
+    assert pointer["content_hash"] == digest

@@ -3,7 +3,8 @@
     dllmflow prepare --params params/tiny_mdlm.yaml [more.yaml ...] [--force] [--workers N]
     manifest = prepare(load_settings("params/tiny_mdlm.yaml"))
 
-Layout of `dataset.prepared_dir` (docs/contracts.md): manifest.json, tokenizer/, train/shard-*.parquet,
+With `dataset.remote_dir` the prepared set is then published to the object store (data/remote.py), where
+every trainer fetches it. Layout of `dataset.prepared_dir` (docs/contracts.md): manifest.json, tokenizer/, train/shard-*.parquet,
 eval/shard-*.parquet. The directory is built under a temporary name next to it and renamed into place,
 so a failed or interrupted run never leaves half of one. An existing `prepared_dir` is replaced only
 when its manifest proves it a prepared dataset: a file, an unrelated dir or another artefact is refused
@@ -108,8 +109,18 @@ def cli_main(args) -> int:
     from dllmflow.settings import load_settings
 
     settings = load_settings(*args.params)
+    remote = settings.dataset.remote_dir
+    if remote:  # where the pointer was before this prepare: it is published only if no one moved it since
+        from .remote import pointer_etag, publish_prepared
+
+        planned_at = pointer_etag(remote)
     manifest = prepare(settings, force=args.force, workers=args.workers)
     lines = summary_lines(manifest, settings.dataset.prepared_dir)
+    if remote:
+        out = publish_prepared(settings.dataset.prepared_dir, remote, planned_at)
+        lines.append(
+            f"published {out['set']}  ({out['uploaded_bytes']:,} bytes uploaded; {remote}/manifest.json points at it)"
+        )
     try:
         from rich.console import Console
 
