@@ -205,3 +205,28 @@ def test_fingerprint_ignores_run_length_and_names_what_changed():
         ckfiles.CheckpointError, match=r"dataset\.seq_length: 256 -> 64; train\.lr: 0\.001 -> 0\.5\)"
     ):
         fingerprint.check_fingerprint({"settings_fingerprint": base}, other, "step_000001")
+
+
+def test_a_causal_blocks_run_checkpointed_before_the_mode_split_resumes():
+    """A checkpoint of `block_causal` + `block_attention: causal` (the fields an older dllmflow saved, written
+    out here by hand) resumes under today's `causal_blocks` recipe; a real change is still refused."""
+    from pathlib import Path
+
+    from dllmflow.settings import load_settings
+
+    recipe = Path(__file__).resolve().parents[2] / "params" / "tiny_causal_blocks.yaml"
+    now = fingerprint.settings_fingerprint(load_settings(recipe))
+    fields = {k: v for k, v in now["fields"].items()}
+    assert fields["dllm.mode"] == "causal_blocks"
+    fields.update({"dllm.mode": "block_causal", "dllm.block_attention": "causal", "dllm.mask_pattern": "suffix",
+                   "dllm.logit_shift": True})  # fmt: skip
+    saved = {"sha256": "recorded-before-the-split", "fields": fields}
+    fingerprint.check_fingerprint({"settings_fingerprint": saved}, now, "step_000002")  # resumes
+    other = fingerprint.settings_fingerprint(load_settings(recipe, train={"lr": 0.5}))
+    with pytest.raises(ckfiles.CheckpointError, match=r"train\.lr: .* -> 0\.5"):
+        fingerprint.check_fingerprint({"settings_fingerprint": saved}, other, "step_000002")
+    bidirectional = {**fields, "dllm.block_attention": "bidirectional"}  # not causal blocks: another run
+    with pytest.raises(ckfiles.CheckpointError, match=r"dllm\.mode: 'block_causal' -> 'causal_blocks'"):
+        fingerprint.check_fingerprint(
+            {"settings_fingerprint": {"sha256": "x", "fields": bidirectional}}, now, "s"
+        )

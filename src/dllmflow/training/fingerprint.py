@@ -53,7 +53,9 @@ def check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any], ckpt_d
     saved = state.get("settings_fingerprint") or {}
     if saved.get("sha256") == fingerprint["sha256"]:
         return
-    old, new, unset = saved.get("fields", {}), fingerprint["fields"], "<unset>"
+    old, new, unset = _upgraded(saved.get("fields", {})), fingerprint["fields"], "<unset>"
+    if old == new:  # recorded by an older dllmflow under a mode's old layout: the same run
+        return
     diffs = [
         f"{k}: {old.get(k, unset)!r} -> {new.get(k, unset)!r}"
         for k in sorted(old.keys() | new.keys())
@@ -63,6 +65,20 @@ def check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any], ckpt_d
         f"{ckpt_dir} was written with other settings ({'; '.join(diffs) or 'fingerprint differs'}); resume "
         "with the settings it was trained with, or start over with --overwrite"
     )
+
+
+def _upgraded(fields: dict[str, Any]) -> dict[str, Any]:
+    """Saved fingerprint fields with their `dllm` section as its mode reads a recorded one today
+    (`upgrade_recorded`: causal blocks trained as `block_causal` resume as `causal_blocks`)."""
+    from dllmflow.settings import MODE_CONFIGS
+
+    dllm = {k[len("dllm.") :]: v for k, v in fields.items() if k.startswith("dllm.")}
+    config = MODE_CONFIGS.get(dllm.get("mode"))
+    upgraded = config.upgrade_recorded(dllm) if config is not None else dllm
+    if upgraded == dllm:
+        return fields
+    rest = {k: v for k, v in fields.items() if not k.startswith("dllm.")}
+    return {**rest, **{f"dllm.{k}": v for k, v in upgraded.items()}}
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
