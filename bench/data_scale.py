@@ -57,6 +57,14 @@ Goals (issue 40): prepare peak RSS of any process <= 1.5 GB at 1M rows; per-core
 old path's; 2 workers >= 1.6x one; dataset RSS added <= 100 MB, flat from 60k to 1M; loader >= 20x a
 step's consumption.
 
+Measured 2026-12-07 after issue 50's prepare changes (columns in the shard writer, GC paused per chunk,
+one tokenizer load), `--rows 1000000 --baseline-rows 0 --workers 1,2 --skip-step --real-repeat 0`, 2 cores
+at load 0.5-1.7: 1 worker 3,994 rows/s (4,015 rows/CPU-s, 250 s), 2 workers 7,855 rows/s (127 s): 1.97x
+(goal 1.6x); peak RSS of any process 0.42 GB both (goal <= 1.5); dataset +30.0 MB (goal <= 100); bytes
+on disk unchanged (parquet 1.777 GB, token files 1.553 GB); verification 1.91 s = 0.53% of this run's
+epoch estimate (the `--epoch` figures above are the full-epoch measure). Per core this is below
+12-05's 4,700 rows/CPU-s on the same command (not rerun side by side: the machine differs run to run).
+
 Measured on the 2 quiet cores (load average ~1, 2026-12-05, `--rows 60000 --baseline-rows 60000
 --baseline-src <bbb0de1's src> --workers 1,2 --skip-step`, then `--rows 1000000 --baseline-rows 0
 --workers 1,2 --skip-step`), with ASCII chats encoded word by word (data/word_encode.py):
