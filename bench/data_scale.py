@@ -63,7 +63,9 @@ at load 0.5-1.7: 1 worker 3,994 rows/s (4,015 rows/CPU-s, 250 s), 2 workers 7,85
 (goal 1.6x); peak RSS of any process 0.42 GB both (goal <= 1.5); dataset +30.0 MB (goal <= 100); bytes
 on disk unchanged (parquet 1.777 GB, token files 1.553 GB); verification 1.91 s = 0.53% of this run's
 epoch estimate (the `--epoch` figures above are the full-epoch measure). Per core this is below
-12-05's 4,700 rows/CPU-s on the same command (not rerun side by side: the machine differs run to run).
+12-05's 4,700 rows/CPU-s on the same command, but side by side it is faster: `--rows 60000 --baseline-rows
+60000 --baseline-src <5144525's src> --workers 1` (load ~3, a benchmark beside it) gave 5144525 3,011 rows/
+CPU-s, this tree 3,304: 1.10x. The machine's speed differs run to run; the ratio is the figure.
 
 Measured on the 2 quiet cores (load average ~1, 2026-12-05, `--rows 60000 --baseline-rows 60000
 --baseline-src <bbb0de1's src> --workers 1,2 --skip-step`, then `--rows 1000000 --baseline-rows 0
