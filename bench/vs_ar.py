@@ -25,6 +25,14 @@ block 8 adaptive 2.21 / 1.13x / 1.00x (acceptance 0.41-0.55 at every offset), bl
 0.98x; prompt lookup 2.63 / 0.92x there. Training: 2.32 s per adapter step vs the control's 2.96 (0.78x).
 T(k)/T(1) quiet at batch 1: T(3) 1.2, T(7) 1.8, T(15) 2.4, so 0.5x needs TPF >= 3.6 (3 drafts) / 4.8 (7).
 Earlier (30 steps each arm on the recipe's rows): fixed block 8 1.09 / 2.96x / 0.24x, block 4 1.10 / 2.16x.
+Measured 2026-12-07, longer (control 100 steps; adapter 100 steps, `--set dllm.anchors=16`, on 400 control
+answers; 16 problems; load 4-6): TPF / latency b1 / throughput b16 vs the AR control: transformers generate
+0.99 / 1.08x / 0.69x, prompt lookup 2.13 / 0.99x / 0.30x, selfspec block 8 adaptive + lookup 2 (the recipe)
+1.89 / 1.19x / 0.69x (acceptance 0.55 0.41 0.27 0.17 0.17 0.08 0.06), block 4 1.86 / 1.17x / 0.78x; all
+16/16 identical. Per step the adapter 4.43 s vs the control 4.84 (0.91x). Note: a `--setting` inherits the
+recipe's eval section (this recipe's eval.lookup_ngram 2): name lookup_ngram=0 for the adapter's drafts alone.
+With lookup_ngram=0 (8 problems, batch 8): TPF 1.12, 1.60x, 0.47x; acceptance 0.13 0.04 0.03 0 ...: 2.5x the
+training bought the adapter's own first draft 0.09 -> 0.13; the lookup drafts carry the rest.
 
 Every table starts with three control rows on the same prompts, each taking its turn: the AR control through
 the product's `ar` sampler, the same model through transformers' own `generate` (greedy, KV cache) and with
