@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import shutil
 import tempfile
@@ -42,6 +41,7 @@ from typing import Any, TypeVar
 from dllmflow.common.store import endpoint_url, remote_fs
 from dllmflow.errors import UserError
 
+from .gsm8k import sha256_file
 from .prepared_dir import (
     MANIFEST,
     PreparedDataError,
@@ -141,7 +141,7 @@ def publish_prepared(prepared_dir: str | Path, remote: str, expect: str | None =
     uploaded = 0
     if _read_json_retried(remote, fs, f"{set_dir}/{MANIFEST}") is None:
         files = sorted(p for p in local.rglob("*") if p.is_file() and _published(p.relative_to(local)))
-        objects = {p.relative_to(local).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        objects = {p.relative_to(local).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                    for p in files}  # fmt: skip
         for rel in objects:
             _retried(
@@ -313,7 +313,7 @@ def _download(fs: Any, remote: str, set_dir: str, files: dict, tmp: Path, digest
                 f"{url}: missing from the set of manifest {digest[:12]} (deleted after it was published); "
                 "publish the set again"
             ) from None
-        if dest.stat().st_size != meta["bytes"] or _sha256(dest) != meta["sha256"]:
+        if dest.stat().st_size != meta["bytes"] or sha256_file(dest) != meta["sha256"]:
             raise PreparedDataError(
                 f"{url}: changed after the set of manifest {digest[:12]} was published (sha256 differs from "
                 f"{OBJECTS}); publish the set again"
@@ -341,11 +341,3 @@ def local_prepared_dir(settings) -> str:
     if d.remote_dir:
         fetch_prepared(d.remote_dir, d.prepared_dir, d.content_hash)
     return d.prepared_dir
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -17,7 +17,6 @@ so a failure leaves nothing half-written. An existing `--output` is replaced onl
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ from typing import Any
 
 from dllmflow.common.cli_args import add_flag
 from dllmflow.common.outputs import OutputPathError, check_output_dir
+from dllmflow.data.gsm8k import sha256_file
 from dllmflow.errors import UserError
 from dllmflow.runs import recorded_settings, resolve_checkpoint
 
@@ -92,7 +92,7 @@ def file_listing(folder: str | os.PathLike) -> list[dict[str, Any]]:
     """[{"path", "size", "sha256"}] of every file under `folder`, paths relative, sorted."""
     folder = Path(folder)
     return [
-        {"path": p.relative_to(folder).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
+        {"path": p.relative_to(folder).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in published_files(folder)
     ]
 
@@ -122,14 +122,6 @@ def _write_missing_card(ckpt: Path, staged: Path) -> None:
     # config.json only: some families' generation config classes refuse unknown keys
     facts = export_facts(settings, settings.dllm.mask_token_id)
     write_export_card(staged, facts, generation_config=False)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---- the Hub ------------------------------------------------------------------------------------
