@@ -11,7 +11,9 @@ time, naming the field). Steps are thin: each calls one `dllmflow.workflow.finet
 small result as an artifact. Runs are tagged `mode:`, `recipe:` and `data:<hash12>` (add your own with
 `--tag`). Production: `argo-workflows create` deploys the same flow under `@project(flow.project)`, on
 `@schedule` only when `flow.schedule_cron` is set, with the train step's `@resources` placed by
-`launch.scheduler` (`dllmflow.workflow.deploy`; needs a cloud datastore; see infra/argo.md).
+`launch.scheduler` (`dllmflow.workflow.deploy`; needs a cloud datastore; see infra/argo.md). With
+`checkpoint.remote_dir`, evaluate, register and end first restore from the bucket what they read and
+their pod's disk lacks (`dllmflow.workflow.restore`), so no step needs the trainers' volume.
 
 With `eval.ar_control` the AR control trains inside the `train` step, not in a step of its own (the
 graph does not show it): after the dLLM, or before it for a mode that trains on the control (uno), into
@@ -107,7 +109,9 @@ class FinetuneFlow(FlowSpec):
     @step
     def evaluate(self):
         from dllmflow.workflow import finetune as workflow
+        from dllmflow.workflow.restore import restore_run_dir
 
+        restore_run_dir(self.settings, self.run_dir)  # a pod without the trainers' disk: from the bucket
         self.sampler = self.input
         self.eval_result = workflow.evaluate_sampler(self.settings, self.training["run_dir"], self.sampler)
         self.next(self.register)
@@ -117,9 +121,11 @@ class FinetuneFlow(FlowSpec):
         # The join of the sampler branches does the registration: a step less (a task process and
         # its launch, ~2 s of a tiny run); a failure here resumes here.
         from dllmflow.workflow import finetune as workflow
+        from dllmflow.workflow.restore import restore_run_dir
 
         self.evals = {inp.sampler: inp.eval_result for inp in inputs}
         self.merge_artifacts(inputs, include=["settings", "run_dir", "data", "training", "mlflow_run_id"])
+        restore_run_dir(self.settings, self.run_dir)
         self.registration = workflow.register(
             self.settings,
             self.training["run_dir"],
@@ -136,7 +142,9 @@ class FinetuneFlow(FlowSpec):
     def end(self):
         from dllmflow.settings import Settings
         from dllmflow.workflow import finetune as workflow
+        from dllmflow.workflow.restore import restore_run_dir
 
+        restore_run_dir(self.settings, self.run_dir)
         # Again here: a resumed run clones start/prepare, so their tags never reach it.
         current.run.add_tags(run_tags(self.settings, self.data))
         settings = Settings.coerce(self.settings)

@@ -9,7 +9,8 @@ included). `--init-from` (else `rl.init_from`) names the supervised parent: a ru
 registered model; the registered GRPO version carries it as `parent_*` tags. Evaluation, the gate
 against the current champion and the card are the fine-tune flow's (the card adds the reward and
 held-out accuracy curves; the results table's "EM untrained" column is the parent's exact match here).
-Steps are thin: each calls one `dllmflow.workflow.grpo` function.
+Steps are thin: each calls one `dllmflow.workflow.grpo` function; with `checkpoint.remote_dir`, evaluate,
+register and end first restore from the bucket what their pod's disk lacks (`dllmflow.workflow.restore`).
 """
 
 from metaflow import Config, FlowSpec, Parameter, card, config_expr, current, project, retry, step
@@ -61,7 +62,9 @@ class GRPOFlow(FlowSpec):
     @step
     def evaluate(self):
         from dllmflow.workflow import grpo
+        from dllmflow.workflow.restore import restore_run_dir
 
+        restore_run_dir(self.settings, self.run_dir)  # a pod without the trainers' disk: from the bucket
         self.sampler = self.input
         self.eval_result = grpo.evaluate(self.settings, self.training["run_dir"], self.sampler)
         self.next(self.register)
@@ -69,9 +72,11 @@ class GRPOFlow(FlowSpec):
     @step
     def register(self, inputs):
         from dllmflow.workflow import grpo
+        from dllmflow.workflow.restore import restore_run_dir
 
         self.evals = {inp.sampler: inp.eval_result for inp in inputs}
         self.merge_artifacts(inputs, include=["settings", "run_dir", "training", "parent", "mlflow_run_id"])
+        restore_run_dir(self.settings, self.run_dir)
         self.registration = grpo.register(
             self.settings, self.training["run_dir"], self.evals, training=self.training,
             pathspec=f"{current.flow_name}/{current.run_id}", mlflow_run_id=self.mlflow_run_id,
@@ -82,7 +87,9 @@ class GRPOFlow(FlowSpec):
     @step
     def end(self):
         from dllmflow.workflow import finetune, grpo
+        from dllmflow.workflow.restore import restore_run_dir
 
+        restore_run_dir(self.settings, self.run_dir)
         grpo.fill_card(
             current.card["report"], self.settings, self.training["run_dir"], self.evals, self.training,
             self.registration,

@@ -12,7 +12,8 @@ it. What a step dir holds and how it is read safely is `training/checkpoint.py`;
 Save (collective): a step dir is written under `.step_XXXXXX.tmp`; each rank hashes (and fsyncs) the
 files it wrote, rank 0 gathers those entries, adds trainer_state.json and the other shared files and
 writes the manifest, fsyncs every dir, renames it into place, replaces LATEST atomically, then prunes
-step dirs beyond `keep_last`; with `remote`, the step dir is then mirrored (storage.py). A crash at any
+step dirs beyond `keep_last`; with `remote`, the step dir is then mirrored (storage.py), with the run dir's
+metrics.jsonl and settings.json before the remote LATEST moves. A crash at any
 point leaves LATEST on a complete checkpoint. Nodes need not share a disk: a node that does not see
 rank 0's files (`shares_rank0_disk`) publishes its own part the same way, with rank 0's manifest.
 
@@ -90,7 +91,8 @@ from dllmflow.training.fingerprint import check_fingerprint, settings_fingerprin
 class Checkpointer:
     """A run's checkpoints under `root` (RUN/checkpoints). `fingerprint` (`settings_fingerprint`) is
     stored with every save and checked on every load; `remote` (an fsspec URL) mirrors every save and
-    serves a resume that lacks local files. Every method is collective: all ranks call it."""
+    serves a resume that lacks local files, with `run_dir`'s metrics.jsonl and settings.json (what the
+    steps after training read beside the export). Every method is collective: all ranks call it."""
 
     def __init__(
         self,
@@ -101,8 +103,9 @@ class Checkpointer:
         keep_last: int = 2,
         remote: str | None = None,
         fingerprint: dict[str, Any] | None = None,
+        run_dir: str | os.PathLike | None = None,
     ) -> None:
-        self.root, self.info = Path(root), info
+        self.root, self.info, self.run_dir = Path(root), info, run_dir
         self.every_steps, self.keep_last = every_steps, keep_last
         self.remote, self.fingerprint = remote, fingerprint
 
@@ -116,6 +119,7 @@ class Checkpointer:
             keep_last=c.keep_last,
             remote=c.remote_dir,
             fingerprint=settings_fingerprint(settings),
+            run_dir=run.root,
         )
 
     def due(self, step: int, last: bool = False) -> bool:
@@ -126,7 +130,7 @@ class Checkpointer:
         """The verified step dir a resume starts from (restored or fetched from `remote` where a disk
         lacks it); None when there is no checkpoint at all. Fallbacks warn on rank 0's stdout too."""
         if self.remote:  # a run that lost its local disk resumes from the object store
-            storage.restore_run(self.remote, self.root, self.info)
+            storage.restore_run(self.remote, self.root, self.info, self.run_dir)
         with relay_warnings(self.info):
             return resume_checkpoint(self.root, self.info, self._fetch if self.remote else None)
 
@@ -161,7 +165,7 @@ class Checkpointer:
             self.root, step, model, optimizer, scheduler, self.info, self.keep_last, extra, export
         )
         if self.remote:
-            storage.mirror_checkpoint(self.remote, self.root, step, self.info, self.keep_last)
+            storage.mirror_checkpoint(self.remote, self.root, step, self.info, self.keep_last, self.run_dir)
         return final
 
     def _fetch(self, name: str) -> Path:
