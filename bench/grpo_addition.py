@@ -140,11 +140,13 @@ def held_out_em(weights: Path, full, limit: int) -> float:
     from dllmflow.evaluation.accuracy import evaluate_loaded
     from dllmflow.evaluation.protocol import EvalRunner, build_runner
     from dllmflow.inference.generate import load_for_generation
+    from dllmflow.inference.resolved import resolve
 
     model, tok, _ = load_for_generation(weights, device="cpu")
     model.eval()
-    loaded = EvalRunner(model, tok, build_runner(model, tok, full, "llada", None), full, "llada")
-    return evaluate_loaded(loaded, str(weights), limit=limit)["metrics"]["exact_match_flexible"]
+    runner = build_runner(model, tok, full, "llada", None)
+    loaded = EvalRunner(model, tok, runner, full, "llada", checkpoint=resolve(weights))
+    return evaluate_loaded(loaded, limit=limit)["metrics"]["exact_match_flexible"]
 
 
 def check_subset(full_dir: Path, sub_dir: Path) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from dllmflow.errors import UserError
 
@@ -241,6 +242,15 @@ def training_summary(run_dir: str | os.PathLike) -> dict[str, float]:
     }
 
 
+def run_training(run_dir: str | os.PathLike) -> dict[str, float]:
+    """`training_summary` of a run, summed over its curriculum stages when it has some (`run_dir` may be
+    the flow run's dir or its last stage's, as `workflow.finetune.train` reports it)."""
+    path = Path(run_dir)
+    root = path.parent if path.name.startswith(STAGE_PREFIX) else path
+    parts = [training_summary(st.root) for st in RunLayout(root).stages()] or [training_summary(path)]
+    return {k: sum(p[k] for p in parts) for k in parts[0]}
+
+
 def flow_run_dir(base: str | os.PathLike, run_id: str) -> Path:
     """One run dir per flow run under the recipe's run dir; a resumed flow (origin run id) reuses it."""
     return Path(base) / f"{FLOW_PREFIX}{run_id}"
@@ -317,6 +327,13 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def find_consolidated(run_dir: str | os.PathLike) -> Path:
     """The consolidated export of a finished run dir (checkpoints/LATEST/model/consolidated)."""
     return resolve_checkpoint(RunLayout(run_dir).checkpoints)
+
+
+def read_finished_run(run_dir: str | os.PathLike) -> tuple[Path, Any, dict[str, float]]:
+    """-> (its export, the Settings recorded beside it or None, `run_training`): what the evaluation of a
+    finished run reads of it, in one look (inference/resolved.py `resolve_run`)."""
+    export = find_consolidated(run_dir)
+    return export, recorded_settings(export), run_training(run_dir)
 
 
 def recorded_settings(export: str | os.PathLike):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from dllmflow.errors import UserError
-from dllmflow.evaluation.protocol import checkpoint_record, weights_sha256
+from dllmflow.evaluation.protocol import checkpoint_record
+from dllmflow.inference.resolved import weights_sha256
 from dllmflow.settings import load_settings
 from dllmflow.tracking import register_cli
 

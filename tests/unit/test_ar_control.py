@@ -12,7 +12,7 @@ import pytest
 
 from dllmflow.evaluation.control import ProtocolMismatchError, compare_arms
 from dllmflow.evaluation.protocol import EvalProtocol
-from dllmflow.runs import training_summary
+from dllmflow.runs import run_training, training_summary
 from dllmflow.settings import SettingsError, load_settings
 from dllmflow.tracking.registry import control_decision, control_tags
 from dllmflow.workflow import ar_control
@@ -101,7 +101,7 @@ def test_training_summary_adds_the_steps_records(tmp_path):
     (tmp_path / "stage_1").mkdir()
     for stage in ("stage_0", "stage_1"):
         (tmp_path / stage / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
-    assert ar_control.training_of(tmp_path / "stage_1")["train_tokens"] == 200  # both stages
+    assert run_training(tmp_path / "stage_1")["train_tokens"] == 200  # both stages
 
 
 # ---- one protocol for both arms ------------------------------------------------------------------------

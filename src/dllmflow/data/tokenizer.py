@@ -198,6 +198,15 @@ def check_tokenizer_fits(tok, num_rows: int | None, where: str | os.PathLike) ->
             )
 
 
+def check_generation_tokenizer(
+    tok, num_rows: int | None, where: str | os.PathLike, mask_id: int | None
+) -> None:
+    """What generation needs of a loaded model's tokenizer, checked at once: it fits the model's embedding
+    (`check_tokenizer_fits`) and has the special tokens answers need (`check_tokenizer_specials`)."""
+    check_tokenizer_fits(tok, num_rows, where)
+    check_tokenizer_specials(tok, where, mask_id)
+
+
 def check_tokenizer_specials(tok, where: str | os.PathLike, mask_id: int | None = None) -> None:
     """UserError naming the special tokens generation needs that `tok` lacks: an eos (where an answer
     ends) and a mask token (what diffusion fills in; a `mask_id` resolved elsewhere will do when it is

@@ -200,16 +200,15 @@ def _load_pair(resolved: ResolvedCheckpoint, target: str | None, device: str | N
     from dllmflow.inference.generate import remote_code_refusal
     from dllmflow.models.dflash_draft import load_draft
     from dllmflow.models.dflash_target import TINY_TARGET_PREFIX
-    from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
+    from dllmflow.models.integrity import load_checked
     from dllmflow.models.limits import vocab_rows
 
     ckpt, settings = resolved.path, resolved.settings
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     check_tokenizer_files(ckpt)
-    header = check_checkpoint_files(ckpt)  # damaged weight files: one line naming the file/tensor
-    draft = load_draft(ckpt, trust_remote_code=trust, dtype=dtype)  # untrusted: weights into our class
-    check_loaded_weights(draft, None, header, ckpt)
+    # damaged weight files: one line naming the file/tensor; untrusted: weights into our class
+    draft = load_checked(ckpt, lambda: (load_draft(ckpt, trust_remote_code=trust, dtype=dtype), None))
     cfg = draft.config
     target_id = target or getattr(cfg, "target_model_id", None)
     if not target_id:
@@ -218,17 +217,20 @@ def _load_pair(resolved: ResolvedCheckpoint, target: str | None, device: str | N
         target_id = target_id[len(TINY_TARGET_PREFIX) :]
         if not (Path(target_id) / "config.json").is_file():
             raise UserError(f"tiny target {target_id} not found; run from the directory training ran in")
-    header = check_checkpoint_files(target_id) if Path(target_id).is_dir() else {}
-    try:
-        tgt, info = AutoModelForCausalLM.from_pretrained(
-            target_id, dtype=dtype, trust_remote_code=trust, output_loading_info=True,
-            ignore_mismatched_sizes=True,
-        )  # fmt: skip
-    except ValueError as e:
-        if "trust_remote_code" not in str(e):
-            raise
-        raise UserError(remote_code_refusal(target_id)) from None
-    check_loaded_weights(tgt, info, header, target_id)
+
+    def load_target():
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                target_id, dtype=dtype, trust_remote_code=trust, output_loading_info=True,
+                ignore_mismatched_sizes=True,
+            )  # fmt: skip
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise UserError(remote_code_refusal(target_id)) from None
+
+    # a hub id has no local files to check first: its load report and weights are still checked
+    tgt = load_checked(target_id if Path(target_id).is_dir() else None, load_target, target_id)
     tokenizer = AutoTokenizer.from_pretrained(resolved.tokenizer_dir)
     rows = vocab_rows(tgt)
     if rows is not None and getattr(cfg, "own_mask_embedding", False):
@@ -250,7 +252,7 @@ def evaluate_dflash(
     target. -> {"metrics", "protocol", "predictions"} (metrics as `acceptance_metrics`)."""
     from dllmflow.data.dataset import PreparedDataset
     from dllmflow.data.task import prompt_messages
-    from dllmflow.evaluation.protocol import checkpoint_record, split_sha256
+    from dllmflow.evaluation.protocol import split_sha256
 
     trust = bool(settings and settings.model.trust_remote_code)  # the caller's settings only
     checkpoint = resolve(checkpoint)  # once: the load and the protocol's record read it
@@ -301,7 +303,7 @@ def evaluate_dflash(
         "limit": limit,
         "split": split,
         "split_sha256": split_sha256(prepared_dir, split),
-        **checkpoint_record(checkpoint),
+        **checkpoint.record,
         "target": target or cfg.target_model_id,
     }
     return {"metrics": metrics, "protocol": protocol, "predictions": predictions}

@@ -38,7 +38,6 @@ from dllmflow.evaluation.protocol import (
     EvalPrompts,
     EvalRunner,
     build_eval_runner,
-    checkpoint_record,
     default_eval_sampler,
     eval_prompts,
     resolve_prepared_dir,
@@ -69,7 +68,7 @@ def evaluate(
     -> {"metrics", "protocol", "predictions"}.
     """
     loaded = build_eval_runner(checkpoint, settings, sampler, overrides)
-    return evaluate_loaded(loaded, loaded.checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
+    return evaluate_loaded(loaded, split=split, limit=limit, prepared_dir=prepared_dir)
 
 
 @dataclass
@@ -82,17 +81,11 @@ class Asked:
     asked: EvalPrompts
 
 
-def asked_of(
-    loaded: EvalRunner,
-    checkpoint: str | Path | ResolvedCheckpoint,
-    split: str,
-    limit: int | None,
-    prepared_dir: str | Path | None,
-) -> Asked:
+def asked_of(loaded: EvalRunner, split: str, limit: int | None, prepared_dir: str | Path | None) -> Asked:
     """The prompts `evaluate_loaded` asks (limit and shots from the eval section where unset): one
     place, so a sweep's timing pass asks what its evaluations asked."""
     eval_cfg = loaded.eval_cfg
-    where = resolve_prepared_dir(checkpoint, loaded.settings, prepared_dir)
+    where = resolve_prepared_dir(loaded.checkpoint.given, loaded.settings, prepared_dir)
     limit = limit if limit is not None else getattr(eval_cfg, "limit", None)
     n_shot = eval_cfg.n_shot if eval_cfg is not None else 0
     return Asked(where, limit, n_shot, eval_prompts(loaded.tokenizer, where, split, limit, n_shot))
@@ -100,14 +93,13 @@ def asked_of(
 
 def evaluate_loaded(
     loaded: EvalRunner,
-    checkpoint: str | Path | ResolvedCheckpoint,
     *,
     split: str = "eval",
     limit: int | None = None,
     prepared_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """`evaluate` with the checkpoint already loaded (`build_eval_runner`; a sweep rebuilds only the
-    sampler per point with `loaded.with_overrides`)."""
+    sampler per point with `loaded.with_overrides`): it records `loaded.checkpoint` as what it ran."""
     from dllmflow.models.limits import check_generation_fits
 
     # 1) what to run
@@ -116,7 +108,7 @@ def evaluate_loaded(
     batch_size = eval_cfg.batch_size if eval_cfg is not None else 8
 
     # 2) prompts, shortest first so a batch pads little
-    q = asked_of(loaded, checkpoint, split, limit, prepared_dir)
+    q = asked_of(loaded, split, limit, prepared_dir)
     prepared_dir, limit, n_shot, asked = q.prepared_dir, q.limit, q.n_shot, q.asked
     rows, chats, prompts, order = asked.rows, asked.chats, asked.prompts, asked.order
     check_generation_fits(loaded.model, len(prompts[order[-1]]), config.max_new_tokens, runner.mask_id)
@@ -141,7 +133,7 @@ def evaluate_loaded(
         "seed": config.seed,
         "batch_size": batch_size,
         "mask_id": runner.mask_id,
-        **checkpoint_record(checkpoint),
+        **loaded.checkpoint.record,
         "prepared_dir": str(prepared_dir),
         **asked.protocol(),
     }
@@ -179,7 +171,6 @@ def run_sweep(
     requested = sampler_points(sampler, axes, strict=strict)
     base = dict(overrides or {})
     loaded = build_eval_runner(checkpoint, settings, sampler, {**base, **requested[0]})
-    checkpoint = loaded.checkpoint  # resolved once: every point's record reads it
     sampler_options = {k: v for k, v in base.items() if k not in ("mask_id", "adapter", "trust_remote_code")}
     points, results, runners, seen = [], [], [], set()
     for i, point in enumerate(requested):
@@ -190,7 +181,7 @@ def run_sweep(
             continue
         seen.add(key)
         print(f"sweep {sampler} [{len(points) + 1}/{len(requested)}] {setting_label(setting)}", flush=True)
-        result = evaluate_loaded(runner, checkpoint, split=split, limit=limit, prepared_dir=prepared_dir)
+        result = evaluate_loaded(runner, split=split, limit=limit, prepared_dir=prepared_dir)
         points.append({"setting": setting, "metrics": result["metrics"],
                        "sampler_settings": result["protocol"]["sampler_settings"]})  # fmt: skip
         results.append(result)
@@ -202,7 +193,7 @@ def run_sweep(
         # than its 8-forward neighbour).
         from dllmflow.evaluation.speed import measure_speeds
 
-        prompts = asked_of(loaded, checkpoint, split, limit, prepared_dir).asked.prompts
+        prompts = asked_of(loaded, split, limit, prepared_dir).asked.prompts
         speeds = measure_speeds(dict(enumerate(runners)), dict.fromkeys(range(len(runners)), prompts))
         for i, point in enumerate(points):
             point["timed"] = speeds[i]  # beside the metrics: those stay the evaluation's own

@@ -321,7 +321,7 @@ def run_harness(
     check_harness_task(task)
     lm = lm or DLLMFlowLM(checkpoint, sampler=sampler, settings=settings, **(overrides or {}))
     checkpoint = lm.loaded.checkpoint or checkpoint  # resolved once, by the load
-    prepared_dir = resolve_prepared_dir(checkpoint, lm.settings, prepared_dir)
+    prepared_dir = resolve_prepared_dir(str(checkpoint), lm.settings, prepared_dir)
     limit = limit if limit is not None else getattr(lm.loaded.eval_cfg, "limit", None)
 
     # 2) task files in a temporary dir, then the harness

@@ -12,7 +12,6 @@ Both evaluators import from here, never from each other.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from dataclasses import dataclass, fields, replace
@@ -109,45 +108,17 @@ def protocol_differences(candidate: dict[str, Any], champion: dict[str, Any]) ->
 
 
 def checkpoint_record(checkpoint: str | Path | ResolvedCheckpoint) -> dict[str, str | None]:
-    """What an evaluation's protocol records of the weights it ran, so `dllmflow register` can bind it
-    to a run's export: `checkpoint` as given, `checkpoint_dir` (the export it resolved to) and
-    `checkpoint_sha256` (`weights_sha256` of that export)."""
+    """`ResolvedCheckpoint.record` of `checkpoint` (what an evaluation records of the weights it ran);
+    one that is not a local dir (a registered model's URI) is recorded as given."""
     from dllmflow.runs import resolve_checkpoint
 
+    if isinstance(checkpoint, ResolvedCheckpoint):
+        return checkpoint.record
     try:
-        found = (
-            checkpoint.path if isinstance(checkpoint, ResolvedCheckpoint) else resolve_checkpoint(checkpoint)
-        )
-    except UserError:  # not a local dir (a registered model's URI): recorded as given
+        found = resolve_checkpoint(checkpoint)  # only where the weights are: no records read
+    except UserError:
         return {"checkpoint": str(checkpoint)}
-    export = found.resolve()
-    return {
-        "checkpoint": str(checkpoint),
-        "checkpoint_dir": str(export),
-        "checkpoint_sha256": weights_sha256(export),
-    }
-
-
-def weights_sha256(export: str | Path) -> str | None:
-    """sha256 over each weight file's name and sha256 (streamed; each file version hashed once per
-    process: a sweep evaluates one checkpoint many times); None for a dir without safetensors."""
-    from dllmflow.models.integrity import weight_files
-
-    files = weight_files(export)
-    if not files:
-        return None
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.name}\0{_file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)}\n".encode())
-    return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=256)
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    from dllmflow.data.gsm8k import sha256_file
-
-    return sha256_file(path)
+    return ResolvedCheckpoint(str(checkpoint), found).record
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -317,9 +288,9 @@ def check_eval_settings(settings: Any) -> None:
         )
 
 
-def resolve_prepared_dir(
-    checkpoint: str | Path | ResolvedCheckpoint, settings: Any, prepared_dir: str | Path | None
-) -> Path:
+def resolve_prepared_dir(checkpoint: str, settings: Any, prepared_dir: str | Path | None) -> Path:
+    """The prepared dir an evaluation asks: `prepared_dir`, else the settings' (fetched first when
+    `dataset.remote_dir` is set). `checkpoint`: the checkpoint's name, for the message without either."""
     if prepared_dir is None:
         if settings is None:
             raise UserError(

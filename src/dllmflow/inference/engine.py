@@ -111,25 +111,27 @@ class ChatEngine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
+        from dllmflow.models.integrity import load_checked
 
         path = Path(model_path)
         if not path.is_dir():
             raise UserError(
                 f"--model-path {path}: not a directory; point it at a saved HF model (config + weights)"
             )
-        header = check_checkpoint_files(path)  # a cut-short or corrupt weight file: one line, before loading
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=getattr(torch, dtype), output_loading_info=True, ignore_mismatched_sizes=True
-            )
-        except (OSError, ValueError) as e:
-            raise UserError(
-                f"--model-path {path}: cannot load the tokenizer/model ({str(e).strip().splitlines()[0]})"
-            ) from None
-        self.model.eval()
-        check_loaded_weights(self.model, info, header, path)  # missing/unexpected/reshaped/non-finite: named
+
+        def load():
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(path)
+                return AutoModelForCausalLM.from_pretrained(
+                    path, dtype=getattr(torch, dtype), output_loading_info=True, ignore_mismatched_sizes=True
+                )
+            except (OSError, ValueError) as e:
+                raise UserError(
+                    f"--model-path {path}: cannot load the tokenizer/model ({str(e).strip().splitlines()[0]})"
+                ) from None
+
+        # corrupt files, then missing/unexpected/reshaped/non-finite tensors: one line naming them
+        self.model = load_checked(path, load).eval()
         if self.tokenizer.eos_token_id is None:  # a causal LM needs only an end of answer
             raise UserError(f"--model-path {path}: the tokenizer has no eos_token; answers would never end")
         if not self.tokenizer.chat_template:

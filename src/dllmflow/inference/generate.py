@@ -81,8 +81,9 @@ def load_export(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dllmflow.data.tokenizer import check_tokenizer_files, check_tokenizer_fits, check_tokenizer_specials
-    from dllmflow.models.integrity import check_checkpoint_files, check_loaded_weights
+    from dllmflow.data.tokenizer import check_generation_tokenizer, check_tokenizer_files
+    from dllmflow.models.drafting_adapter import apply_drafting_adapter
+    from dllmflow.models.integrity import load_checked
     from dllmflow.models.limits import vocab_rows
 
     ckpt = resolved.path
@@ -95,48 +96,39 @@ def load_export(
     if loader is None:
         check_remote_code(ckpt, trust_remote_code)
     check_tokenizer_files(ckpt)
-    header = check_checkpoint_files(ckpt)  # a cut-short or corrupt weight file: one line, before loading
-    info = None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved.tokenizer_dir, trust_remote_code=trust_remote_code)
-        if loader is not None:  # families AutoModelForCausalLM does not know (encoder + canvas decoders)
-            model = loader(ckpt, dtype=dtype, device=device)
-        else:  # the load report names missing/unexpected/reshaped tensors (models/integrity.py)
-            model, info = AutoModelForCausalLM.from_pretrained(
+    loaded = {}
+
+    def load():
+        try:
+            loaded["tokenizer"] = AutoTokenizer.from_pretrained(
+                resolved.tokenizer_dir, trust_remote_code=trust_remote_code
+            )
+            if loader is not None:  # families AutoModelForCausalLM does not know (encoder + canvas decoders)
+                return loader(ckpt, dtype=dtype, device=device), None
+            # the load report names missing/unexpected/reshaped tensors (models/integrity.py)
+            return AutoModelForCausalLM.from_pretrained(
                 ckpt, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
                 ignore_mismatched_sizes=True,
             )  # fmt: skip
-    except (OSError, ValueError) as e:
-        if "trust_remote_code" in str(e):  # transformers' wording; ours names the flag
-            raise UserError(remote_code_refusal(ckpt)) from None
-        raise UserError(
-            f"checkpoint {ckpt}: cannot load the tokenizer/model ({str(e).strip().splitlines()[0]})"
-        ) from None
-    check_loaded_weights(model, info, header, ckpt)
-    drafter = _drafting_adapter(ckpt, adapter)
-    if drafter is not None:  # gated, never merged: the causal LM stays exact (dllm.mode uno)
-        from dllmflow.models.drafting_adapter import load_drafting_adapter
+        except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e):  # transformers' wording; ours names the flag
+                raise UserError(remote_code_refusal(ckpt)) from None
+            raise UserError(
+                f"checkpoint {ckpt}: cannot load the tokenizer/model ({str(e).strip().splitlines()[0]})"
+            ) from None
 
-        model = load_drafting_adapter(model, ckpt, drafter)
+    model = load_checked(ckpt, load)
+    tokenizer = loaded["tokenizer"]
+    drafted = apply_drafting_adapter(model, ckpt, adapter)
+    if drafted is not None:  # gated, never merged: the causal LM stays exact (dllm.mode uno)
+        model = drafted
     elif adapter is not None:
         from dllmflow.models.lora import load_adapter
 
         model = load_adapter(model, adapter)
-    check_tokenizer_fits(tokenizer, vocab_rows(model), ckpt)
     model.config.mask_token_id = resolve_generation_mask_id(mask_id, settings, tokenizer, model)
-    check_tokenizer_specials(tokenizer, ckpt, model.config.mask_token_id)
+    check_generation_tokenizer(tokenizer, vocab_rows(model), ckpt, model.config.mask_token_id)
     return model.to(device).eval(), tokenizer, settings
-
-
-def _drafting_adapter(ckpt: Path, adapter: Any) -> Path | None:
-    """The drafting adapter dir to gate onto `ckpt` (an uno export's own, or `adapter` when it is one),
-    else None."""
-    from dllmflow.models.drafting_adapter import read_drafter_info
-
-    if adapter is not None:
-        return Path(adapter) if read_drafter_info(Path(adapter).parent) is not None else None
-    info = read_drafter_info(ckpt)
-    return ckpt / info["adapter"] if info is not None else None
 
 
 def remote_code_refusal(ckpt: Path) -> str:

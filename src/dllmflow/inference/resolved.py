@@ -4,7 +4,9 @@ at an entry (evaluate, generate, serve, the pyfunc, the gate's re-measure) and p
     ckpt = resolve("runs/tiny_mdlm")         # runs.resolve_checkpoint + runs.recorded_settings, once
     ckpt.path, ckpt.settings, ckpt.mode      # the HF export dir, its training Settings (or None), their mode
     ckpt.default_sampler                     # the export's own (config.json `dllm`), else its mode's first
+    ckpt.record                              # what an evaluation records of the weights it ran (their sha256)
     ckpt = resolve_run("runs/x/flow-12")     # a finished run dir's export (checkpoints/LATEST/...)
+    ckpt.training                            # ... and its steps, tokens and seconds (metrics.jsonl)
     ckpt = of_export(export_dir)             # a dir already found to be the export: no search
 
 Functions that took a path keep taking one (`resolve` of a `ResolvedCheckpoint` is itself, so a caller
@@ -14,13 +16,15 @@ and an evaluation's protocol (`checkpoint`) name, as they did when the path itse
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dllmflow.errors import UserError
-from dllmflow.runs import find_consolidated, recorded_settings, resolve_checkpoint
+from dllmflow.runs import read_finished_run, recorded_settings, resolve_checkpoint
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class ResolvedCheckpoint:
     path: Path  # the Hugging Face export dir it stands for (config.json, weights, tokenizer)
     settings: Any = None  # the training Settings recorded beside the weights (settings.json), or None
     dllm: dict[str, Any] = field(default_factory=dict)  # config.json's `dllm` block ({} when none)
+    training: dict[str, float] | None = None  # a finished run's steps, tokens, seconds (`resolve_run`)
 
     def __str__(self) -> str:
         return self.given
@@ -39,6 +44,17 @@ class ResolvedCheckpoint:
     def mode(self) -> str | None:
         """The recorded training mode (`dllm.mode` of settings.json), None when nothing was recorded."""
         return self.settings.dllm.mode if self.settings is not None else None
+
+    @property
+    def record(self) -> dict[str, str | None]:
+        """What an evaluation's protocol records of the weights it ran, so `dllmflow register` can bind it
+        to a run's export: `checkpoint` as given, `checkpoint_dir` (the export) and `checkpoint_sha256`."""
+        export = self.path.resolve()
+        return {
+            "checkpoint": self.given,
+            "checkpoint_dir": str(export),
+            "checkpoint_sha256": weights_sha256(export),
+        }
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -75,9 +91,11 @@ def resolve(checkpoint: str | os.PathLike | ResolvedCheckpoint) -> ResolvedCheck
 
 def resolve_run(run_dir: str | os.PathLike) -> ResolvedCheckpoint:
     """A finished run dir's export (`runs.find_consolidated`), named by the export's own path (what the
-    flow's evaluations record as their `checkpoint`)."""
-    export = find_consolidated(run_dir)
-    return _read(export, export)
+    flow's evaluations record as their `checkpoint`), with the run's training summary."""
+    from dllmflow.models.model_card import read_dllm_block
+
+    export, settings, training = read_finished_run(run_dir)
+    return ResolvedCheckpoint(str(export), export, settings, read_dllm_block(export) or {}, training)
 
 
 def of_export(
@@ -95,3 +113,25 @@ def _read(export: Path, given: str | os.PathLike) -> ResolvedCheckpoint:
     from dllmflow.models.model_card import read_dllm_block
 
     return ResolvedCheckpoint(str(given), export, recorded_settings(export), read_dllm_block(export) or {})
+
+
+def weights_sha256(export: str | os.PathLike) -> str | None:
+    """sha256 over each weight file's name and sha256 (streamed; each file version hashed once per
+    process: a sweep evaluates one checkpoint many times); None for a dir without safetensors."""
+    from dllmflow.models.integrity import weight_files
+
+    files = weight_files(export)
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}\0{_file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)}\n".encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    from dllmflow.data.gsm8k import sha256_file
+
+    return sha256_file(path)

@@ -134,6 +134,18 @@ def read_drafter_info(export_dir: str | Path) -> dict[str, Any] | None:
 # ---- loading for generation --------------------------------------------------------------------
 
 
+def apply_drafting_adapter(model: nn.Module, base_dir: str | Path, adapter: str | Path | None = None):
+    """`model` (loaded from `base_dir`) with its drafting adapter gated on (`load_drafting_adapter`): the
+    export's own when `base_dir` is an uno export, else `adapter` when that is one; None when there is
+    none (a plain LoRA `adapter` is the caller's to load)."""
+    if adapter is not None:
+        adapter_dir = Path(adapter) if read_drafter_info(Path(adapter).parent) is not None else None
+    else:
+        info = read_drafter_info(base_dir)
+        adapter_dir = Path(base_dir) / info["adapter"] if info is not None else None
+    return load_drafting_adapter(model, base_dir, adapter_dir) if adapter_dir is not None else None
+
+
 def load_drafting_adapter(model: nn.Module, base_dir: str | Path, adapter_dir: str | Path) -> nn.Module:
     """The causal LM `model` (loaded from `base_dir`) with the gated adapter of `adapter_dir` (an uno
     export's `adapter/`, its `drafter.json` beside it), never merged. Refused, naming both, when the

@@ -6,6 +6,7 @@ tensor, never random weights, a silent cast, NaN output or a traceback.
                                                        ignore_mismatched_sizes=True, ...)
     check_loaded_weights(model, info, header, where=ckpt)        # after: nothing missing, extra, reshaped,
                                                                  # integer or non-finite
+    model = load_checked(ckpt, lambda: from_pretrained(...))    # the two around one load (what loaders use)
 
 `check_checkpoint_files` reads only the safetensors headers (8-byte length + JSON): a file cut short, a
 header that is not JSON, or a tensor whose byte range does not fit its dtype and shape is a
@@ -17,7 +18,7 @@ the model class's own `_keys_to_ignore_on_load_missing/unexpected` patterns (tie
 `lm_head.weight` are not reported missing at all). A tensor stored as an integer where the model holds
 floats (transformers casts it silently) and a non-finite weight (one `isfinite` pass per tensor) are
 refused too. Used by `models.build` (training from a pretrained dir), `inference.generate`
-(`load_for_generation`: generate, evaluate, the pyfunc) and the DFlash pair loader.
+(`load_for_generation`: generate, evaluate, the pyfunc), the chat engine and the DFlash pair loader.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,21 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
 
 
 # ---- after loading: the model -------------------------------------------------------------------
+
+
+def load_checked(
+    ckpt: str | os.PathLike | None,
+    load: Callable[[], tuple[Any, dict | None]],
+    where: str | os.PathLike | None = None,
+) -> Any:
+    """The model `load()` returns (with transformers' loading info, or None for a loader without one),
+    checked both sides of the load: every weight file of `ckpt` whole before (`check_checkpoint_files`;
+    None: no local files, e.g. a hub id), what was loaded after (`check_loaded_weights`). `where` names
+    it in errors (default `ckpt`)."""
+    header = check_checkpoint_files(ckpt) if ckpt is not None else {}  # cut short or corrupt: one line
+    model, info = load()
+    check_loaded_weights(model, info, header, ckpt if where is None else where)
+    return model
 
 
 def check_loaded_weights(

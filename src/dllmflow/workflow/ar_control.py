@@ -2,7 +2,8 @@
 (mode `ar`) on the run's own prepared rows, beside the dLLM, and the side by side of the two.
 
     control = train(ar_control.control_settings(settings, run_dir), ar_control.control_dir(run_dir))
-    result = ar_control.evaluate_control(settings, run_dir)    # the `ar_control` evaluation branch
+    export = resolve_run(ar_control.arm_dir(run_dir, "ar_control"))   # the control's, with its training
+    result = ar_control.evaluate_control(settings, export, "ar_control")     # the `ar_control` evaluation
     side = ar_control.comparison(settings, run_dir, evals, "llada")   # register: speeds, dLLM vs control
     print(card.comparison_table(side))                       # (workflow/card.py: its tables)
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow import runs
+from dllmflow.inference.resolved import ResolvedCheckpoint
 from dllmflow.settings import Settings, deep_merge
 from dllmflow.settings.pipeline import AR_CONTROL
 
@@ -78,22 +80,20 @@ def on_control(settings: Settings, control_export: str | Path) -> Settings:
     return settings.model_copy(update={"model": model})
 
 
-def training_of(run_dir: str | Path) -> dict[str, float]:
-    """Steps, tokens and seconds of a run, summed over its curriculum stages when it has some."""
-    stages = runs.RunLayout(flow_dir(run_dir)).stages()
-    parts = [runs.training_summary(st.root) for st in stages] or [runs.training_summary(run_dir)]
-    return {k: sum(p[k] for p in parts) for k in parts[0]}
+def arm_dir(run_dir: str | Path, evaluation: str) -> Path:
+    """The run dir whose export `evaluation` decodes: the control's for the `ar_control` evaluation, else
+    the run's own."""
+    return control_dir(run_dir) if evaluation == AR_CONTROL else Path(run_dir)
 
 
-def evaluate_control(settings: Settings, run_dir: str) -> dict[str, Any]:
-    """The `ar_control` evaluation: the control's export decoded by the `ar` sampler, asked and scored
-    with the run's own eval section (so as the dLLM is), its training beside (its speed: `comparison`)."""
+def evaluate_control(settings: Settings, checkpoint: ResolvedCheckpoint, evaluation: str) -> dict[str, Any]:
+    """The `ar_control` evaluation of the control's export (`arm_dir`, resolved by the caller): decoded by
+    the `ar` sampler, asked and scored with the run's own eval section (so as the dLLM is), its training
+    beside (its speed: `comparison`)."""
     from dllmflow.evaluation.accuracy import evaluate
-    from dllmflow.inference.resolved import resolve_run
 
-    checkpoint = resolve_run(control_dir(run_dir))
     result = evaluate(checkpoint, settings=settings, sampler="ar", limit=settings.eval.limit)
-    result["training"] = training_of(control_dir(run_dir))
+    result["training"] = checkpoint.training
     result["model"] = (
         f"AR control: {settings.model.pretrained_model_name_or_path or 'the tiny base'} fine-tuned next-token"
     )

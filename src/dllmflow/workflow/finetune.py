@@ -206,20 +206,17 @@ def evaluate_sampler(settings: SettingsLike, run_dir: str, sampler: str) -> dict
     from dllmflow.inference.resolved import resolve_run
 
     s = Settings.coerce(settings)
-    other = OTHER_EVALUATIONS.get(sampler)
-    if other is not None:
-        result = other(s, run_dir)
-    else:  # the run's export, resolved once: what the evaluation is handed
-        checkpoint = resolve_run(run_dir)
+    if sampler == AR_EVALUATION:  # the AR base model, untrained: no export of this run
+        result = _evaluate_ar(s)
+    else:  # the export of the run (or of its AR control arm), resolved once: what the evaluation is handed
+        checkpoint = resolve_run(ar_control.arm_dir(run_dir, sampler))
         export_evaluation = EXPORT_EVALUATIONS.get(sampler, _evaluate_export)
-        result = export_evaluation(s, run_dir, checkpoint, sampler)
+        result = export_evaluation(s, checkpoint, sampler)
     atomic_write_json(runs.RunLayout(run_dir).eval_file(sampler), result, sort_keys=False, default=str)
     return result
 
 
-def _evaluate_export(
-    s: Settings, run_dir: str, checkpoint: ResolvedCheckpoint, sampler: str
-) -> dict[str, Any]:
+def _evaluate_export(s: Settings, checkpoint: ResolvedCheckpoint, sampler: str) -> dict[str, Any]:
     """`sampler` decoding the run's export: at the sweep's chosen point when `eval.sweep` is set, beside
     the untrained baseline and, for the gated sampler against the AR control, the run's training."""
     from dllmflow.evaluation.accuracy import evaluate, run_sweep
@@ -239,34 +236,27 @@ def _evaluate_export(
     if baseline is not None:
         result["baseline"] = baseline
     if ar_control.enabled(s) and sampler == _gated_sampler(s, dict.fromkeys(eval_samplers(s))):
-        result["training"] = ar_control.training_of(run_dir)  # its side (its speed: at register)
+        result["training"] = checkpoint.training  # its side (its speed: at register)
     return result
 
 
-def _evaluate_acceptance(
-    s: Settings, run_dir: str, checkpoint: ResolvedCheckpoint, sampler: str
-) -> dict[str, Any]:
+def _evaluate_acceptance(s: Settings, checkpoint: ResolvedCheckpoint, sampler: str) -> dict[str, Any]:
     """DFlash: the exported draft's acceptance length against its frozen target."""
     from dllmflow.evaluation.acceptance import evaluate_dflash
 
     return evaluate_dflash(checkpoint, settings=s, limit=s.eval.limit)
 
 
-def _evaluate_ar(s: Settings, run_dir: str) -> dict[str, Any]:
+def _evaluate_ar(s: Settings) -> dict[str, Any]:
     """`eval.ar_baseline`: the AR base model (not the run's checkpoint) decoding greedily."""
     from dllmflow.evaluation.ar_baseline import evaluate_ar
 
     return evaluate_ar(s, limit=s.eval.limit)
 
 
-# Evaluations that do not decode the run's export: name -> (settings, run dir) -> result
-OTHER_EVALUATIONS = {
-    AR_EVALUATION: _evaluate_ar,
-    AR_CONTROL: ar_control.evaluate_control,
-}
-# Evaluations of the run's export that are not a sampler decoding it:
-# name -> (settings, run dir, export, name) -> result
-EXPORT_EVALUATIONS = {"acceptance": _evaluate_acceptance}
+# Evaluations of an export that are not `sampler` decoding it with the run's eval section:
+# name -> (settings, the export resolved, name) -> result
+EXPORT_EVALUATIONS = {"acceptance": _evaluate_acceptance, AR_CONTROL: ar_control.evaluate_control}
 
 
 def sweep_metric(settings: Settings) -> str:
