@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from _prepared import prepare_tiny
 
+from dllmflow.common import store
 from dllmflow.data import remote as remote_mod
 from dllmflow.data.prepared_dir import PreparedDataError, read_manifest
 from dllmflow.data.remote import PublishRaceError, fetch_prepared, pointer_etag, publish_prepared
@@ -133,7 +134,7 @@ def test_an_unreachable_store_is_retried_then_named(s3, prep, tmp_path, monkeypa
     url = f"s3://{s3.bucket}/prepared/tiny"
     publish_prepared(prep, url, expect=None)
     s3.stop()
-    monkeypatch.setattr(remote_mod, "RETRY_WAIT_S", (0.05, 0.1))  # the backoff only: every try is real
+    monkeypatch.setattr(store, "RETRY_WAIT_S", (0.05, 0.1))  # the backoff only: every try is real
     node = tmp_path / "node" / "prepared"
     with pytest.raises(UserError) as down:
         fetch_prepared(url, node)

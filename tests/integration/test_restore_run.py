@@ -58,11 +58,11 @@ def trained(s3, prep, tmp_path_factory):
     """A flow run's training on pod A (its pod lost once after step 2, resumed from the bucket on a fresh
     disk) and pod A's evaluation of it."""
     from dllmflow.training.trainer import run_training
-    from dllmflow.workflow.finetune import _with_remote_run, eval_samplers, evaluate_sampler
+    from dllmflow.workflow.finetune import eval_samplers, evaluate_sampler, with_remote_run
 
     settings = _settings(prep, f"s3://{s3.bucket}/runs/tiny_mdlm")
     run_dir = tmp_path_factory.mktemp("pod_a") / "flow-1"
-    stage = _with_remote_run(settings.with_run_dir(run_dir), str(run_dir))  # as workflow.finetune.train
+    stage = with_remote_run(settings.with_run_dir(run_dir), str(run_dir))  # as workflow.finetune.train
     assert stage.checkpoint.remote_dir == f"s3://{s3.bucket}/runs/tiny_mdlm/flow-1"
     with pytest.raises(RuntimeError, match="injected failure after step 2"):
         run_training(stage, run_dir, hooks=[FailAfterStep(2)])
@@ -243,15 +243,18 @@ def test_mirrored_runs_are_what_train_mirrored(recipe, what, overrides, tmp_path
     assert exports == (["flow-7", "ar_control"] if what == "ar_control" else ["stage_1"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workflow.finetune.train mirrors the AR control under <recipe remote>/ar_control, shared by every "
-    "flow run of the recipe (a second run's control would resume from the first's); restore follows train",
-)
 def test_control_prefix_is_the_flow_runs(tmp_path):
+    """Each flow run's AR control mirrors under that run's prefix: a second run of the recipe never finds
+    the first's finished control in the bucket and takes it for its own (train and restore agree on the
+    prefix: test_mirrored_runs_are_what_train_mirrored)."""
     from dllmflow.workflow.restore import mirrored_runs
 
     remote = str(tmp_path / "bucket" / "recipe")
     settings = load_settings(ROOT / "params" / "tiny_addition.yaml", checkpoint={"remote_dir": remote})
-    control = mirrored_runs(settings, str(tmp_path / "runs" / "flow-7"))[-1][0]
-    assert control.checkpoint.remote_dir == f"{remote}/flow-7/ar_control"
+    first = mirrored_runs(settings, str(tmp_path / "runs" / "flow-7"))
+    second = mirrored_runs(settings, str(tmp_path / "runs" / "flow-8"))
+    assert [st.checkpoint.remote_dir for st, _ in first] == [
+        f"{remote}/flow-7",
+        f"{remote}/flow-7/ar_control",
+    ]
+    assert second[-1][0].checkpoint.remote_dir == f"{remote}/flow-8/ar_control"

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dllmflow.common.store import endpoint_url, remote_fs
+from dllmflow.common.store import RETRY_ATTEMPTS, endpoint_url, remote_fs, retried
 from dllmflow.errors import UserError
 
 from .gsm8k import sha256_file
@@ -55,8 +55,6 @@ SETS = "sets"
 STAGING = "staging"  # <remote>/staging/<plan>/: the fan-out's unit shards and records before the join
 OBJECTS = "objects.json"
 POINTER = MANIFEST  # <remote>/manifest.json: where a reader starts
-RETRY_ATTEMPTS = 5  # an unreachable store: tries before the one-line error
-RETRY_WAIT_S = (0.5, 8.0)  # exponential backoff between tries, from .. to
 T = TypeVar("T")
 
 
@@ -67,37 +65,15 @@ class PublishRaceError(UserError):
 # ---- the store, retried --------------------------------------------------------------------------------
 
 
-def _transient(e: BaseException) -> bool:
-    """Connection trouble (retried), not an answer from the store (a missing key, a refused PUT)."""
-    # answers: a missing key, a refused conditional PUT (s3fs: FileExistsError), no access, our own errors
-    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, UserError)):
-        return False
-    names = {c.__name__ for c in type(e).__mro__}
-    return bool(names & {"ConnectionError", "EndpointConnectionError", "ConnectTimeoutError", "TimeoutError",
-                         "ReadTimeoutError", "ClientConnectorError", "ServerDisconnectedError"})  # fmt: skip
-
-
 def _retried(remote: str, what: str, fn: Callable[[], T]) -> T:
-    from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+    def give_up(e: BaseException) -> UserError:
+        return UserError(
+            f"dataset.remote_dir {remote}: {what} failed {RETRY_ATTEMPTS} times ({type(e).__name__}: "
+            f"{str(e)[:160]}) at {endpoint_url() or 'the default endpoint'}; check that the store is "
+            "reachable (AWS_ENDPOINT_URL / DLLMFLOW_S3_ENDPOINT_URL, credentials)"
+        )
 
-    try:
-        for attempt in Retrying(
-            retry=retry_if_exception(_transient),
-            stop=stop_after_attempt(RETRY_ATTEMPTS),
-            wait=wait_exponential(multiplier=RETRY_WAIT_S[0], max=RETRY_WAIT_S[1]),
-            reraise=True,
-        ):
-            with attempt:
-                return fn()
-    except BaseException as e:
-        if _transient(e):
-            raise UserError(
-                f"dataset.remote_dir {remote}: {what} failed {RETRY_ATTEMPTS} times ({type(e).__name__}: "
-                f"{str(e)[:160]}) at {endpoint_url() or 'the default endpoint'}; check that the store is "
-                "reachable (AWS_ENDPOINT_URL / DLLMFLOW_S3_ENDPOINT_URL, credentials)"
-            ) from None
-        raise
-    raise AssertionError("unreachable")  # Retrying either returns or raises
+    return retried(fn, give_up)
 
 
 def _read_json(fs: Any, path: str) -> dict | None:

@@ -40,9 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dllmflow.common.files import atomic_write_bytes
-from dllmflow.common.store import endpoint_url, remote_fs
-from dllmflow.data.remote import RETRY_ATTEMPTS, RETRY_WAIT_S
-from dllmflow.data.remote import _transient as transient
+from dllmflow.common.store import endpoint_url, remote_fs, retried
 from dllmflow.errors import UserError
 from dllmflow.runs import (
     CONSOLIDATED,
@@ -362,24 +360,9 @@ def _step_of_name(name: str) -> int:
 
 
 def _retried(remote: str, what: str, fn: Callable[[], T], then: str | None = None) -> T:
-    """`fn()`, retried with backoff while the store is unreachable (then the one-line UserError naming
-    `checkpoint.remote_dir`, ending with `then`); an answer from the store (a missing key) is raised at once."""
-    from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
-
-    try:
-        for attempt in Retrying(
-            retry=retry_if_exception(transient),
-            stop=stop_after_attempt(RETRY_ATTEMPTS),
-            wait=wait_exponential(multiplier=RETRY_WAIT_S[0], max=RETRY_WAIT_S[1]),
-            reraise=True,
-        ):
-            with attempt:
-                return fn()
-    except BaseException as e:
-        if transient(e):
-            raise _store_error(remote, what, e, then) from None
-        raise
-    raise AssertionError("unreachable")  # Retrying either returns or raises
+    """`fn()`, retried with backoff while the store is unreachable (common/store.py `retried`; then the
+    one-line UserError naming `checkpoint.remote_dir`, ending with `then`)."""
+    return retried(fn, lambda e: _store_error(remote, what, e, then))
 
 
 def _remote_steps(fs: Any, base: str) -> list[tuple[int, str]]:

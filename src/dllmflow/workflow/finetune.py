@@ -120,9 +120,9 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
         if not layout.settings_json.is_file():  # claim the run dir before the control fills a subdir of it
             layout.root.mkdir(parents=True, exist_ok=True)
             s.write_json(layout.settings_json)
-        control = train(ar_control.control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
+        control = train(control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
         s = ar_control.on_control(s, control["consolidated_dir"])
-    stages = [_with_remote_run(st, run_dir) for st in STRATEGIES[s.dllm.mode].training_stages(s)]
+    stages = [with_remote_run(st, run_dir) for st in STRATEGIES[s.dllm.mode].training_stages(s)]
     handles, resumed, log_dir = [], False, None
     for stage in stages:
         layout = runs.RunLayout(stage.resolved_run_dir)
@@ -135,7 +135,7 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
         resumed, log_dir = resumed or resume, result.log_dir
     final_dir = str(stages[-1].resolved_run_dir)
     if ar_control.enabled(s) and control is None:  # the AR arm after the dLLM: same rows, optimizer, steps
-        control = train(ar_control.control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
+        control = train(control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
     return {
         "ar_control": control,
         "run_dir": final_dir,
@@ -148,7 +148,7 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
     }
 
 
-def _with_remote_run(stage: Settings, flow_dir: str) -> Settings:
+def with_remote_run(stage: Settings, flow_dir: str) -> Settings:
     """`checkpoint.remote_dir` names the recipe's prefix in the object store; each flow run (and each
     curriculum stage) mirrors under its own sub-prefix, as its local run dir sits under `runs/<name>`."""
     remote = stage.checkpoint.remote_dir
@@ -157,6 +157,13 @@ def _with_remote_run(stage: Settings, flow_dir: str) -> Settings:
     rel = Path(stage.resolved_run_dir).absolute().relative_to(Path(flow_dir).absolute().parent)
     checkpoint = stage.checkpoint.model_copy(update={"remote_dir": f"{remote.rstrip('/')}/{rel.as_posix()}"})
     return stage.model_copy(update={"checkpoint": checkpoint})
+
+
+def control_settings(s: Settings, run_dir: str) -> Settings:
+    """The AR control's settings (`ar_control.control_settings`), mirrored under this flow run's prefix
+    (`<checkpoint.remote_dir>/flow-<id>/ar_control`): never a prefix another flow run of the recipe shares,
+    whose finished control a new run would otherwise take for its own."""
+    return ar_control.control_settings(with_remote_run(s.with_run_dir(run_dir), run_dir), run_dir)
 
 
 def _remote_latest(stage: Settings) -> str | None:

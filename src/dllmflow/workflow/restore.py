@@ -52,21 +52,23 @@ def mirrored_runs(settings: Settings, run_dir: str) -> list[tuple[Settings, bool
     """(settings of a run dir the train step mirrored, whether later steps read its export), as
     `workflow.finetune.train` (or `workflow.grpo.train`, `rl:`) trained them: each stage's
     `resolved_run_dir` and its `checkpoint.remote_dir` prefix."""
-    if settings.rl is not None:  # GRPO mirrors its one run dir under the recipe's prefix as is
-        return [(settings.with_run_dir(run_dir), True)]
+    from dllmflow.workflow.finetune import control_settings, with_remote_run
+
+    if settings.rl is not None:  # GRPO mirrors its one run dir under the flow run's prefix
+        return [(with_remote_run(settings.with_run_dir(run_dir), run_dir), True)]
     out = _stages(settings.with_run_dir(run_dir), run_dir)
     if ar_control.enabled(settings):
         control_dir = str(ar_control.control_dir(run_dir))
-        out += _stages(ar_control.control_settings(settings.with_run_dir(run_dir), run_dir), control_dir)
+        out += _stages(control_settings(settings, run_dir), control_dir)
     return out
 
 
 def _stages(settings: Settings, run_dir: str) -> list[tuple[Settings, bool]]:
     from dllmflow.diffusion.strategies import STRATEGIES
-    from dllmflow.workflow.finetune import _with_remote_run  # the prefix each stage was mirrored under
+    from dllmflow.workflow.finetune import with_remote_run  # the prefix each stage was mirrored under
 
     stages = STRATEGIES[settings.dllm.mode].training_stages(settings.with_run_dir(run_dir))
-    return [(_with_remote_run(st, run_dir), i == len(stages) - 1) for i, st in enumerate(stages)]
+    return [(with_remote_run(st, run_dir), i == len(stages) - 1) for i, st in enumerate(stages)]
 
 
 def _missing(stage: Settings, with_export: bool) -> list[str]:
