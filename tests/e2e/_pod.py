@@ -102,9 +102,8 @@ def _kill_after_puts(n: int) -> None:
 
 
 def main(request: dict[str, Any]) -> Any:
-    from dllmflow import runs
     from dllmflow.workflow import data_steps, finetune
-    from dllmflow.workflow.restore import mirrored_runs, restore_run_dir
+    from dllmflow.workflow.restore import restore_run_dir
 
     settings, call = request["settings"], request["call"]
     if call == "one_machine":  # the reference: one machine, its own prepared dir, nothing remote
@@ -120,31 +119,20 @@ def main(request: dict[str, Any]) -> Any:
     if call == "join":
         data = data_steps.join_data(settings, request["planned"])
         return {"data": data, "settings": data_steps.pin_published(settings, data)}
-    if call == "train":  # what finetune.train does for one stage, submitted to the cluster stand-in
+    if call == "train":  # the flow's train step, its torchx AppDef submitted to the cluster stand-in
         import torchx.runner
 
-        from dllmflow.settings import Settings
-        from dllmflow.training.launch import launch
-
-        run_dir = request["run_dir"]
-        (stage,) = [
-            st for st, with_export in mirrored_runs(Settings.coerce(settings), run_dir) if with_export
-        ]
         torchx.runner.get_runner = lambda: ClusterRunner(request["nodes"], request["root"])
-        result = launch(stage, resume=False)
-        return {"app_handle": result.app_handle, "state": result.state, "run_dir": run_dir}
+        training = finetune.train(settings, request["run_dir"])
+        return {"app_handle": training["app_handle"], "run_dir": training["run_dir"], "training": training}
     if call == "evaluate":
         restored = restore_run_dir(settings, request["run_dir"])
         result = finetune.evaluate_sampler(settings, request["run_dir"], request["sampler"])
         return {"restored": restored, "eval": result}
     if call == "register":
         restored = restore_run_dir(settings, request["run_dir"])
-        training = {
-            **request["training"],
-            "consolidated_dir": str(runs.find_consolidated(request["run_dir"])),
-        }
         registration = finetune.register(
-            settings, request["run_dir"], request["evals"], data=request["data"], training=training
+            settings, request["run_dir"], request["evals"], data=request["data"], training=request["training"]
         )
         return {"restored": restored, "registration": registration}
     raise ValueError(f"unknown call {call!r}")

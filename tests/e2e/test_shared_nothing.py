@@ -228,6 +228,7 @@ def test_every_step_and_node_shares_nothing_but_the_bucket(tmp_path):
         # 2) train: the step submits the AppDef; each node is a pod with only the AppDef's command and env
         rc, training = pods.run("train", "train", settings, pods=("node0", "node1"), run_dir=run_dir)
         assert rc == 0, pods.log("train") + pods.log("node0") + pods.log("node1")
+        assert training["training"]["consolidated_dir"] is None  # the export is on the nodes and the bucket
         assert _losses(pods.root("node0") / "work" / run_dir) == reference  # rank 0's own disk
         assert not (pods.root("node1") / "work" / run_dir / "metrics.jsonl").exists()
         for node in ("node0", "node1"):  # each fetched the pinned set into its own prepared dir
@@ -243,7 +244,7 @@ def test_every_step_and_node_shares_nothing_but_the_bucket(tmp_path):
         assert str(eval_file) in pods.written("evaluate")  # the audit sees the pod's own writes
         rc, registered = pods.run(
             "register", "register", settings, run_dir=run_dir, evals={"llada": evaluated["eval"]}, data=data,
-            training={"run_dir": run_dir, "app_handle": training["app_handle"]},
+            training=training["training"],  # what the train step returned, as the flow passes it on
         )  # fmt: skip
         assert rc == 0, pods.log("register")
         lineage = registered["registration"]["lineage"]

@@ -121,6 +121,13 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
             layout.root.mkdir(parents=True, exist_ok=True)
             s.write_json(layout.settings_json)
         control = train(control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
+        if control["consolidated_dir"] is None:  # its trainers' disks, not this pod's nor the next trainers'
+            raise UserError(
+                f"dllm.mode={s.dllm.mode} trains on the AR control's export, which its trainers wrote on "
+                f"their own disks and mirrored to {control['run_dir']}'s checkpoint.remote_dir: the adapter's "
+                "trainers cannot load a model from the bucket yet; give this step and the trainers a shared "
+                "run dir (infra/README.md, the volume-based setup)"
+            )
         s = ar_control.on_control(s, control["consolidated_dir"])
     stages = [with_remote_run(st, run_dir) for st in STRATEGIES[s.dllm.mode].training_stages(s)]
     handles, resumed, log_dir = [], False, None
@@ -144,8 +151,20 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
         "app_handles": handles,
         "log_dir": str(log_dir) if log_dir else None,
         "resumed": resumed,
-        "consolidated_dir": str(runs.find_consolidated(final_dir)),
+        "consolidated_dir": _local_export(stages[-1]),
     }
+
+
+def _local_export(stage: Settings) -> str | None:
+    """The finished run's export on this disk; None when the trainers ran elsewhere (a cluster scheduler,
+    no shared volume) and mirrored it to `checkpoint.remote_dir`: the steps after training restore it
+    from there (workflow/restore.py) and find it in the run dir themselves."""
+    try:
+        return str(runs.find_consolidated(stage.resolved_run_dir))
+    except UserError:
+        if not stage.checkpoint.remote_dir or _remote_latest(stage) is None:
+            raise
+        return None
 
 
 def with_remote_run(stage: Settings, flow_dir: str) -> Settings:
@@ -348,9 +367,11 @@ def register(
     sampler_settings = protocol.get("sampler_settings") or {"max_new_tokens": protocol.get("max_new_tokens")}
     from dllmflow.models.model_card import update_model_card
 
-    update_model_card(training["consolidated_dir"], evals)  # the registered export's card carries its evals
+    # the train step's, else this pod's run dir's (restored from the bucket when the trainers ran elsewhere)
+    export = training.get("consolidated_dir") or runs.find_consolidated(run_dir)
+    update_model_card(export, evals)  # the registered export's card carries its evals
     version = registry.register_model(
-        s, run_id, training["consolidated_dir"], sampler=gated, sampler_settings=sampler_settings,
+        s, run_id, export, sampler=gated, sampler_settings=sampler_settings,
         setting=chosen_setting(evals.get(gated, {})),
     )  # fmt: skip
     if side is not None:
