@@ -24,6 +24,11 @@ jobs and a long benchmark (load average 4-6), 3 rounds:
            adds with a warm cache (goal <= 1.10x: met by this figure)
   rounds   remote warm / local 1.157x median (rounds 1.16, 0.98, 1.68) and cold 1.44x (0.80-1.49): the
            same 34-40 s command varied 16-50 s under this load, so these rounds bound nothing; rerun quiet
+Measured 2026-12-07 again, quiet (load average < 1 at the start, nothing else running), 5 rounds:
+  bytes    1.005x up, 1.000x down, 0 warm (as above)
+  rounds   submit to exit, remote warm / local: median 1.052x (0.968-1.114x; goal <= 1.10: met), cold
+           1.046x; local 17.5-20.5 s. warm fetch 15.5 ms = 0.0008 of it: the rest of the ~1 s is the
+           store client's import and the pointer read, paid once per trainer process
 """
 
 from __future__ import annotations

@@ -34,6 +34,12 @@ recipe's eval section (this recipe's eval.lookup_ngram 2): name lookup_ngram=0 f
 With lookup_ngram=0 (8 problems, batch 8): TPF 1.12, 1.60x, 0.47x; acceptance 0.13 0.04 0.03 0 ...: 2.5x the
 training bought the adapter's own first draft 0.09 -> 0.13; the lookup drafts carry the rest.
 
+Arithmetic re-measured 2026-12-07 after causal blocks became a mode of its own (`--recipe
+params/smollm2_block_causal_lora.yaml --steps 250 --eval-limit 64 --lengths recipe`, 32 new tokens, load
+from other jobs during training only): AR control EM 0.844; selfspec 0.859 (+1.6 points) at block 8 with
+batch_positions 24: latency 0.73x, throughput 1.07x (was 0.73x / 1.01-1.02x); block 6: 0.78x / 0.89x (was
+0.70x / 0.90x); llada2 0.828, 0.92x / 0.80x; floor 0.56x. Per step: dLLM 2.05 s, control 2.32 s.
+
 Every table starts with three control rows on the same prompts, each taking its turn: the AR control through
 the product's `ar` sampler, the same model through transformers' own `generate` (greedy, KV cache) and with
 transformers' prompt-lookup decoding (`prompt_lookup_num_tokens` 10: drafts copied from the prompt, batch 1
