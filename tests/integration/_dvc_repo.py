@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def env() -> dict[str, str]:
@@ -39,3 +44,14 @@ def file_hashes(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+def copy_prepare_stage(repo: Path) -> dict:
+    """The checkout's `prepare` stage into `repo` (its dvc.yaml alone), with every dep, param file and the
+    .gitignore it needs; -> the stage."""
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["prepare"]
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"prepare": stage}}, sort_keys=False))
+    for rel in [".gitignore", *stage["deps"], *[next(iter(p)) for p in stage["params"]]]:
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, repo / rel)
+    return stage

@@ -20,3 +20,17 @@ def prepare_tiny(tmp_path_factory, recipe: Path, limit: int = 32, **dataset) -> 
     out = tmp_path_factory.mktemp("prepared") / "tiny"
     prepare(load_settings(recipe, dataset={"limit": limit, "prepared_dir": str(out), **dataset}))
     return out
+
+
+def remote_run_settings(recipe: Path, prep: Path, remote: str | None, max_steps: int = 4, **sections):
+    """`recipe` on the prepared `prep` (32 rows), a few steps of 4 rows, a checkpoint every 2 steps
+    mirrored to `remote` (None: local only); `sections` override whole sections (eval=...)."""
+    from dllmflow.settings import load_settings
+
+    return load_settings(
+        recipe,
+        dataset={"limit": 32, "prepared_dir": str(prep)},
+        train={"max_steps": max_steps, "global_batch_size": 4, "local_batch_size": 4, "warmup_steps": 1},
+        checkpoint={"every_steps": 2, "keep_last": 2, "remote_dir": remote},
+        **sections,
+    )

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from _dvc_repo import file_hashes, init_repo, run
+from _dvc_repo import copy_prepare_stage, file_hashes, init_repo, run
 
 from dllmflow.data.prepared_dir import content_hash, read_manifest
 from dllmflow.settings import load_settings
@@ -37,11 +36,7 @@ def dev(tmp_path: Path, s3) -> Path:
     """The developer's repo: the repo's prepare stage, a DVC remote on the bucket, committed."""
     repo = tmp_path / "dev"
     repo.mkdir()
-    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["prepare"]
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"prepare": stage}}, sort_keys=False))
-    for rel in [".gitignore", *stage["deps"], *[next(iter(p)) for p in stage["params"]]]:
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, repo / rel)
+    copy_prepare_stage(repo)
     init_repo(repo)
     run("dvc", "remote", "add", "-d", "s3r", f"s3://{s3.bucket}/dvc", cwd=repo)
     run("dvc", "remote", "modify", "s3r", "endpointurl", s3.endpoint, cwd=repo)

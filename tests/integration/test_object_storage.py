@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _dvc_repo import file_hashes, init_repo, run
-from _prepared import prepare_tiny
+from _dvc_repo import copy_prepare_stage, file_hashes, init_repo, run
+from _prepared import prepare_tiny, remote_run_settings
 
 from _plugins.fault_hooks import FailAfterStep
 from dllmflow.errors import UserError
-from dllmflow.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "params" / "tiny_mdlm.yaml"
@@ -35,12 +34,7 @@ def prep(tmp_path_factory) -> Path:
 
 
 def _settings(prep: Path, remote: str | None, max_steps: int = 4):
-    return load_settings(
-        RECIPE,
-        dataset={"limit": 32, "prepared_dir": str(prep)},
-        train={"max_steps": max_steps, "global_batch_size": 4, "local_batch_size": 4, "warmup_steps": 1},
-        checkpoint={"every_steps": 2, "keep_last": 2, "remote_dir": remote},
-    )
+    return remote_run_settings(RECIPE, prep, remote, max_steps)
 
 
 def test_checkpoints_mirror_to_s3_and_resume_after_losing_the_local_disk(s3, prep, tmp_path, monkeypatch):
@@ -120,11 +114,7 @@ def test_endpoint_down_at_checkpoint_time_keeps_latest_on_the_last_complete_step
 def test_dvc_s3_remote_push_pull(s3, tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
-    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["prepare"]
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"prepare": stage}}, sort_keys=False))
-    for rel in [".gitignore", *stage["deps"], *[next(iter(p)) for p in stage["params"]]]:
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, repo / rel)
+    copy_prepare_stage(repo)
     params = repo / "params" / "tiny_mdlm.yaml"
     data = yaml.safe_load(params.read_text())
     data["dataset"]["limit"] = 32

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _prepared import prepare_tiny
+from _prepared import prepare_tiny, remote_run_settings
 from _services import moto_s3
 
 from _plugins.fault_hooks import FailAfterStep
@@ -44,13 +44,8 @@ def prep(tmp_path_factory) -> Path:
 
 
 def _settings(prep: Path, remote: str | None, max_steps: int = 4):
-    return load_settings(
-        RECIPE,
-        dataset={"limit": 32, "prepared_dir": str(prep)},
-        train={"max_steps": max_steps, "global_batch_size": 4, "local_batch_size": 4, "warmup_steps": 1},
-        checkpoint={"every_steps": 2, "keep_last": 2, "remote_dir": remote},
-        eval={"limit": 4, "sweep": None, "max_new_tokens": 32, "batch_size": 4},
-    )
+    eval_ = {"limit": 4, "sweep": None, "max_new_tokens": 32, "batch_size": 4}
+    return remote_run_settings(RECIPE, prep, remote, max_steps, eval=eval_)
 
 
 @pytest.fixture(scope="module")

@@ -159,6 +159,22 @@ def hold_dir_lock(directory: str | os.PathLike, purpose: str) -> Iterator[Path]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def wait_beside(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """One `what` of `path` at a time on this machine: the others wait (ranks of a node for the first one's
+    fetch, evaluation branches for one restore). The lock file sits beside `path`, never inside it."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.{what}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _read_holder(fd: int) -> dict:
     try:
         raw = os.pread(fd, 4096, 0)

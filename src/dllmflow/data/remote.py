@@ -30,14 +30,14 @@ An unreachable store is retried with backoff (tenacity), then named in one line.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dllmflow.common.outputs import wait_beside
 from dllmflow.common.store import RETRY_ATTEMPTS, endpoint_url, remote_fs, retried
 from dllmflow.errors import UserError
 
@@ -236,7 +236,7 @@ def fetch_prepared(remote: str, prepared_dir: str | Path, content_hash_pin: str 
     names): reused when it already does, else downloaded whole into a new dir, verified and swapped in.
     Returns {"content_hash", "reused", "fetched_bytes"}."""
     local = Path(prepared_dir)
-    with _fetch_lock(local):
+    with wait_beside(local, "fetch"):
         fs, base = remote_fs(remote, single_try=True)
         digest = content_hash_pin
         if digest is None:
@@ -296,18 +296,6 @@ def _download(fs: Any, remote: str, set_dir: str, files: dict, tmp: Path, digest
             )
         total += meta["bytes"]
     return total
-
-
-@contextlib.contextmanager
-def _fetch_lock(local: Path) -> Iterator[None]:
-    """One fetch of `local` at a time on this machine (ranks of a node wait for the first)."""
-    local.parent.mkdir(parents=True, exist_ok=True)
-    with open(local.parent / f".{local.name}.fetch.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def local_prepared_dir(settings) -> str:

@@ -19,14 +19,11 @@ parallel `evaluate` branches on one host download it once.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import shutil
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from dllmflow import runs
+from dllmflow.common.outputs import wait_beside
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings
 from dllmflow.workflow import ar_control
@@ -42,7 +39,7 @@ def restore_run_dir(settings: Settings | dict[str, Any], run_dir: str) -> dict[s
         return done
     for stage, with_export in mirrored_runs(s, run_dir):
         if _missing(stage, with_export):
-            with _restore_lock(stage.resolved_run_dir):
+            with wait_beside(stage.resolved_run_dir, "restore"):
                 if _missing(stage, with_export):  # another process of this machine may have restored it
                     _restore(stage, with_export, done)
     return done
@@ -114,16 +111,3 @@ def _restore(stage: Settings, with_export: bool, done: dict[str, Any]) -> None:
         else:
             done["bytes"] += got
         done["files"].append(str(layout.root / name))
-
-
-@contextlib.contextmanager
-def _restore_lock(run_dir: Path) -> Iterator[None]:
-    """One restore of `run_dir` at a time on this machine (beside it: the run dir stays the trainer's)."""
-    run_dir = Path(run_dir)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(run_dir.parent / f".{run_dir.name}.restore.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
