@@ -98,10 +98,12 @@ class Pods:
         assert not root.exists(), root
         for d in ("work", "home", "tmp", "cache"):
             (root / d).mkdir(parents=True)
+        # Not inherited: this process's own settings, nor the cache dirs torch writes into os.environ once a
+        # compile ran in it (TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_<user>, another pod's then)
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("DLLMFLOW_", "DLLM_", "MLFLOW_", "METAFLOW_"))
+            if not k.startswith(("DLLMFLOW_", "DLLM_", "MLFLOW_", "METAFLOW_", "TORCHINDUCTOR_", "TRITON_"))
         }
         env.update(self.s3_env)
         env.update(
