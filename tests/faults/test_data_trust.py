@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dllmflow.data import prepared_dir as pd
+from dllmflow.common import files
+from dllmflow.common.files import sha256_file
 from dllmflow.data.dataset import PreparedDataset
-from dllmflow.data.gsm8k import sha256_file
 from dllmflow.data.prepare import prepare
 from dllmflow.data.prepared_dir import PreparedDataError, content_hash, read_manifest
 from dllmflow.data.shards import TokenFileError
@@ -222,7 +222,8 @@ def test_a_dir_prepared_before_verification_is_refused_and_rebuilt_by_prepare(tm
 
 def test_each_file_is_hashed_once_per_process(copy, monkeypatch):
     calls = []
-    monkeypatch.setattr(pd, "sha256_file", lambda p: calls.append(Path(p).name) or sha256_file(p))
+    files._sha256_of_version.cache_clear()  # common/files.py holds the per-process hashes
+    monkeypatch.setattr(files, "sha256_file", lambda p: calls.append(Path(p).name) or sha256_file(p))
     for _ in range(3):
         ds = PreparedDataset(copy, "train")
         ds[0], ds[len(ds) - 1], ds.rows(2)

@@ -13,6 +13,8 @@ old file or the new one, never half of one, even after a crash.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -87,3 +89,25 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, streamed in 1 MiB chunks (memory does not grow with the file)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_file_once(path: str | os.PathLike) -> str:
+    """`sha256_file`, each file version (path, inode, size, mtime) hashed once per process: a sweep
+    evaluates one checkpoint many times, a prepared dir is verified by every reader."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return _sha256_of_version(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_of_version(path: str, dev: int, ino: int, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)

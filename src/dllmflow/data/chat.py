@@ -20,11 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dllmflow.common.files import sha256_file
 from dllmflow.errors import UserError
 from dllmflow.settings.sections import DatasetConfig
 
 from .formats import ROLES, TOO_DEEP, RowSpec, check_messages, loads_row  # noqa: F401 - re-exported
-from .gsm8k import EMBEDDED_PREFIX, GSM8K_SHA256, load_gsm8k_rows, sha256_file
+from .gsm8k import EMBEDDED_PREFIX, GSM8K_SHA256, load_gsm8k_rows
 from .synthetic import SYNTHETIC
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")

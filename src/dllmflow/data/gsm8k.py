@@ -18,6 +18,7 @@ import json
 import re
 from pathlib import Path
 
+from dllmflow.common.files import sha256_file
 from dllmflow.errors import UserError
 
 EMBEDDED_PREFIX = "embedded:"
@@ -40,14 +41,6 @@ def gsm8k_path() -> Path:
     if not path.is_file():
         raise UserError(f"{path}: GSM8K file missing from {GSM8K_PIP}; reinstall it")
     return path
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def clean_answer(answer: str) -> str:

@@ -28,13 +28,14 @@ from collections import Counter
 from itertools import islice
 from pathlib import Path
 
+from dllmflow.common.files import sha256_file
 from dllmflow.common.outputs import hold_dir_lock
 from dllmflow.common.progress import Progress
 from dllmflow.errors import UserError
 
 from .chat import MAX_EXAMPLES, ChatSource
 from .formats import row_texts, split_key
-from .gsm8k import sha256_file, split_of
+from .gsm8k import split_of
 from .prepared_dir import (
     FORMAT_VERSION,
     MANIFEST,

@@ -18,12 +18,12 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from dllmflow.common.files import sha256_file_once
 from dllmflow.common.outputs import LOCK_FILE, OutputPathError, check_output_dir
 from dllmflow.errors import UserError
 
 from .chat import ChatSource, load_chat_rows
 from .formats import RowSpec
-from .gsm8k import sha256_file
 from .mixture import mix_rows
 from .shards import TOKENS_SUFFIX, tokens_path
 
@@ -128,7 +128,7 @@ def content_hash(out_dir: Path, manifest: dict) -> str:
 
 
 def tokenizer_hashes(out_dir: Path) -> dict[str, str]:
-    return {str(p.relative_to(out_dir)): _sha256_once(p) for p in sorted((out_dir / "tokenizer").rglob("*"))
+    return {str(p.relative_to(out_dir)): sha256_file_once(p) for p in sorted((out_dir / "tokenizer").rglob("*"))
             if p.is_file()}  # fmt: skip
 
 
@@ -138,19 +138,6 @@ def tokenizer_hashes(out_dir: Path) -> dict[str, str]:
 class PreparedDataError(UserError):
     """A prepared file that is not what its manifest records: changed, swapped, cut short, ids outside
     the vocabulary, or a dir prepared before files were verified."""
-
-
-_HASHED: dict[
-    tuple, str
-] = {}  # (path, inode, size, mtime) -> sha256: each file version hashed once per process
-
-
-def _sha256_once(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _HASHED:
-        _HASHED[key] = sha256_file(path)  # streamed in 1 MiB chunks: memory does not grow with the file
-    return _HASHED[key]
 
 
 def verify_file(out_dir: Path, rel: str, meta: dict) -> None:
@@ -164,7 +151,7 @@ def verify_file(out_dir: Path, rel: str, meta: dict) -> None:
         raise PreparedDataError(f"{path}: missing (the manifest lists it); {fix}") from None
     if size != meta["bytes"]:
         raise PreparedDataError(f"{path}: {size} bytes, the manifest records {meta['bytes']}; {fix}")
-    actual = _sha256_once(path)
+    actual = sha256_file_once(path)
     if actual != meta["sha256"]:
         raise PreparedDataError(
             f"{path}: sha256 {actual} does not match the manifest's {meta['sha256']} (changed or swapped "

@@ -37,11 +37,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dllmflow.common.files import sha256_file
 from dllmflow.common.outputs import wait_beside
 from dllmflow.common.store import RETRY_ATTEMPTS, endpoint_url, remote_fs, retried
 from dllmflow.errors import UserError
 
-from .gsm8k import sha256_file
 from .prepared_dir import (
     MANIFEST,
     PreparedDataError,

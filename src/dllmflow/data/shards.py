@@ -24,9 +24,8 @@ from bisect import bisect_right
 from itertools import chain
 from pathlib import Path
 
+from dllmflow.common.files import sha256_file
 from dllmflow.errors import UserError
-
-from .gsm8k import sha256_file
 
 TOKENS_SUFFIX = ".tokens.arrow"
 TOKEN_COLUMNS = ("id", "input_ids", "loss_mask", "prompt_length")

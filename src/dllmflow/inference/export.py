@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from dllmflow.common.cli_args import add_flag
+from dllmflow.common.files import sha256_file
 from dllmflow.common.outputs import OutputPathError, check_output_dir
-from dllmflow.data.gsm8k import sha256_file
 from dllmflow.errors import UserError
 from dllmflow.runs import recorded_settings, resolve_checkpoint
 

@@ -16,7 +16,6 @@ and an evaluation's protocol (`checkpoint`) name, as they did when the path itse
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -118,6 +117,7 @@ def _read(export: Path, given: str | os.PathLike) -> ResolvedCheckpoint:
 def weights_sha256(export: str | os.PathLike) -> str | None:
     """sha256 over each weight file's name and sha256 (streamed; each file version hashed once per
     process: a sweep evaluates one checkpoint many times); None for a dir without safetensors."""
+    from dllmflow.common.files import sha256_file_once
     from dllmflow.models.integrity import weight_files
 
     files = weight_files(export)
@@ -125,13 +125,5 @@ def weights_sha256(export: str | os.PathLike) -> str | None:
         return None
     h = hashlib.sha256()
     for f in files:
-        st = f.stat()
-        h.update(f"{f.name}\0{_file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)}\n".encode())
+        h.update(f"{f.name}\0{sha256_file_once(f)}\n".encode())
     return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=256)
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    from dllmflow.data.gsm8k import sha256_file
-
-    return sha256_file(path)

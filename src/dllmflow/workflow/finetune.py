@@ -110,7 +110,6 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
     curriculum, each stage starting from the previous one's export). A stage with a LATEST checkpoint
     in its run dir resumes from it (a Metaflow `@retry` or `resume` lands here again with the same
     run dir); a finished stage is not retrained. With `mlflow_run_id`, rank 0 logs metrics into it live."""
-    from dllmflow.diffusion.strategies import STRATEGIES
     from dllmflow.training.launch import launch
 
     s = Settings.coerce(settings).with_run_dir(run_dir)
@@ -129,7 +128,7 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
                 "run dir (infra/README.md, the volume-based setup)"
             )
         s = ar_control.on_control(s, control["consolidated_dir"])
-    stages = [with_remote_run(st, run_dir) for st in STRATEGIES[s.dllm.mode].training_stages(s)]
+    stages = training_stages(s, run_dir)
     handles, resumed, log_dir = [], False, None
     for stage in stages:
         layout = runs.RunLayout(stage.resolved_run_dir)
@@ -165,6 +164,15 @@ def _local_export(stage: Settings) -> str | None:
         if not stage.checkpoint.remote_dir or _remote_latest(stage) is None:
             raise
         return None
+
+
+def training_stages(s: Settings, run_dir: str) -> list[Settings]:
+    """Each training stage's settings as `train` launches them (one, or a curriculum's): its run dir
+    under `run_dir` and its `checkpoint.remote_dir` prefix (workflow/restore.py reads them back)."""
+    from dllmflow.diffusion.strategies import STRATEGIES
+
+    stages = STRATEGIES[s.dllm.mode].training_stages(s.with_run_dir(run_dir))
+    return [with_remote_run(st, run_dir) for st in stages]
 
 
 def with_remote_run(stage: Settings, flow_dir: str) -> Settings:

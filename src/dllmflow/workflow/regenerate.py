@@ -211,7 +211,7 @@ def content_hash(out_dir: str | os.PathLike) -> str:
 
 def shards_sha256(out_dir: str | os.PathLike) -> str:
     """The hash `dllmflow prepare` records as `source.sha256` for this dir (shards only, by name)."""
-    from dllmflow.data.gsm8k import sha256_file
+    from dllmflow.common.files import sha256_file
 
     h = hashlib.sha256()
     for p in shard_files(out_dir):

@@ -61,11 +61,10 @@ def mirrored_runs(settings: Settings, run_dir: str) -> list[tuple[Settings, bool
 
 
 def _stages(settings: Settings, run_dir: str) -> list[tuple[Settings, bool]]:
-    from dllmflow.diffusion.strategies import STRATEGIES
-    from dllmflow.workflow.finetune import with_remote_run  # the prefix each stage was mirrored under
+    from dllmflow.workflow.finetune import training_stages  # as train launched them
 
-    stages = STRATEGIES[settings.dllm.mode].training_stages(settings.with_run_dir(run_dir))
-    return [(with_remote_run(st, run_dir), i == len(stages) - 1) for i, st in enumerate(stages)]
+    stages = training_stages(settings, run_dir)
+    return [(st, i == len(stages) - 1) for i, st in enumerate(stages)]
 
 
 def _missing(stage: Settings, with_export: bool) -> list[str]:
