@@ -3,11 +3,12 @@ test with a cwd, HOME, TMPDIR and cache dirs of the pod's own. It calls what the
 (workflow/data_steps.py, workflow/finetune.py, workflow/restore.py, training/launch.py) with the flow's
 settings dict, and writes the step's small result (its artifact) as JSON to `request["result"]`.
 
-    {"call": "plan"|"unit"|"join"|"train"|"evaluate"|"register"|"one_machine", "settings": {...}, ...}
+    {"call": "plan"|"unit"|"join"|"prepare"|"train"|"evaluate"|"register"|"one_machine", "settings": {...}}
 
 `train` submits the torchx AppDef through `launch` (launch.scheduler=kubernetes) to `ClusterRunner`, a
 stand-in for the cluster: each replica is a pod of its own (its own dirs, the AppDef's command and env,
-nothing else), as Kubernetes would run it. `unit` with "kill_after_puts": n dies by SIGKILL right after
+nothing else), as Kubernetes would run it; with "nodes_per_app" each submission (uno's AR control, then
+its adapter) gets pods of its own. `unit` with "kill_after_puts": n dies by SIGKILL right after
 its n-th upload to the bucket, as a pod killed mid-task.
 """
 
@@ -119,10 +120,16 @@ def main(request: dict[str, Any]) -> Any:
     if call == "join":
         data = data_steps.join_data(settings, request["planned"])
         return {"data": data, "settings": data_steps.pin_published(settings, data)}
+    if call == "prepare":  # the flow's data steps in one pod: plan, units and join, then pinned
+        data = data_steps.prepare_data(settings)
+        return {"data": data, "settings": data_steps.pin_published(settings, data)}
     if call == "train":  # the flow's train step, its torchx AppDef submitted to the cluster stand-in
         import torchx.runner
 
-        torchx.runner.get_runner = lambda: ClusterRunner(request["nodes"], request["root"])
+        # each submission gets the next `nodes_per_app` pods (fresh ones, as a cluster schedules a new app)
+        per = request.get("nodes_per_app") or len(request["nodes"])
+        apps = iter([request["nodes"][i : i + per] for i in range(0, len(request["nodes"]), per)])
+        torchx.runner.get_runner = lambda: ClusterRunner(next(apps), request["root"])
         training = finetune.train(settings, request["run_dir"])
         return {"app_handle": training["app_handle"], "run_dir": training["run_dir"], "training": training}
     if call == "evaluate":

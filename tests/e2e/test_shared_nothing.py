@@ -261,3 +261,50 @@ def test_every_step_and_node_shares_nothing_but_the_bucket(tmp_path):
         if checkout_before.get(k) != checkout_after.get(k)
     )
     assert changed == [], f"the checkout's untracked files changed: {changed[:5]}"
+
+
+def test_uno_adapter_trainers_fetch_the_control_from_the_bucket(tmp_path):
+    """uno with `eval.ar_control` shares nothing either: the control trains on pods of its own, the train
+    step restores its export from the bucket for its checks, and the adapter's trainer (a fresh pod, no
+    control on its disk) fetches it from the control's prefix (`model.remote_dir`), verified, and trains
+    on exactly those weights."""
+    from dllmflow.models.drafting_adapter import read_drafter_info, weights_digest
+    from dllmflow.runs import find_consolidated
+
+    with moto_s3(BUCKET, log=tmp_path / "moto.log") as s3:
+        pods = Pods(tmp_path / "pods", s3.env)
+        settings = load_settings(
+            ROOT / "params" / "tiny_uno.yaml",
+            dataset={
+                "limit": 64,
+                "prepared_dir": "data/prepared/e2e_uno",
+                "remote_dir": f"s3://{BUCKET}/prepared/e2e_uno",
+            },
+            train={"max_steps": 2, "global_batch_size": 4, "local_batch_size": 4, "warmup_steps": 1, "log_every": 1},
+            checkpoint={"every_steps": 2, "remote_dir": f"s3://{BUCKET}/runs/e2e_uno"},
+            launch={
+                "scheduler": "kubernetes", "nnodes": 1, "nproc_per_node": 1,
+                "rdzv_backend": "static", "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+            },
+            eval={"ar_control": {"enabled": True}},
+        ).to_dict()  # fmt: skip
+        run_dir = str(flow_run_dir(settings, "1"))
+        rc, prepared = pods.run("prepare", "prepare", settings)
+        assert rc == 0, pods.log("prepare")
+        settings = prepared["settings"]
+        rc, _ = pods.run(
+            "train", "train", settings, pods=("control0", "adapter0"), run_dir=run_dir, nodes_per_app=1
+        )
+        assert rc == 0, pods.log("train") + pods.log("control0") + pods.log("adapter0")
+
+        control = Path(run_dir) / "ar_control"
+        trained = find_consolidated(pods.root("control0") / "work" / control)  # where the control trained
+        fetched = find_consolidated(pods.root("adapter0") / "work" / control)  # the adapter pod's copy
+        restored = find_consolidated(pods.root("train") / "work" / control)  # the train step's checks
+        digest = weights_digest(trained)
+        assert weights_digest(fetched) == weights_digest(restored) == digest
+        here = str(pods.root("adapter0") / "work" / control / "checkpoints")
+        assert any(p.startswith(here) and p.endswith(".safetensors") for p in pods.written("adapter0"))
+        adapter = find_consolidated(pods.root("adapter0") / "work" / run_dir)
+        assert read_drafter_info(adapter)["base_digest"] == digest  # the adapter drafts for those weights
+        assert [s for s, _ in _losses(pods.root("adapter0") / "work" / run_dir)] == [1, 2]

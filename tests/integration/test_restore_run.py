@@ -199,6 +199,31 @@ def test_bucket_without_the_finished_run_is_one_line(trained, s3, prep, tmp_path
     assert not (tmp_path / "other" / "flow-1").exists()
 
 
+def test_trainer_fetches_a_model_export_it_lacks(trained, s3, tmp_path):
+    """`model.remote_dir` (uno's adapter on the AR control): a trainer whose disk lacks the export named by
+    `pretrained_model_name_or_path` fetches that step's export (through LATEST: the bucket's), verified;
+    once there it asks nothing; a path that is no run's export, or a prefix without a run, is one line."""
+    from dllmflow.models.drafting_adapter import weights_digest
+    from dllmflow.training.storage import fetch_model_export
+
+    local = runs.find_consolidated(trained.run_dir)
+    via_latest = tmp_path / "pod_d" / "checkpoints" / runs.LATEST / runs.MODEL / runs.CONSOLIDATED
+    assert fetch_model_export(trained.remote, via_latest) > 0
+    assert weights_digest(via_latest) == weights_digest(local)
+    assert (tmp_path / "pod_d" / "checkpoints" / "step_000004").is_dir()  # the bucket's LATEST, in place
+    assert fetch_model_export(trained.remote, via_latest) == 0  # already here: the store is not asked
+    named = tmp_path / "pod_e" / "checkpoints" / "step_000004" / runs.MODEL / runs.CONSOLIDATED
+    assert fetch_model_export(trained.remote, named) > 0 and weights_digest(named) == weights_digest(local)
+    with pytest.raises(UserError, match=r"is not a run's export \(<run>/checkpoints/<step_NNNNNN or LATEST>"):
+        fetch_model_export(trained.remote, tmp_path / "pod_f" / "model")
+    with pytest.raises(
+        UserError, match=rf"model.remote_dir s3://{s3.bucket}/runs/nothing: holds no checkpoint"
+    ):
+        fetch_model_export(
+            f"s3://{s3.bucket}/runs/nothing", tmp_path / "pod_g" / via_latest.relative_to(tmp_path / "pod_d")
+        )
+
+
 @pytest.mark.parametrize(
     ("recipe", "what", "overrides"),
     [

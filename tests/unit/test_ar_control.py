@@ -37,6 +37,8 @@ DEMO = ROOT / "params" / "tiny_addition.yaml"
         ("tiny_ar.yaml", {"eval": {"ar_baseline": True}}, r"eval.ar_baseline: dllm.mode=ar is the AR model itself"),
         (DEMO, {"model": {"tiny": None, "pretrained_model_name_or_path": "GSAI-ML/LLaDA-8B-Base"},
                 "eval": {"ar_control": {}}}, r"eval.ar_control: model.pretrained_model_name_or_path .* non-causal llada"),
+        (DEMO, {"model": {"remote_dir": "s3://b/runs/x"}},
+         r"model.remote_dir: names where a run's export is mirrored; set model.pretrained_model_name_or_path"),
     ],
 )  # fmt: skip
 def test_a_control_that_cannot_run_is_refused_at_parse_time(recipe, overrides, match):

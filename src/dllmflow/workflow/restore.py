@@ -20,6 +20,7 @@ parallel `evaluate` branches on one host download it once.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import Any
 
 from dllmflow import runs
@@ -38,11 +39,22 @@ def restore_run_dir(settings: Settings | dict[str, Any], run_dir: str) -> dict[s
     if not s.checkpoint.remote_dir:
         return done
     for stage, with_export in mirrored_runs(s, run_dir):
-        if _missing(stage, with_export):
-            with wait_beside(stage.resolved_run_dir, "restore"):
-                if _missing(stage, with_export):  # another process of this machine may have restored it
-                    _restore(stage, with_export, done)
+        _restore_once(stage, with_export, done)
     return done
+
+
+def restore_export(stage: Settings) -> Path:
+    """One finished run dir (`stage`: its settings as train launched it) restored on this disk with its
+    export, as `restore_run_dir` restores each; its consolidated export's path."""
+    _restore_once(stage, True, {"bytes": 0, "files": []})
+    return runs.find_consolidated(stage.resolved_run_dir)
+
+
+def _restore_once(stage: Settings, with_export: bool, done: dict[str, Any]) -> None:
+    if _missing(stage, with_export):
+        with wait_beside(stage.resolved_run_dir, "restore"):
+            if _missing(stage, with_export):  # another process of this machine may have restored it
+                _restore(stage, with_export, done)
 
 
 def mirrored_runs(settings: Settings, run_dir: str) -> list[tuple[Settings, bool]]:
