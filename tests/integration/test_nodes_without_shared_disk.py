@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,9 +92,17 @@ def _train(
         procs.append(
             (subprocess.Popen(cmd, env=node_env, stdout=out, stderr=subprocess.STDOUT, text=True), out)
         )
+    # A node that fails (e.g. its rendezvous) leaves the other waiting for it: stop that one too, at once.
+    deadline = time.monotonic() + 600
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p, _ in procs):
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.2)
     done = []
     for proc, out in procs:
-        proc.wait(timeout=600)
+        proc.wait(timeout=60)
         out.close()
         log = Path(out.name).read_text()
         done.append(subprocess.CompletedProcess(proc.args, proc.returncode, log, ""))

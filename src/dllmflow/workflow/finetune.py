@@ -36,6 +36,7 @@ from dllmflow.workflow.data_steps import (  # noqa: F401 - steps
     prepare_data,
     prepare_unit,
 )
+from dllmflow.workflow.stages import control_settings, training_stages, with_remote_run  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -172,33 +173,6 @@ def _local_export(stage: Settings) -> str | None:
         if not stage.checkpoint.remote_dir or _remote_latest(stage) is None:
             raise
         return None
-
-
-def training_stages(s: Settings, run_dir: str) -> list[Settings]:
-    """Each training stage's settings as `train` launches them (one, or a curriculum's): its run dir
-    under `run_dir` and its `checkpoint.remote_dir` prefix (workflow/restore.py reads them back)."""
-    from dllmflow.diffusion.strategies import STRATEGIES
-
-    stages = STRATEGIES[s.dllm.mode].training_stages(s.with_run_dir(run_dir))
-    return [with_remote_run(st, run_dir) for st in stages]
-
-
-def with_remote_run(stage: Settings, flow_dir: str) -> Settings:
-    """`checkpoint.remote_dir` names the recipe's prefix in the object store; each flow run (and each
-    curriculum stage) mirrors under its own sub-prefix, as its local run dir sits under `runs/<name>`."""
-    remote = stage.checkpoint.remote_dir
-    if not remote:
-        return stage
-    rel = Path(stage.resolved_run_dir).absolute().relative_to(Path(flow_dir).absolute().parent)
-    checkpoint = stage.checkpoint.model_copy(update={"remote_dir": f"{remote.rstrip('/')}/{rel.as_posix()}"})
-    return stage.model_copy(update={"checkpoint": checkpoint})
-
-
-def control_settings(s: Settings, run_dir: str) -> Settings:
-    """The AR control's settings (`ar_control.control_settings`), mirrored under this flow run's prefix
-    (`<checkpoint.remote_dir>/flow-<id>/ar_control`): never a prefix another flow run of the recipe shares,
-    whose finished control a new run would otherwise take for its own."""
-    return ar_control.control_settings(with_remote_run(s.with_run_dir(run_dir), run_dir), run_dir)
 
 
 def _remote_latest(stage: Settings) -> str | None:

@@ -165,7 +165,7 @@ def train(
     retry, a rerun) unless `resume` says otherwise; a finished run is not rerun."""
     from dllmflow.training.launch import launch
     from dllmflow.training.run_dir import check_overwritable
-    from dllmflow.workflow.finetune import with_remote_run
+    from dllmflow.workflow.stages import with_remote_run
 
     # mirrored under this flow run's own prefix (`<checkpoint.remote_dir>/flow-<id>`), as the fine-tune's
     s = with_remote_run(Settings.coerce(settings).with_run_dir(run_dir), run_dir)

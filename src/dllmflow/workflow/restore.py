@@ -61,7 +61,7 @@ def mirrored_runs(settings: Settings, run_dir: str) -> list[tuple[Settings, bool
     """(settings of a run dir the train step mirrored, whether later steps read its export), as
     `workflow.finetune.train` (or `workflow.grpo.train`, `rl:`) trained them: each stage's
     `resolved_run_dir` and its `checkpoint.remote_dir` prefix."""
-    from dllmflow.workflow.finetune import control_settings, with_remote_run
+    from dllmflow.workflow.stages import control_settings, with_remote_run
 
     if settings.rl is not None:  # GRPO mirrors its one run dir under the flow run's prefix
         return [(with_remote_run(settings.with_run_dir(run_dir), run_dir), True)]
@@ -73,7 +73,7 @@ def mirrored_runs(settings: Settings, run_dir: str) -> list[tuple[Settings, bool
 
 
 def _stages(settings: Settings, run_dir: str) -> list[tuple[Settings, bool]]:
-    from dllmflow.workflow.finetune import training_stages  # as train launched them
+    from dllmflow.workflow.stages import training_stages  # as train launched them
 
     stages = training_stages(settings, run_dir)
     return [(st, i == len(stages) - 1) for i, st in enumerate(stages)]
