@@ -150,16 +150,67 @@ def test_loss_equals_each_anchor_decoded_alone(causal_lm):
     assert torch.allclose(got.double(), want, rtol=1e-6)  # per_token_ce takes fp32
 
 
-@pytest.mark.parametrize("block_size", [2, 4])
-def test_selfspec_answers_are_the_causal_lms_greedy_ones_in_fewer_forwards(causal_lm, drafter, block_size):
+@pytest.mark.parametrize(("block_size", "groups"), [(2, 1), (4, 1), (4, 2), (4, 4)])
+def test_selfspec_answers_are_the_causal_lms_greedy_ones_in_fewer_forwards(
+    causal_lm, drafter, block_size, groups
+):
     config = build_sampler_config("ar", {"max_new_tokens": 12})
     ar = SAMPLERS["ar"](causal_lm, _Tok(), config, mask_id=M).generate(PROMPTS)  # the LM alone
-    config = build_sampler_config("selfspec", {"max_new_tokens": 12, "block_size": block_size})
+    asked = {"max_new_tokens": 12, "block_size": block_size, "slot_groups": groups}
+    config = build_sampler_config("selfspec", asked)
     spec = SAMPLERS["selfspec"](drafter, _Tok(), config, mask_id=M).generate(PROMPTS)
     assert spec.sequences == ar.sequences
     assert sum(spec.row_nfe) < sum(ar.row_nfe)
     assert len(spec.draft_fed) == block_size - 1 and spec.draft_accepted[0] > 0
     assert all(a <= f for a, f in zip(spec.draft_accepted, spec.draft_fed))
+
+
+def test_grouped_slots_draft_from_exactly_the_prefix_the_check_accepted(causal_lm, drafter):
+    """With a slot group after each draft (slot_groups = block_size), whatever a check accepts, the next
+    forward's drafts are the adapter's guesses from exactly the committed text: the argmax of [MASK] slots
+    appended to the prompt and the answer before the pending token, in a plain causal forward of the
+    gated model without a cache (the view it was trained on), for every forward after the first."""
+    prompt = PROMPTS[0]
+    answer = SAMPLERS["ar"](causal_lm, _Tok(), build_sampler_config("ar", {"max_new_tokens": 12}),
+                            mask_id=M).generate([prompt]).sequences[0]  # fmt: skip
+    fed = []  # (the pending token's position, the drafts after it)
+
+    def record(module, args, kw):
+        ids = kw["input_ids"][0].tolist()
+        fed.append((int(kw["position_ids"][0, 0]), [t for t in ids[1:] if t != M]))
+
+    hook = drafter.register_forward_pre_hook(record, with_kwargs=True)
+    asked = {"max_new_tokens": 12, "block_size": 4, "slot_groups": 4}
+    try:
+        spec = SAMPLERS["selfspec"](drafter, _Tok(), build_sampler_config("selfspec", asked), mask_id=M)
+        assert spec.generate([prompt]).sequences[0] == answer
+    finally:
+        hook.remove()
+    checked = 0
+    for pos, drafts in fed[2:]:  # fed[0]: the prompt's forward, fed[1]: drafts from its slots
+        before = prompt + answer[: pos - len(prompt)]  # everything before the pending token
+        with torch.no_grad():
+            logits = drafter(input_ids=torch.tensor([before + [M] * 3])).logits[0, len(before) :]  # [3, V]
+        guesses = logits.argmax(-1).tolist()
+        assert drafts == guesses[: len(drafts)], (pos, drafts, guesses)
+        checked += bool(drafts)
+    assert checked >= 2
+
+
+def test_slot_groups_see_the_drafts_up_to_their_own():
+    from dllmflow.diffusion.samplers.selfspec import groups_keep, slot_groups
+
+    assert (
+        slot_groups(3, 3, 1) == [3]
+        and slot_groups(3, 3, 2) == [0, 3]
+        and slot_groups(3, 3, 9) == [0, 1, 2, 3]
+    )
+    assert slot_groups(0, 3, 4) == [0] and slot_groups(3, 0, 4) == []
+    F, W, groups = 2, 2, [0, 2]
+    keep = groups_keep(F, W, groups, torch.device("cpu"))  # [7, 7]: pending, d1, d2, then 2 groups of 2
+    # the rule written out: position -> the new positions it sees
+    sees = {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 3}, 4: {0, 3, 4}, 5: {0, 1, 2, 5}, 6: {0, 1, 2, 5, 6}}
+    assert {q: set(keep[q].nonzero().flatten().tolist()) for q in range(7)} == sees
 
 
 def test_an_untrained_adapter_drafts_worse_than_a_trained_one(causal_lm, drafter):

@@ -248,6 +248,7 @@ def add_sampler_args(parser: argparse.ArgumentParser, seed_default: int | None =
     )
     add_flag(g, "--draft-schedule", choices=["fixed", "adaptive"], help="selfspec: drafts per forward")
     add_flag(g, "--lookup-ngram", type=int, help="selfspec: drafts copied from the text (0: off)")
+    add_flag(g, "--slot-groups", type=int, help="selfspec: groups of [MASK] slots per forward")
     add_flag(
         g,
         "--cache",
@@ -306,7 +307,7 @@ def _eos_id(value: str) -> int | str:
 
 SAMPLER_FLAGS = ("steps", "max_new_tokens", "block_size", "temperature", "remasking", "threshold",
                  "uniform_ratio", "schedule_shape", "schedule_peak", "editing_threshold", "max_post_steps",
-                 "batch_positions", "draft_schedule", "lookup_ngram", "cache", "causal_context",
+                 "batch_positions", "draft_schedule", "lookup_ngram", "slot_groups", "cache", "causal_context",
                  "eos_token_id", "eos_truncate", "seed")  # fmt: skip
 
 

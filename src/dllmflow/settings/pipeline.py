@@ -193,6 +193,12 @@ class EvalConfig(Section):
         description="selfspec: drafts copied from the prompt and answer so far where the last n tokens "
         "recurred (prompt lookup; 0 = off); None = the preset. Refused if no evaluated sampler takes it.",
     )
+    slot_groups: PositiveInt | None = Field(
+        None,
+        description="selfspec: groups of [MASK] slots per forward (1: after the last draft; 2: also right "
+        "after the pending token; block_size: after each draft); None = the preset. Refused if no evaluated "
+        "sampler takes it.",
+    )
     n_shot: NonNegativeInt = 0
     batch_size: BatchRows = 8
     seed: int = 0

@@ -242,6 +242,13 @@ class SelfSpecConfig(SamplerConfig):
         "width follows acceptance (one more than the most drafts a row accepted, +2 when a row accepted "
         "every draft it was fed, at least 1), so drafts that keep missing stop costing positions.",
     )
+    slot_groups: PositiveInt = Field(
+        1,
+        description="Groups of [MASK] slots a forward feeds: 1 = one after the last draft (its guesses are "
+        "the next drafts when every draft holds, the model's choices after a miss otherwise); 2 = also one "
+        "right after the pending token (the next drafts after a first-draft miss, from the exact prefix); "
+        "block_size = one after each draft. Each group costs as many positions as it has slots.",
+    )
     lookup_ngram: NonNegativeInt = Field(
         0,
         description="0: the drafts are the model's. n > 0: a row whose last n tokens (or fewer, down to 1) "

@@ -14,11 +14,11 @@ from typing import Annotated, Any
 
 EVAL_SETTINGS = (
     "max_new_tokens", "steps", "block_size", "threshold", "cache", "temperature", "batch_positions",
-    "draft_schedule", "lookup_ngram", "seed",
+    "draft_schedule", "lookup_ngram", "slot_groups", "seed",
 )  # fmt: skip
 # Knobs only some samplers have (selfspec's draft policies): a value set in the eval section is refused
 # when no evaluated sampler takes it (`protocol.check_eval_settings`), as `cache` is.
-SAMPLER_SPECIFIC = ("batch_positions", "draft_schedule", "lookup_ngram")
+SAMPLER_SPECIFIC = ("batch_positions", "draft_schedule", "lookup_ngram", "slot_groups")
 
 
 def eval_defaults(eval_cfg: Any, sampler: str) -> dict[str, Any]:

@@ -74,6 +74,32 @@ def lookup_drafts(context: list[int], n: int, most: int) -> list[int]:
     return []
 
 
+def slot_groups(fed: int, slots: int, groups: int) -> list[int]:
+    """After which of the `fed` drafts a group of `slots` [MASK] slots sits (0: right after the pending
+    token), `groups` of them spread over 0..fed, always the one after the last draft; [] without slots."""
+    if not slots:
+        return []
+    n = min(groups, fed + 1)
+    if n == 1:
+        return [fed]
+    return sorted({round(i * fed / (n - 1)) for i in range(n)})
+
+
+def groups_keep(fed: int, slots: int, groups: list[int], device: torch.device) -> Tensor:
+    """Which new positions each new position of a grouped forward sees [Q, Q] bool (Q = 1 + fed +
+    len(groups) * slots): the pending token and drafts causally; a slot of the group after draft g the
+    pending token, drafts 1..g and its own group's slots up to itself: the view it was trained on
+    (masks/drafting.py), whatever the check accepts."""
+    Q = 1 + fed + len(groups) * slots
+    keep = torch.ones(Q, Q, device=device).tril().bool()  # [Q, Q]
+    for i, g in enumerate(groups):
+        start = 1 + fed + i * slots
+        rows = slice(start, start + slots)
+        keep[rows, g + 1 : start] = False  # the drafts after g and the other groups' slots
+        keep[rows, start : start + slots] = torch.ones(slots, slots, device=device).tril().bool()
+    return keep
+
+
 def accepted_drafts(drafts: Tensor, greedy: Tensor) -> Tensor:
     """How many leading drafts equal the model's greedy choices: drafts, greedy [b, D] -> [b] in 0..D."""
     return (drafts == greedy).long().cumprod(dim=1).sum(dim=1)
@@ -136,12 +162,19 @@ class SelfSpecSampler(Sampler):
             b, K = len(keep), kv.length
             F, W = self._feed(rows.drafts, real, stop)
             fed = rows.drafts[:, :F]  # [b, F]
-            Q = 1 + F + W
-            masks = torch.full((b, W), self.mask_id, dtype=rows.drafts.dtype, device=dev)
+            groups = slot_groups(
+                F, W, self.config.slot_groups
+            )  # a group of W slots after each of these drafts
+            Q = 1 + F + len(groups) * W
+            masks = torch.full((b, Q - 1 - F), self.mask_id, dtype=rows.drafts.dtype, device=dev)
             ids = torch.cat([rows.pending[:, None], fed, masks], dim=1)  # [b, Q]
-            pos = rows.position[:, None] + torch.arange(Q, device=dev)[None]  # [b, Q]
+            rel = torch.tensor(list(range(1 + F)) + [g + 1 + t for g in groups for t in range(W)], device=dev)
+            pos = rows.position[:, None] + rel[None]  # [b, Q]
             new = torch.ones(b, Q, dtype=torch.bool, device=dev)
-            logits = self._forward_new(kv, torch.cat([rows.keys, new], 1), ids, pos, K)  # [b, Q, V]
+            mask = causal_mask(torch.cat([rows.keys, new], 1), kv.dtype, K, Q)  # [b, 1, Q, K + Q]
+            if len(groups) > 1:  # each group sees the drafts up to its own, not the ones after
+                mask[..., K:] = torch.where(groups_keep(F, W, groups, dev), 0.0, torch.finfo(kv.dtype).min)
+            logits = kv.forward(ids, mask, pos, 0, Q)  # [b, Q, V]
             greedy = logits[:, : 1 + F].argmax(-1)  # [b, 1 + F]: e_i follows draft i (e_0: the fed token)
             j = accepted_drafts(fed, greedy[:, :F])  # [b]
             self._count_drafts(F, j)
@@ -156,10 +189,17 @@ class SelfSpecSampler(Sampler):
             # token, but often still hold: Jacobi's guesses), then the slots' guesses (exact views when
             # every draft was accepted); filler where neither reaches. Every draft is checked anyway.
             filler = torch.full_like(rows.drafts, self.fill_id)  # [b, D]
-            after = torch.cat([greedy[:, 1:], logits[:, 1 + F :].argmax(-1), filler], dim=1)  # [b, F + W + D]
+            slots = logits[:, 1 + F :].argmax(-1).view(b, len(groups), W)  # [b, G, W]
+            last = slots[:, -1] if groups and groups[-1] == F else fed[:, :0]  # [b, W or 0]: all accepted
+            after = torch.cat([greedy[:, 1:], last, filler], dim=1)  # [b, F + W + D]
             rows.drafts = after.gather(1, j[:, None] + ahead[None])  # [b, D]
+            made = last.shape[1] + F - j  # [b] this forward's: F - j choices, the last group's slots
+            for i, g in enumerate(groups[:-1] if last.shape[1] else groups):
+                hit = j == g  # [b] rows that accepted exactly the drafts group i followed: its guesses
+                rows.drafts[hit] = torch.cat([slots[hit, i], filler[hit]], dim=1)[:, :D]
+                made[hit] = W
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
-            real = self._lookup(rows, prompt_ids, out, W + F - j)  # this forward's: F - j choices, W slots
+            real = self._lookup(rows, prompt_ids, out, made)
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
 
     def _lookup(self, rows: SpecRows, prompt_ids: list[list[int]], out: list[list[int]], made: Tensor) -> int:
@@ -211,7 +251,7 @@ class SelfSpecSampler(Sampler):
         """Drafts (and slots) per row of a forward over `rows` live rows: `most`, at most the adaptive
         schedule's span, unless `batch_positions` caps the forward's 1 + 2 * width positions per row."""
         cap, most = self.config.batch_positions, min(most, self._span)
-        return most if cap is None else max(0, min(most, (cap // rows - 1) // 2))
+        return most if cap is None else max(0, min(most, (cap // rows - 1) // (1 + self.config.slot_groups)))
 
     def _forward_new(self, kv: ModelCache, keys: Tensor, ids: Tensor, pos: Tensor, first: int) -> Tensor:
         """Append `ids` [b, Q] at positions `pos` to the cache, causally over the valid keys `keys`
