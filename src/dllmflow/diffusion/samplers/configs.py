@@ -17,7 +17,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeFloat,
     NonNegativeInt,
     PositiveInt,
     ValidationError,
@@ -74,7 +73,7 @@ class BlockConfig(SamplerConfig):
     """Knobs of block-wise [MASK] filling with this loop (llada, nemotron, idlm; docs/strategies.md §3.0 defaults)."""
 
     block_size: PositiveInt | None = 32
-    temperature: NonNegativeFloat = 0.0
+    temperature: float = Field(0.0, ge=0.0)
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     threshold: float | None = Field(None, gt=0.0, le=1.0)
     eos_token_id: EosSetting = Field(
@@ -145,7 +144,7 @@ class SCDDConfig(SamplerConfig):
     """Preset (docs/strategies.md §3.2): 128 steps for 128 new tokens at temperature 1. The schedule must be the
     training one (unset = the checkpoint's); `eps` is the last time of the walk from t = 1."""
 
-    temperature: NonNegativeFloat = 1.0
+    temperature: float = Field(1.0, ge=0.0)
     uniform_ratio: float = Field(0.1, ge=0.0, lt=1.0)
     schedule_shape: float = Field(1.0, gt=0.0)
     schedule_peak: float = Field(0.5, gt=0.0, lt=1.0)
@@ -170,7 +169,7 @@ class LLaDA2Config(SamplerConfig):
     steps_per_block: ClassVar[bool] = True
     steps: PositiveInt = Field(32, description="Step budget of each block (not a total).")
     block_size: PositiveInt | None = 32
-    temperature: NonNegativeFloat = 0.0
+    temperature: float = Field(0.0, ge=0.0)
     threshold: float | None = Field(0.5, gt=0.0, le=1.0)
     eos_token_id: int | Literal["tokenizer"] | None = Field(None, description="None = the tokenizer's EOS.")
     # LLaDA2.1 editing: a committed token of the current block is replaced when the model's confidence
