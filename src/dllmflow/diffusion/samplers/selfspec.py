@@ -185,22 +185,32 @@ class SelfSpecSampler(Sampler):
             committed = [g[: int(a) + 1].tolist() for g, a in zip(greedy, j)]  # e_0..e_j of each row
             rows.pending = greedy.gather(1, j[:, None]).squeeze(1)
             rows.position = rows.position + j + 1
-            # The next drafts: the model's choices after the drafts it rejected (they followed a wrong
-            # token, but often still hold: Jacobi's guesses), then the slots' guesses (exact views when
-            # every draft was accepted); filler where neither reaches. Every draft is checked anyway.
-            filler = torch.full_like(rows.drafts, self.fill_id)  # [b, D]
             slots = logits[:, 1 + F :].argmax(-1).view(b, len(groups), W)  # [b, G, W]
-            last = slots[:, -1] if groups and groups[-1] == F else fed[:, :0]  # [b, W or 0]: all accepted
-            after = torch.cat([greedy[:, 1:], last, filler], dim=1)  # [b, F + W + D]
-            rows.drafts = after.gather(1, j[:, None] + ahead[None])  # [b, D]
-            made = last.shape[1] + F - j  # [b] this forward's: F - j choices, the last group's slots
-            for i, g in enumerate(groups[:-1] if last.shape[1] else groups):
-                hit = j == g  # [b] rows that accepted exactly the drafts group i followed: its guesses
-                rows.drafts[hit] = torch.cat([slots[hit, i], filler[hit]], dim=1)[:, :D]
-                made[hit] = W
+            made = self._next_drafts(rows, greedy[:, 1:], slots, groups, j)  # [b]
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
             real = self._lookup(rows, prompt_ids, out, made)
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
+
+    def _next_drafts(
+        self, rows: SpecRows, choices: Tensor, slots: Tensor, groups: list[int], j: Tensor
+    ) -> Tensor:
+        """Set each row's next drafts after its check accepted j [b] of the F drafts (`choices` [b, F]: the
+        model's choice after each draft; `slots` [b, G, W]: each group's guesses) -> [b] how many are real.
+        A row that accepted exactly the drafts a group followed takes that group's guesses (made from the
+        exact prefix); else the model's choices after the drafts it rejected (they followed a wrong token,
+        but often still hold: Jacobi's guesses), then the last group's guesses when it follows every draft;
+        filler where neither reaches. Every draft is checked anyway."""
+        F, W, D = choices.shape[1], slots.shape[2], rows.drafts.shape[1]
+        filler = torch.full_like(rows.drafts, self.fill_id)  # [b, D]
+        last = slots[:, -1] if groups and groups[-1] == F else choices[:, :0]  # [b, W or 0]: all accepted
+        after = torch.cat([choices, last, filler], dim=1)  # [b, F + W + D]
+        rows.drafts = after.gather(1, j[:, None] + torch.arange(D, device=j.device)[None])  # [b, D]
+        made = last.shape[1] + F - j  # [b]: F - j choices, the last group's slots
+        for i, g in enumerate(groups[:-1] if last.shape[1] else groups):
+            hit = j == g  # [b] rows that accepted exactly the drafts group i followed
+            rows.drafts[hit] = torch.cat([slots[hit, i], filler[hit]], dim=1)[:, :D]
+            made[hit] = W
+        return made
 
     def _lookup(self, rows: SpecRows, prompt_ids: list[list[int]], out: list[list[int]], made: Tensor) -> int:
         """`lookup_ngram` n > 0: each live row whose last n tokens (prompt and answer so far) occurred
