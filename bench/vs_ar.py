@@ -33,6 +33,15 @@ answers; 16 problems; load 4-6): TPF / latency b1 / throughput b16 vs the AR con
 recipe's eval section (this recipe's eval.lookup_ngram 2): name lookup_ngram=0 for the adapter's drafts alone.
 With lookup_ngram=0 (8 problems, batch 8): TPF 1.12, 1.60x, 0.47x; acceptance 0.13 0.04 0.03 0 ...: 2.5x the
 training bought the adapter's own first draft 0.09 -> 0.13; the lookup drafts carry the rest.
+Measured 2026-12-07 with `slot_groups` (same budget: control 100 steps, adapter 100 on 400 control answers,
+`--set dllm.anchors=16`, 16 problems, 256 new tokens, nothing else running while decoding; 16/16 identical
+for every decoder): the adapter's slots were right 0.55 at offset 1 in training (draft_acc_k1; k2 0.27) but
+its drafts were accepted 0.14 when decoding: with one group, a check that rejects a draft leaves the next
+drafts to the model's choices after the wrong token. Adapter drafts alone, adaptive: slot_groups 1 TPF 1.13,
+acceptance 0.14 0.06, latency 2.00x, throughput 0.54x; slot_groups 8 TPF 1.41, acceptance 0.41 0.09, 1.52x,
+0.43x. With lookup_ngram 2 (the recipe): slot_groups 1 TPF 1.89, 1.34x, 0.74x; 2: 1.92, 1.25x, 0.69x; 8: 1.94,
+1.21x, 0.45x; transformers' prompt lookup TPF 2.13, 0.96x, 0.32x. T(k)/T(1) there: T(3) 2.08, T(7) 1.87,
+T(8) 1.75. Training wall: adapter 574 s vs control 639 s (0.90x).
 
 Arithmetic re-measured 2026-12-07 after causal blocks became a mode of its own (`--recipe
 params/smollm2_block_causal_lora.yaml --steps 250 --eval-limit 64 --lengths recipe`, 32 new tokens, load
