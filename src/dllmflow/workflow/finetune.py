@@ -36,7 +36,12 @@ from dllmflow.workflow.data_steps import (  # noqa: F401 - steps
     prepare_data,
     prepare_unit,
 )
-from dllmflow.workflow.stages import control_settings, training_stages, with_remote_run  # noqa: F401
+from dllmflow.workflow.stages import (  # noqa: F401 - with_remote_run: grpo's and the tests' name
+    control_settings,
+    control_stages,
+    training_stages,
+    with_remote_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +157,8 @@ def _on_trained_control(s: Settings, run_dir: str) -> tuple[Settings, dict[str, 
     if not layout.settings_json.is_file():  # claim the run dir before the control fills a subdir of it
         layout.root.mkdir(parents=True, exist_ok=True)
         s.write_json(layout.settings_json)
-    control_dir = str(ar_control.control_dir(run_dir))
-    control = train(control_settings(s, run_dir), control_dir)
-    final = training_stages(control_settings(s, run_dir), control_dir)[-1]  # as train launched it
+    control = train(control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
+    final = control_stages(s, run_dir)[-1]  # as train launched it
     export = control["consolidated_dir"]
     if export is None:
         from dllmflow.workflow.restore import restore_export

@@ -28,6 +28,7 @@ from dllmflow.common.outputs import wait_beside
 from dllmflow.errors import UserError
 from dllmflow.settings import Settings
 from dllmflow.workflow import ar_control
+from dllmflow.workflow.stages import control_stages, training_stages, with_remote_run
 
 
 def restore_run_dir(settings: Settings | dict[str, Any], run_dir: str) -> dict[str, Any]:
@@ -61,21 +62,15 @@ def mirrored_runs(settings: Settings, run_dir: str) -> list[tuple[Settings, bool
     """(settings of a run dir the train step mirrored, whether later steps read its export), as
     `workflow.finetune.train` (or `workflow.grpo.train`, `rl:`) trained them: each stage's
     `resolved_run_dir` and its `checkpoint.remote_dir` prefix."""
-    from dllmflow.workflow.stages import control_settings, with_remote_run
-
     if settings.rl is not None:  # GRPO mirrors its one run dir under the flow run's prefix
         return [(with_remote_run(settings.with_run_dir(run_dir), run_dir), True)]
-    out = _stages(settings.with_run_dir(run_dir), run_dir)
+    out = _last_with_export(training_stages(settings, run_dir))
     if ar_control.enabled(settings):
-        control_dir = str(ar_control.control_dir(run_dir))
-        out += _stages(control_settings(settings, run_dir), control_dir)
+        out += _last_with_export(control_stages(settings, run_dir))
     return out
 
 
-def _stages(settings: Settings, run_dir: str) -> list[tuple[Settings, bool]]:
-    from dllmflow.workflow.stages import training_stages  # as train launched them
-
-    stages = training_stages(settings, run_dir)
+def _last_with_export(stages: list[Settings]) -> list[tuple[Settings, bool]]:
     return [(st, i == len(stages) - 1) for i, st in enumerate(stages)]
 
 

@@ -2,7 +2,7 @@
 `checkpoint.remote_dir` prefixes, as the train step launches them and the steps after it read them back
 (workflow/restore.py), and the AR control's (`<flow run>/ar_control`). Plain functions of the settings.
 
-    from dllmflow.workflow.stages import training_stages, control_settings
+    from dllmflow.workflow.stages import training_stages, control_settings, control_stages
     [st.checkpoint.remote_dir for st in training_stages(settings, "runs/tiny_idlm/flow-7")]
 """
 
@@ -39,3 +39,8 @@ def control_settings(s: Settings, run_dir: str) -> Settings:
     (`<checkpoint.remote_dir>/flow-<id>/ar_control`): never a prefix another flow run of the recipe shares,
     whose finished control a new run would otherwise take for its own."""
     return ar_control.control_settings(with_remote_run(s.with_run_dir(run_dir), run_dir), run_dir)
+
+
+def control_stages(s: Settings, run_dir: str) -> list[Settings]:
+    """The AR control's stages (one) as `train` launches them: in `<run_dir>/ar_control`, under its prefix."""
+    return training_stages(control_settings(s, run_dir), str(ar_control.control_dir(run_dir)))
