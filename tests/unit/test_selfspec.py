@@ -393,3 +393,25 @@ def test_lookup_drafts_are_copied_from_the_text_committed_up_to_the_forward(draf
             assert drafts == copied[: len(drafts)], (pos, drafts, copied)
             checked += 1
     assert checked > 2
+
+
+def test_an_adaptive_schedule_feeds_copied_drafts_whole_and_keeps_the_slots_at_its_width(drafter):
+    """Under `draft_schedule: adaptive`, with the width shrunk to 1 by misses, a forward whose drafts a
+    row copied (`lookup_ngram`) feeds all of them, up to block_size - 1 and under a batch_positions cap,
+    while its [MASK] slots stay at the width; drafts the forward made stay at the width. The answers on
+    repeating text stay the `ar` sampler's."""
+    cfg = build_sampler_config("selfspec", {"block_size": 8, "draft_schedule": "adaptive", "lookup_ngram": 2})
+    spec = SAMPLERS["selfspec"](drafter, _Tok(), cfg, mask_id=M)
+    spec._span, stop = 1, torch.tensor([0])  # the width after a check that accepted nothing
+    drafts = torch.arange(1, 8)[None].repeat(2, 1)  # [2, 7] no stop id among them
+    assert spec._feed(drafts, 7, 5, stop) == (5, 1)  # 5 copied: fed whole, one slot
+    assert spec._feed(drafts, 7, 0, stop) == (1, 1)  # the forward's own drafts: the width
+    assert spec._feed(drafts, 3, 5, stop) == (3, 1)  # never past the drafts every row holds
+    capped = build_sampler_config("selfspec", {**cfg.model_dump(), "batch_positions": 8})
+    spec = SAMPLERS["selfspec"](drafter, _Tok(), capped, mask_id=M)
+    spec._span = 1
+    assert spec._feed(drafts, 7, 5, stop) == (1, 1)  # 2 rows * (1 + 2 * 1) <= 8 positions: the cap holds
+    prompt = [3, 5, 7, 9, 3, 5, 7, 9, 11]
+    ar = _decode(drafter, "ar", [prompt], max_new_tokens=32).sequences
+    over = {"block_size": 8, "draft_schedule": "adaptive", "lookup_ngram": 2, "max_new_tokens": 32}
+    assert _decode(drafter, "selfspec", [prompt], **over).sequences == ar

@@ -239,7 +239,8 @@ class SelfSpecConfig(SamplerConfig):
         "fixed",
         description="fixed: every forward feeds block_size - 1 drafts and as many slots. adaptive: the "
         "width follows acceptance (one more than the most drafts a row accepted, +2 when a row accepted "
-        "every draft it was fed, at least 1), so drafts that keep missing stop costing positions.",
+        "every draft it was fed, at least 1), so drafts that keep missing stop costing positions; drafts "
+        "copied by lookup_ngram are fed whole.",
     )
     slot_groups: PositiveInt = Field(
         1,

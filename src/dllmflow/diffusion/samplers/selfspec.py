@@ -24,7 +24,8 @@ before each forward but the first (`Sampler.stepper`), where a server streams it
 `batch_positions` caps the positions a forward feeds across the live rows (fewer drafts and slots per
 row, down to plain ar steps, while the batch is large: on a CPU each position there is compute); the
 drafts come back as rows finish. `draft_schedule: adaptive` sizes each forward by the last check's
-acceptance instead (a long answer's drafts miss in runs, and a missed draft and its slot are paid positions).
+acceptance instead (a long answer's drafts miss in runs, and a missed draft and its slot are paid positions);
+drafts copied by `lookup_ngram` are fed whole past that span (a copy holds for a run or misses at once).
 
     cfg = build_sampler_config("selfspec", {"max_new_tokens": 64})
     out = SAMPLERS["selfspec"](model, tokenizer, cfg).generate([ids_a, ids_b])   # GenerationResult
@@ -144,7 +145,7 @@ class SelfSpecSampler(Sampler):
         done = self._commit(out, rows, [[t] for t in guess[:, 0].tolist()], row_nfe, positions, valid.sum(1))
         # the drafts every row holds that a forward made (the rest is filler, not worth feeding); looked up
         # after the commit, so a copied draft follows the text committed so far
-        real = self._lookup(rows, prompt_ids, out, torch.full((B,), W, device=dev))
+        real, copied = self._lookup(rows, prompt_ids, out, torch.full((B,), W, device=dev))
         batch = list(range(B))  # the rows the caller holds (it may drop some between forwards), in its order
 
         while True:
@@ -160,7 +161,7 @@ class SelfSpecSampler(Sampler):
                 rows.select(keep)
                 kv.select_rows(keep)
             b, K = len(keep), kv.length
-            F, W = self._feed(rows.drafts, real, stop)
+            F, W = self._feed(rows.drafts, real, copied, stop)
             fed = rows.drafts[:, :F]  # [b, F]
             groups = slot_groups(
                 F, W, self.config.slot_groups
@@ -188,7 +189,7 @@ class SelfSpecSampler(Sampler):
             slots = logits[:, 1 + F :].argmax(-1).view(b, len(groups), W)  # [b, G, W]
             made = self._next_drafts(rows, greedy[:, 1:], slots, groups, j)  # [b]
             done = self._commit(out, rows, committed, row_nfe, positions, torch.full((b,), Q))
-            real = self._lookup(rows, prompt_ids, out, made)
+            real, copied = self._lookup(rows, prompt_ids, out, made)
         return [out[r] for r in batch], kv.calls, [row_nfe[r] for r in batch], [positions[r] for r in batch]
 
     def _next_drafts(
@@ -212,11 +213,14 @@ class SelfSpecSampler(Sampler):
             made[hit] = W
         return made
 
-    def _lookup(self, rows: SpecRows, prompt_ids: list[list[int]], out: list[list[int]], made: Tensor) -> int:
+    def _lookup(
+        self, rows: SpecRows, prompt_ids: list[list[int]], out: list[list[int]], made: Tensor
+    ) -> tuple[int, int]:
         """`lookup_ngram` n > 0: each live row whose last n tokens (prompt and answer so far) occurred
         before takes the tokens that followed there as its drafts (`lookup_drafts`), in place of the
-        forward's; -> the drafts every row holds that are not filler (`made` [b]: the forward's count)."""
-        n, D = self.config.lookup_ngram, rows.drafts.shape[1]
+        forward's; -> (the drafts every row holds that are not filler (`made` [b]: the forward's count),
+        the most drafts a row copied: 0 when none did)."""
+        n, D, most = self.config.lookup_ngram, rows.drafts.shape[1], 0
         if n:
             for i, r in enumerate(rows.index.tolist()):
                 copied = lookup_drafts(prompt_ids[r] + out[r], n, D)
@@ -224,7 +228,8 @@ class SelfSpecSampler(Sampler):
                     rows.drafts[i] = self.fill_id
                     rows.drafts[i, : len(copied)] = torch.tensor(copied, dtype=rows.drafts.dtype)
                     made[i] = len(copied)
-        return int(made.min())
+                    most = max(most, len(copied))
+        return int(made.min()), most
 
     def _count_drafts(self, fed: int, accepted: Tensor) -> None:
         """Add one check of `fed` drafts per live row, `accepted` [b] of them, to `draft_counts`."""
@@ -242,13 +247,15 @@ class SelfSpecSampler(Sampler):
         best = int(accepted.max())
         self._span = max(1, min(self.config.block_size - 1, best + (2 if best == fed else 1)))
 
-    def _feed(self, drafts: Tensor, real: int, stop: Tensor) -> tuple[int, int]:
-        """(F, W): how many of the live rows' drafts [b, D] a forward feeds, at most the `real` ones a
-        forward made, and how many [MASK] slots (F = W = D without a batch_positions cap). A stop draft
-        is never fed (the position before it checks it, and nothing after it is committed), and when
-        every row's drafts end its answer no slots are (none would be needed if accepted)."""
+    def _feed(self, drafts: Tensor, real: int, copied: int, stop: Tensor) -> tuple[int, int]:
+        """(F, W): how many of the live rows' drafts [b, D] a forward feeds, at most the `real` ones
+        (made by a forward or copied), and how many [MASK] slots (F = W = D without a batch_positions cap).
+        `copied` drafts (the most a row's lookup found) are fed whole, past the adaptive span: a copy holds
+        for a run or misses at once, where the span follows the slots' guesses. A stop draft is never fed
+        (the position before it checks it, and nothing after it is committed), and when every row's
+        drafts end its answer no slots are (none would be needed if accepted)."""
         W = self._width(len(drafts), drafts.shape[1])
-        F = min(W, real)
+        F = min(self._width(len(drafts), drafts.shape[1], copied), real)
         if not F:
             return 0, W
         is_stop = torch.isin(drafts[:, :F], stop)  # [b, F]
@@ -257,10 +264,11 @@ class SelfSpecSampler(Sampler):
             return F, W
         return int(is_stop.long().argmax(dim=1).max()), 0
 
-    def _width(self, rows: int, most: int) -> int:
+    def _width(self, rows: int, most: int, copied: int = 0) -> int:
         """Drafts (and slots) per row of a forward over `rows` live rows: `most`, at most the adaptive
-        schedule's span, unless `batch_positions` caps the forward's 1 + 2 * width positions per row."""
-        cap, most = self.config.batch_positions, min(most, self._span)
+        schedule's span (or the `copied` drafts where more), unless `batch_positions` caps the forward's
+        1 + (1 + slot_groups) * width positions per row."""
+        cap, most = self.config.batch_positions, min(most, max(self._span, copied))
         return most if cap is None else max(0, min(most, (cap // rows - 1) // (1 + self.config.slot_groups)))
 
     def _forward_new(self, kv: ModelCache, keys: Tensor, ids: Tensor, pos: Tensor, first: int) -> Tensor:
