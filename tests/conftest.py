@@ -5,7 +5,9 @@ Local Metaflow datastore in a temp dir, offline Hugging Face, no telemetry, the 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="dllmflow-tests-"))
+_PID = os.getpid()
+# Removed when this process (the pytest controller or an xdist worker) exits; a forked child leaves it.
+atexit.register(lambda: os.getpid() == _PID and shutil.rmtree(_TMP, ignore_errors=True))
 
 os.environ.setdefault("USERNAME", "dllmflow-tests")
 os.environ.setdefault("METAFLOW_DEFAULT_DATASTORE", "local")
