@@ -42,6 +42,13 @@ acceptance 0.14 0.06, latency 2.00x, throughput 0.54x; slot_groups 8 TPF 1.41, a
 0.43x. With lookup_ngram 2 (the recipe): slot_groups 1 TPF 1.89, 1.34x, 0.74x; 2: 1.92, 1.25x, 0.69x; 8: 1.94,
 1.21x, 0.45x; transformers' prompt lookup TPF 2.13, 0.96x, 0.32x. T(k)/T(1) there: T(3) 2.08, T(7) 1.87,
 T(8) 1.75. Training wall: adapter 574 s vs control 639 s (0.90x).
+Measured 2026-12-08 after `draft_schedule: adaptive` feeds copied drafts whole (the width, sized by the
+slots' last guesses, had cut copied runs short): the same trained arms (`--skip-train --run-dir`), 16
+problems, 256 new tokens, 16/16 identical for every decoder. TPF / latency b1 / throughput b16 vs the AR
+control: transformers generate 0.99 / 1.00x / 0.81x, prompt lookup 2.13 / 0.92x / 0.31x; selfspec adaptive +
+lookup 2 (the recipe) 2.38 / 1.03x / 0.80x (was 1.89 / 1.34x / 0.74x), acceptance 0.52 0.34 0.29 0.20 0.11
+0.09 0.07; fixed 2.42 / 1.08x / 0.72x; adaptive, slot_groups 2 2.39 / 1.00x / 0.64x. T(k)/T(1) this run:
+T(3) 1.61, T(7) 1.18, T(8) 1.30 (noisy at small k on this CPU).
 
 Arithmetic re-measured 2026-12-07 after causal blocks became a mode of its own (`--recipe
 params/smollm2_block_causal_lora.yaml --steps 250 --eval-limit 64 --lengths recipe`, 32 new tokens, load
