@@ -48,7 +48,10 @@ problems, 256 new tokens, 16/16 identical for every decoder. TPF / latency b1 / 
 control: transformers generate 0.99 / 1.00x / 0.81x, prompt lookup 2.13 / 0.92x / 0.31x; selfspec adaptive +
 lookup 2 (the recipe) 2.38 / 1.03x / 0.80x (was 1.89 / 1.34x / 0.74x), acceptance 0.52 0.34 0.29 0.20 0.11
 0.09 0.07; fixed 2.42 / 1.08x / 0.72x; adaptive, slot_groups 2 2.39 / 1.00x / 0.64x. T(k)/T(1) this run:
-T(3) 1.61, T(7) 1.18, T(8) 1.30 (noisy at small k on this CPU).
+T(3) 1.61, T(7) 1.18, T(8) 1.30 (noisy at small k on this CPU). Again with `batch_positions` (the recipe's
+eval.batch_positions 24 since): adaptive + lookup uncapped 2.38 / 1.14x / 0.84x; capped at 24 positions a
+forward 2.38 / 1.15x / 1.15x; at 32 2.38 / 1.18x / 1.16x (transformers generate 1.04x / 0.92x, prompt lookup
+1.00x / 0.36x in that run); 16/16 identical. A full batch of 16 takes plain ar steps, drafts return as rows end.
 
 Arithmetic re-measured 2026-12-07 after causal blocks became a mode of its own (`--recipe
 params/smollm2_block_causal_lora.yaml --steps 250 --eval-limit 64 --lengths recipe`, 32 new tokens, load
